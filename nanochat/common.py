@@ -1,0 +1,420 @@
+"""
+Common utilities shared by every nanochat script. Read top to bottom:
+
+1. Logging and output: ColoredFormatter, setup_default_logging, print0, print_banner, UserError.
+2. Files: get_base_dir, download_file_with_lock.
+3. Devices and distributed training: is_ddp, get_dist_info, autodetect_device_type, compute_init,
+   compute_cleanup, autocast_dtype.
+4. Experiment tracking: DummyWandb, init_wandb.
+
+Importing this module has no side effects on the program that imports it: it does not touch the root
+logger, does not seed RNGs and does not start process groups. Scripts opt in by calling
+setup_default_logging() (the configurator does it) and compute_init().
+"""
+
+import difflib
+import hashlib
+import logging
+import os
+import re
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from filelock import FileLock
+
+logger = logging.getLogger(__name__)  # "nanochat.common", a child of the "nanochat" logger
+logging.getLogger("nanochat").addHandler(logging.NullHandler())  # library etiquette: silent until configured
+
+# -----------------------------------------------------------------------------
+# 1. Logging and output
+
+
+class UserError(Exception):
+    """
+    An error caused by the user's input (a config value, missing data, a missing checkpoint, the launch
+    environment), as opposed to a bug. Scripts print it as one line, `error: <message>`, and exit with
+    status 1: no traceback, because the message already says what is wrong and what to do.
+    """
+
+
+def _user_error_hook(exc_type, exc, tb, _previous=sys.excepthook):
+    if issubclass(exc_type, UserError):
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        return
+    _previous(exc_type, exc, tb)
+
+
+def _use_color(stream):
+    """Colors only for a human at a terminal; https://no-color.org says NO_COLOR (any value) turns them off."""
+    return "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
+
+
+class ColoredFormatter(logging.Formatter):
+    """
+    Log format `2025-12-25 10:00:01 - nanochat.dataset - INFO - Downloaded Shard 3 (95.2 MB)`.
+    At a terminal the level name is colored (DEBUG cyan, INFO green, WARNING yellow, ERROR red,
+    CRITICAL magenta) and INFO messages get the figures a training log is scanned for in bold:
+    sizes and counts like `15.5 GB`, `200 MB`, `45%`, `1,024 docs`, and data shard names like `Shard 12`.
+    Without a terminal (a log file, a pipe, CI) or with NO_COLOR set, the same text comes out plain.
+    """
+
+    COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m", "CRITICAL": "\033[35m"}
+    BOLD, RESET = "\033[1m", "\033[0m"
+    FIGURE = re.compile(r"(\d[\d,]*\.?\d*\s*(?:GB|MB|KB|%|docs))")
+    SHARD = re.compile(r"(Shard \d+)")
+
+    def __init__(self, color=True):
+        super().__init__("%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        self.color = color
+
+    def format(self, record):
+        if not self.color:
+            return super().format(record)
+        # work on a copy: other handlers of the same record must still see the plain text
+        record = logging.makeLogRecord(record.__dict__)
+        color = self.COLORS.get(record.levelname, "")
+        record.levelname = f"{color}{self.BOLD}{record.levelname}{self.RESET}"
+        message = record.getMessage()
+        if record.levelno == logging.INFO:
+            message = self.FIGURE.sub(lambda m: f"{self.BOLD}{m.group(1)}{self.RESET}", message)
+            message = self.SHARD.sub(lambda m: f"{color}{self.BOLD}{m.group(1)}{self.RESET}", message)
+        record.msg, record.args = message, None
+        return super().format(record)
+
+
+def setup_default_logging(level=logging.INFO):
+    """
+    Called once by a script (the configurator calls it): logs of the "nanochat" logger and its children
+    go to stderr through ColoredFormatter, and a UserError ends the program with a one-line message.
+    Only the "nanochat" logger is configured, never the root logger, so a program that imports nanochat
+    as a library keeps its own logging setup. Idempotent.
+    """
+    nano = logging.getLogger("nanochat")
+    if not any(getattr(h, "_nanochat", False) for h in nano.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(ColoredFormatter(color=_use_color(sys.stderr)))
+        handler._nanochat = True
+        nano.addHandler(handler)
+        nano.propagate = False  # our handler prints it; do not print it a second time via a root handler
+    nano.setLevel(level)
+    sys.excepthook = _user_error_hook
+
+
+def print0(s="", **kwargs):
+    """
+    print() on rank 0 only. Under torchrun every process runs the same script, so a plain print would
+    show each line world_size times (and make world_size processes write to the same log on a shared
+    filesystem). Works before and after compute_init: the rank comes from the RANK variable torchrun sets.
+    """
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(s, flush=True, **kwargs)
+
+
+def print_banner():
+    """The nanochat banner; scripts print it at start-up so logs of different runs are easy to tell apart."""
+    banner = r"""
+                                          __          __
+   ____   ____ _ ____   ____   _____ / /_   ____ _ / /_
+  / __ \ / __ `// __ \ / __ \ / ___// __ \ / __ `// __/
+ / / / // /_/ // / / // /_/ // /__ / / / // /_/ // /_
+/_/ /_/ \__,_//_/ /_/ \____/ \___//_/ /_/ \__,_/ \__/
+"""
+    print0(banner)
+
+
+# -----------------------------------------------------------------------------
+# 2. Files
+
+
+def get_base_dir():
+    """
+    The directory for everything nanochat writes: data shards, tokenizer, checkpoints, reports.
+    $NANOCHAT_BASE_DIR if set, else ~/.cache/nanochat. Created on demand.
+    """
+    base_dir = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    os.makedirs(base_dir, exist_ok=True)
+    return base_dir
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=None,
+                            retries=5, timeout=30, backoff=2.0):
+    """
+    Download `url` to `<base_dir>/<filename>` once, however many processes ask at the same time, and
+    return the local path.
+
+    Why a lock: `torchrun --nproc_per_node=8` starts 8 copies of the script at once. Without a lock all 8
+    see "file missing", all 8 download, and all 8 write the same file, interleaving bytes. With it:
+
+    1. Fast path, no lock: the file exists -> return it (the common case once downloaded).
+    2. Take an inter-process file lock (`<path>.lock`). One process gets it, the others wait.
+    3. Check again under the lock (double-checked locking): whoever held the lock before us may have just
+       finished the download, and we must not download it a second time.
+    4. Stream to a temporary file in the same directory, verify the optional sha256, run the optional
+       `postprocess_fn(tmp_path)`, and only then `os.replace` it to the final name. The rename is atomic
+       on one filesystem, so the final path either does not exist or holds complete bytes: a process
+       killed with -9 mid-download leaves only a `.tmp` file (removed by the next downloader, who holds
+       the lock) and the OS releases its lock with the process, so the next call simply downloads again.
+
+    Network errors and HTTP 5xx/429 are retried `retries` times with exponential backoff; every request
+    has a `timeout` in seconds. Files above 10 MB log their progress.
+    """
+    import requests  # imported here: only code paths that download need it
+
+    file_path = os.path.join(get_base_dir(), filename)
+    if os.path.exists(file_path):
+        return file_path
+    os.makedirs(os.path.dirname(file_path), exist_ok=True)
+
+    with FileLock(file_path + ".lock"):
+        if os.path.exists(file_path):
+            return file_path
+        # We hold the lock, so any temp file left here belongs to a downloader that died: remove it.
+        prefix = os.path.basename(file_path) + ".tmp"
+        for stale in os.listdir(os.path.dirname(file_path)):
+            if stale.startswith(prefix):
+                os.remove(os.path.join(os.path.dirname(file_path), stale))
+        tmp_path = f"{file_path}.tmp{os.getpid()}"
+        for attempt in range(1, retries + 1):
+            try:
+                _stream_to_file(requests, url, tmp_path, timeout)
+                if expected_sha256 is not None and _sha256(tmp_path) != expected_sha256:
+                    raise IOError(f"sha256 mismatch for {url}: expected {expected_sha256}, got {_sha256(tmp_path)}")
+                if postprocess_fn is not None:
+                    postprocess_fn(tmp_path)
+                os.replace(tmp_path, file_path)
+                return file_path
+            except (requests.RequestException, IOError) as e:
+                status = getattr(getattr(e, "response", None), "status_code", None)
+                permanent = status is not None and 400 <= status < 500 and status != 429
+                if permanent or attempt == retries:
+                    raise UserError(f"could not download {url} -> {file_path} after {attempt} attempt(s): {e}") from e
+                wait = backoff ** attempt
+                logger.warning(f"download of {url} failed ({e}); retry {attempt}/{retries - 1} in {wait:.0f}s")
+                time.sleep(wait)
+            finally:
+                if os.path.exists(tmp_path):
+                    os.remove(tmp_path)
+
+
+def _stream_to_file(requests, url, path, timeout):
+    with requests.get(url, stream=True, timeout=timeout) as response:
+        response.raise_for_status()
+        total = int(response.headers.get("Content-Length") or 0)
+        report_every = max(total // 10, 1)
+        done, next_report = 0, report_every
+        t0 = time.time()
+        with open(path, "wb") as f:
+            for chunk in response.iter_content(chunk_size=1 << 20):
+                f.write(chunk)
+                done += len(chunk)
+                if total > 10 * 2**20 and done >= next_report:
+                    logger.info(f"{os.path.basename(url)}: {done / 2**20:.1f} MB of {total / 2**20:.1f} MB "
+                                f"({100 * done / total:.0f}%, {done / 2**20 / max(time.time() - t0, 1e-9):.1f} MB/s)")
+                    next_report += report_every
+        if total and done != total:
+            raise IOError(f"connection closed after {done} of {total} bytes")
+
+
+# -----------------------------------------------------------------------------
+# 3. Devices and distributed training
+#
+# One process per device: `torchrun --nproc_per_node=N` starts N copies of the script (separate processes
+# sidestep Python's GIL, so each can drive its GPU at full speed) and tells each who it is through
+# environment variables:
+#   RANK        global index of this process, 0..WORLD_SIZE-1 (rank 0 prints, logs and saves)
+#   LOCAL_RANK  index of this process on its own machine, 0..nproc_per_node-1: it selects the GPU,
+#               because GPUs are numbered per machine. On one machine RANK == LOCAL_RANK; on the 2nd of
+#               two 8-GPU machines RANK = 8 + LOCAL_RANK.
+#   WORLD_SIZE  number of processes in total = machines x nproc_per_node = number of GPUs in use.
+
+
+def is_ddp():
+    """
+    True when launched by torchrun (or another launcher that sets the env:// variables), i.e. when any
+    of RANK / LOCAL_RANK / WORLD_SIZE is set. A plain `python -m scripts.X` sets none of them.
+    Deciding on any one of the three (not only RANK) means a half-set environment is caught by
+    get_dist_info() with a clear error instead of silently running single-process.
+    """
+    return any(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def get_dist_info():
+    """
+    Returns (ddp, rank, local_rank, world_size). Outside torchrun: (False, 0, 0, 1).
+    Under torchrun all three variables must be set and consistent (0 <= rank < world_size,
+    0 <= local_rank <= rank); anything else raises UserError saying which variable is wrong.
+    """
+    if not is_ddp():
+        return False, 0, 0, 1
+    missing = [v for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if v not in os.environ]
+    if missing:
+        raise UserError(f"distributed launch is incomplete: {', '.join(missing)} not set (found "
+                        f"{', '.join(f'{v}={os.environ[v]}' for v in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE') if v in os.environ)}); "
+                        f"launch with `torchrun --nproc_per_node=N -m scripts.X`, or unset them to run one process")
+    try:
+        rank, local_rank, world_size = (int(os.environ[v]) for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    except ValueError:
+        raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers, got {os.environ['RANK']!r}/"
+                        f"{os.environ['LOCAL_RANK']!r}/{os.environ['WORLD_SIZE']!r}") from None
+    if not (world_size >= 1 and 0 <= rank < world_size and 0 <= local_rank <= rank):
+        raise UserError(f"inconsistent distributed environment: RANK={rank} LOCAL_RANK={local_rank} WORLD_SIZE={world_size} "
+                        f"(need 0 <= LOCAL_RANK <= RANK < WORLD_SIZE)")
+    return True, rank, local_rank, world_size
+
+
+def autodetect_device_type():
+    """
+    The best device PyTorch can see, in order cuda > mps > cpu. PyTorch answers "is X available" per
+    backend; choosing among them is ours. AMD GPUs with a ROCm build of PyTorch report as "cuda" (HIP is
+    exposed through the torch.cuda API), so they are picked up here unchanged. TPUs need torch_xla and are
+    not supported.
+    """
+    if torch.cuda.is_available():
+        device_type = "cuda"
+    elif hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
+        device_type = "mps"
+    else:
+        device_type = "cpu"
+    print0(f"Autodetected device type: {device_type}")
+    return device_type
+
+
+def compute_init(device_type="cuda"):
+    """
+    Set up the process for computing; call once at the top of every script.
+    Returns (ddp, ddp_rank, ddp_local_rank, ddp_world_size, device):
+      ddp            True under torchrun; guards every collective (all_reduce, barrier) in the scripts
+      ddp_rank       global rank; rank 0 is the "master process" that prints, logs to wandb and saves
+      ddp_local_rank rank within this machine; selects the GPU (cuda:<local_rank>)
+      ddp_world_size number of processes; divides the work (batch arithmetic, data striding)
+      device         the torch.device this process computes on
+    Plain `python -m scripts.X` (e.g. on a Mac): (False, 0, 0, 1, mps or cpu).
+    """
+    setup_default_logging()
+    if device_type not in ("cuda", "mps", "cpu"):
+        raise UserError(f"unknown device_type {device_type!r}: use cuda, mps, cpu, or '' to autodetect")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device_type=cuda but PyTorch sees no CUDA device (CPU-only torch build, or no GPU/driver); "
+                        "use --device_type=cpu or leave it empty to autodetect")
+    if device_type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise UserError("device_type=mps but MPS is not available (needs Apple Silicon and macOS 12.3+)")
+
+    ddp, ddp_rank, ddp_local_rank, ddp_world_size = get_dist_info()
+    if ddp and device_type == "mps":
+        # There is no multi-process backend for MPS, and a Mac has one GPU anyway. Refusing here replaces
+        # a later, obscure crash at the first collective.
+        raise UserError("torchrun is not supported on MPS (a Mac has one GPU and no MPS process-group backend); "
+                        "run the script with plain `python -m scripts.X` instead")
+
+    # Same seed on every rank: every rank builds bit-identical initial weights, so no broadcast is needed.
+    # Data is not made different by seeds: each rank reads different rows of the data because the
+    # loaders shard by rank explicitly.
+    torch.manual_seed(42)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(42)
+        # fp32 matmuls may use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation): several
+        # times faster on Ampere/Hopper, precision loss irrelevant for training. bf16 autocast covers
+        # most matmuls anyway; this affects the ones that still run in fp32.
+        torch.set_float32_matmul_precision("high")
+
+    if ddp and device_type == "cuda":
+        if ddp_local_rank >= torch.cuda.device_count():
+            raise UserError(f"LOCAL_RANK={ddp_local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible: "
+                            f"--nproc_per_node must not exceed the GPUs of one machine")
+        device = torch.device("cuda", ddp_local_rank)
+        # set_device first: otherwise every process creates its CUDA context (and NCCL its buffers) on
+        # GPU 0. device_id binds the NCCL communicator to this GPU eagerly instead of guessing later.
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device)
+    elif ddp:
+        device = torch.device("cpu")
+        # gloo runs the same collectives on CPU, so every distributed code path runs (and is tested)
+        # without GPUs: `torchrun --nproc_per_node=2 -m scripts.base_train --device_type=cpu`.
+        dist.init_process_group(backend="gloo")
+    else:
+        device = torch.device(device_type)
+    if ddp:
+        # Nobody leaves init until everybody has arrived: a rank that crashed during start-up shows up here,
+        # not as a hang inside the first training collective, and rank 0 does not race ahead.
+        dist.barrier()
+    _print_topology(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device)
+    return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
+
+
+def _print_topology(ddp, rank, local_rank, world_size, device):
+    row = (rank, local_rank, world_size, str(device), socket.gethostname())
+    rows = [None] * world_size
+    if ddp:
+        dist.all_gather_object(rows, row)
+    else:
+        rows = [row]
+    header = ("rank", "local_rank", "world_size", "device", "host")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    print0(f"Compute: ddp={ddp}, {world_size} process(es), one per device; rank 0 is the master process")
+    print0(fmt.format(*header))
+    for r in rows:
+        print0(fmt.format(*r))
+
+
+def compute_cleanup():
+    """End of a script: tear down the process group so every rank exits cleanly (no NCCL/gloo warnings)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def autocast_dtype(device_type):
+    """
+    The dtype matmuls run in, by device. bf16 autocast on CUDA GPUs that do bf16 natively (SM80+: A100,
+    H100); fp32 on CPU and MPS, because a CPU without native bf16 emulates it about 100x slower.
+    $NANOCHAT_DTYPE=bfloat16|float32 overrides. Weights and optimizer state always stay fp32.
+    """
+    override = os.environ.get("NANOCHAT_DTYPE")
+    if override:
+        if override not in ("bfloat16", "float32"):
+            raise UserError(f"NANOCHAT_DTYPE={override!r}: use bfloat16 or float32")
+        return getattr(torch, override)
+    if device_type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+# -----------------------------------------------------------------------------
+# 4. Experiment tracking
+
+
+class DummyWandb:
+    """Stands in for a wandb run when tracking is off (run name "dummy", or a rank other than 0)."""
+
+    def log(self, *args, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+
+def init_wandb(run, master_process, config, project="nanochat"):
+    """A real wandb run on the master process unless `run == "dummy"`; DummyWandb otherwise."""
+    if run == "dummy" or not master_process:
+        return DummyWandb()
+    import wandb
+    return wandb.init(project=project, name=run, config=config)
+
+
+def closest(name, candidates, n=3):
+    """Helper for error messages: the candidates that look most like a mistyped `name`."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)

@@ -1,0 +1,165 @@
+"""
+`--key=value` overrides for the config variables a script declares at its top.
+
+A script declares its settings as plain module-level variables, then calls configure(globals()):
+
+    depth = 20                # model depth (the one size dial)
+    device_batch_size = 32    # rows per forward/backward per rank
+    config = configure(globals())
+
+    $ python -m scripts.base_train --depth=12 --device-batch-size=4
+
+Every int / float / bool / str global that does not start with "_" and is defined before the call is a
+config key. Rules:
+- only declared keys are accepted; a typo gets an error naming the closest valid keys;
+- values are parsed and checked against the type of the default: an int is fine for a float, bools take
+  true/false/1/0/yes/no, strings are taken as they are, and values may themselves contain "=";
+- `-` and `_` are interchangeable in key names;
+- `--help` lists every key with its type, default and comment, and exits 0;
+- an argument without `--` is a python file of assignments (`depth = 12`), applied in command-line order.
+Errors are UserError: the script prints one line and exits with status 1.
+"""
+
+import os
+import re
+import sys
+
+from nanochat.common import UserError, closest, print0, setup_default_logging
+
+SIMPLE_TYPES = (bool, int, float, str)
+
+
+def _config_keys(scope):
+    return {k: v for k, v in scope.items() if not k.startswith("_") and type(v) in SIMPLE_TYPES}
+
+
+def parse_value(key, raw, default):
+    """Turn the command-line string `raw` into the type of `default`, or raise UserError."""
+    kind = type(default)
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise UserError(f"--{key} expects a bool (true/false/1/0), got {raw!r}")
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            # accept "1e6"-style input when it is a whole number, reject 0.5
+            try:
+                as_float = float(raw)
+            except ValueError:
+                as_float = None
+            if as_float is not None and as_float.is_integer():
+                return int(as_float)
+            raise UserError(f"--{key} expects an int, got {raw!r}") from None
+    if kind is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise UserError(f"--{key} expects a float, got {raw!r}") from None
+    return raw  # str: as-is
+
+
+def _check_python_value(key, value, default, source):
+    """Values from a config file are python objects already: check the type instead of parsing."""
+    kind = type(default)
+    if kind is float and type(value) is int:
+        return float(value)
+    if type(value) is not kind:
+        raise UserError(f"{source}: {key} = {value!r} has type {type(value).__name__}, expected {kind.__name__}")
+    return value
+
+
+def _comments(path):
+    """Trailing `# comments` of the `key = value` lines of the script, shown by --help."""
+    comments = {}
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                m = re.match(r"^([A-Za-z]\w*)\s*=.*?#\s*(.*)$", line)
+                if m and m.group(1) not in comments:
+                    comments[m.group(1)] = m.group(2).strip()
+    return comments
+
+
+def format_help(keys, script_path=None, doc=None):
+    comments = _comments(script_path)
+    name = os.path.splitext(os.path.basename(script_path))[0] if script_path else "script"
+    lines = []
+    if doc:
+        lines += [doc.strip(), ""]
+    lines.append(f"usage: python -m scripts.{name} [config_file.py] [--key=value ...]")
+    lines.append("       (under torchrun: torchrun --standalone --nproc_per_node=N -m scripts.%s [--key=value ...])" % name)
+    lines.append("")
+    lines.append("config keys (type, default):")
+    width = max(len(k) for k in keys) if keys else 0
+    for k, v in keys.items():
+        comment = comments.get(k, "")
+        lines.append(f"  --{k:<{width}}  {type(v).__name__:<5}  {v!r:<14}  {comment}".rstrip())
+    return "\n".join(lines)
+
+
+def parse_args(argv, keys, script_path=None, doc=None):
+    """
+    Parse `argv` against `keys` (name -> default). Returns {key: new value} for the overridden keys,
+    in the order given. `--help` prints the key listing (rank 0) and exits 0.
+    """
+    overrides = {}
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            print0(format_help(keys, script_path, doc))
+            sys.exit(0)
+        if not arg.startswith("--"):
+            # a config file of python assignments
+            if not os.path.isfile(arg):
+                raise UserError(f"config file {arg!r} not found (arguments are --key=value, or a path to a .py config file)")
+            file_scope = {}
+            with open(arg, encoding="utf-8") as f:
+                try:
+                    exec(compile(f.read(), arg, "exec"), {}, file_scope)
+                except Exception as e:
+                    raise UserError(f"config file {arg}: {type(e).__name__}: {e}") from None
+            for k, v in file_scope.items():
+                if k.startswith("_"):
+                    continue
+                if k not in keys:
+                    raise UserError(f"config file {arg}: unknown key {k!r}" + _suggest(k, keys))
+                overrides[k] = _check_python_value(k, v, keys[k], f"config file {arg}")
+            continue
+        body = arg[2:]
+        if "=" not in body:
+            key = body.replace("-", "_")
+            if key in keys and type(keys[key]) is bool:
+                overrides[key] = True  # `--flag` alone turns a bool on
+                continue
+            raise UserError(f"argument {arg!r} has no value: use --{key}=VALUE" + ("" if key in keys else _suggest(key, keys)))
+        key, raw = body.split("=", 1)  # split once: values may contain '='
+        key = key.replace("-", "_")
+        if key not in keys:
+            raise UserError(f"unknown config key {key!r}" + _suggest(key, keys))
+        overrides[key] = parse_value(key, raw, keys[key])
+    return overrides
+
+
+def _suggest(key, keys):
+    near = closest(key, keys)
+    hint = f" (did you mean {', '.join('--' + k for k in near)}?)" if near else ""
+    return hint + "; run with --help to list every key"
+
+
+def configure(scope, argv=None):
+    """
+    Apply command-line overrides to the config variables of `scope` (a script's globals()) in place, and
+    return the full config as a dict (for wandb, the report and checkpoint metadata).
+    """
+    setup_default_logging()
+    argv = sys.argv[1:] if argv is None else argv
+    keys = _config_keys(scope)
+    overrides = parse_args(argv, keys, scope.get("__file__"), scope.get("__doc__"))
+    for k, v in overrides.items():
+        print0(f"Overriding: {k} = {v!r} (default {keys[k]!r})")
+    scope.update(overrides)
+    return {k: scope[k] for k in keys}

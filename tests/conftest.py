@@ -1,0 +1,102 @@
+"""
+Shared test fixtures. Tests never touch the network or the user's ~/.cache: every test gets its own
+NANOCHAT_BASE_DIR, and downloads are served by a local HTTP server on 127.0.0.1.
+"""
+
+import http.server
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(tmp_path, monkeypatch):
+    """Fresh base dir per test, offline wandb, no inherited torchrun variables, no colors."""
+    base = tmp_path / "nanochat_base"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("NO_COLOR", "1")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    return base
+
+
+class FileServer:
+    """
+    Serves files from `root` on 127.0.0.1:<port>. Counts requests per path. Knobs, settable per test:
+      slow_paths: {path: seconds_per_64KB_chunk}  stream those files slowly (to kill a download midway)
+      fail_first: {path: n}                        answer HTTP 500 to the first n requests of that path
+    """
+
+    def __init__(self, root):
+        self.root = str(root)
+        self.requests = {}
+        self.slow_paths = {}
+        self.fail_first = {}
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                with server.lock:
+                    server.requests[path] = server.requests.get(path, 0) + 1
+                    count = server.requests[path]
+                if count <= server.fail_first.get(path, 0):
+                    self.send_error(500, "injected failure")
+                    return
+                local = os.path.join(server.root, path.lstrip("/"))
+                if not os.path.isfile(local):
+                    self.send_error(404)
+                    return
+                with open(local, "rb") as f:
+                    data = f.read()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                delay = server.slow_paths.get(path)
+                try:
+                    for i in range(0, len(data), 65536):
+                        self.wfile.write(data[i:i + 65536])
+                        if delay:
+                            self.wfile.flush()
+                            time.sleep(delay)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def file_server(tmp_path):
+    root = tmp_path / "served"
+    root.mkdir()
+    server = FileServer(root)
+    yield server
+    server.close()
+
+
+def run_torchrun(nproc, args, env=None, timeout=300, cwd=REPO_ROOT):
+    """Run `torchrun --standalone --nproc_per_node=nproc <args>` (CPU, gloo) and return the CompletedProcess."""
+    import subprocess
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + list(args)
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
