@@ -1,0 +1,361 @@
+"""
+The GPT model. A decoder-only transformer, modernised in small, well-understood ways:
+
+- token embedding, then a parameter-free RMSNorm (no learnable gain: one less thing to tune, and it works)
+- rotary position embeddings (no learned positions), applied to queries and keys
+- RMSNorm on queries and keys too ("QK norm"): keeps attention logits in range without softcapping them
+- grouped-query attention: `n_kv_head` key/value heads shared by `n_head` query heads (n_kv_head == n_head
+  is plain multi-head attention; fewer kv heads shrink the KV cache at inference)
+- causal scaled-dot-product attention (PyTorch's SDPA: FlashAttention on GPUs, a fused kernel on CPU)
+- MLP with ReLU² (relu(x)**2) and 4x expansion; no biases anywhere
+- untied input embedding and output head (lm_head)
+- pre-norm blocks: x = x + attn(norm(x)); x = x + mlp(norm(x)); a final norm before the head
+- logits soft-capped as 15 * tanh(z / 15), in fp32: bounded logits keep the loss stable early in training
+
+Size comes from one dial, `depth` (see config_from_depth): width = 64 * depth, head dim 128.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanochat.common import UserError, print0
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048  # longest sequence trained on (rotary tables cover 10x this for generation)
+    vocab_size: int = 65536
+    n_layer: int = 20
+    n_head: int = 10  # query heads
+    n_kv_head: int = 10  # key/value heads (GQA when < n_head; must divide n_head)
+    n_embd: int = 1280
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def config_from_depth(depth, vocab_size=65536, sequence_len=2048):
+    """
+    The one size dial every script uses. width = 64 * depth, heads = ceil(width / 128) so each head is
+    128 wide (the width GPUs' attention kernels are fastest at). depth 20 -> 1280 wide, 10 heads.
+    An odd depth makes width / 128 fractional (depth 5 -> 320 / 3); then heads = depth and heads are 64 wide.
+    """
+    if not isinstance(depth, int) or depth < 1:
+        raise UserError(f"depth must be a positive integer, got {depth!r}")
+    n_embd = 64 * depth
+    n_head = max(1, math.ceil(n_embd / 128))
+    if n_embd % n_head != 0:
+        n_head = depth
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth,
+                     n_head=n_head, n_kv_head=n_head, n_embd=n_embd)
+
+
+def norm(x):
+    """Parameter-free RMSNorm over the last dimension."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary_emb(x, cos, sin):
+    """
+    Rotate pairs of channels (i, i + d/2) of x (B, T, H, D) by position-dependent angles. The dot product
+    of a rotated query and key then depends only on their relative position.
+    """
+    d = x.shape[3] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
+
+
+class KVCache:
+    """
+    Keys and values of past positions, so generation feeds one new token per step instead of the whole
+    sequence. Layout (n_layer, B, n_kv_head, max_len, head_dim). The model calls insert_kv(layer, k, v)
+    in every layer; the position advances after the last layer.
+    """
+
+    def __init__(self, batch_size, n_kv_head, max_len, head_dim, n_layer, device, dtype):
+        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0
+
+    def get_pos(self):
+        return self.pos
+
+    def reset(self):
+        self.pos = 0
+
+    def insert_kv(self, layer_idx, k, v):
+        t0, t1 = self.pos, self.pos + k.size(2)
+        if t1 > self.max_len:
+            raise ValueError(f"KV cache full: {t1} positions > max_len {self.max_len}")
+        self.k[layer_idx, :, :, t0:t1] = k
+        self.v[layer_idx, :, :, t0:t1] = v
+        if layer_idx == self.n_layer - 1:
+            self.pos = t1
+        return self.k[layer_idx, :, :, :t1], self.v[layer_idx, :, :, :t1]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        if config.n_embd % config.n_head != 0 or config.n_head % config.n_kv_head != 0:
+            raise ValueError(f"n_embd {config.n_embd} must divide by n_head {config.n_head}, which must divide by n_kv_head {config.n_kv_head}")
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos_sin, kv_cache):
+        B, T, _ = x.size()
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        cos, sin = cos_sin
+        q, k = norm(apply_rotary_emb(q, cos, sin)), norm(apply_rotary_emb(k, cos, sin))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.insert_kv(self.layer_idx, k, v)
+        Tq, Tk = q.size(2), k.size(2)
+        gqa = self.n_head != self.n_kv_head
+        if Tq == Tk:
+            # training, or the first (prefill) call with a cache: plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif Tq == 1:
+            # one new token attends to everything cached before it
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=gqa)
+        else:
+            # a chunk of new tokens after a cached prefix: all of the prefix, causal within the chunk
+            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos_sin, kv_cache):
+        x = x + self.attn(norm(x), cos_sin, kv_cache)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    """
+    Build, then initialise explicitly (so a model can be created on the meta device and materialised
+    where it will live, without initialising twice):
+
+        with torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device=device)
+        model.init_weights()
+    """
+
+    SOFTCAP = 15.0
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        head_dim = config.n_embd // config.n_head
+        if head_dim % 2 != 0:
+            raise ValueError(f"head dim {head_dim} must be even for rotary embeddings")
+        # Rotary tables cover 10x the training length so generation can run past it. Not saved in
+        # checkpoints (persistent=False): they are a pure function of the config.
+        self.rotary_len = config.sequence_len * 10
+        self.register_buffer("cos", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """
+        Initialisation scheme:
+        - wte: N(0, 1). The embedding output is RMS-normalised right away, so its scale is free; unit
+          variance keeps it well away from the norm's epsilon.
+        - every Linear that reads the residual stream (c_q, c_k, c_v, c_fc): uniform with std
+          1/sqrt(fan_in) * min(1, sqrt(fan_out/fan_in)), so activations start with unit scale.
+        - the Linears that write into the residual stream (attn.c_proj, mlp.c_proj) and lm_head: zeros.
+          Each block then starts as the identity and the model starts with uniform predictions, so the
+          initial loss is exactly ln(vocab_size).
+        """
+        nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
+        for block in self.transformer.h:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                fan_out, fan_in = lin.weight.shape
+                std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+                bound = math.sqrt(3.0) * std  # uniform(-a, a) has std a / sqrt(3)
+                nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+        nn.init.zeros_(self.lm_head.weight)
+        self.init_rotary()
+
+    @torch.no_grad()
+    def init_rotary(self, base=10000):
+        """(Re)compute the rotary tables; call after to_empty() when loading a checkpoint."""
+        head_dim = self.config.n_embd // self.config.n_head
+        device = self.lm_head.weight.device
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        t = torch.arange(self.rotary_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        self.cos.copy_(freqs.cos()[None, :, None, :])
+        self.sin.copy_(freqs.sin()[None, :, None, :])
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        """
+        idx (B, T) token ids. With targets (B, T) (-1 = ignore): returns the cross-entropy loss,
+        `loss_reduction` "mean" (over non-ignored targets; 0, not NaN, if every target is ignored),
+        "sum", or "none" (per position, shape (B*T,), 0 at ignored targets). Without targets: returns
+        logits (B, T, vocab) in fp32. With a kv_cache, idx holds only the new tokens.
+        """
+        B, T = idx.size()
+        t0 = kv_cache.get_pos() if kv_cache is not None else 0
+        if t0 + T > self.rotary_len:
+            raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
+        x = self.transformer.wte(idx)
+        # under bf16 autocast the Linear outputs are bf16: rotary tables must match q/k's dtype
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
+        x = norm(x)
+        for block in self.transformer.h:
+            x = block(x, cos_sin, kv_cache)
+        x = norm(x)
+        logits = self.lm_head(x).float()
+        logits = self.SOFTCAP * torch.tanh(logits / self.SOFTCAP)
+        if targets is None:
+            return logits
+        flat_logits, flat_targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)
+        if loss_reduction == "mean":
+            # sum / count instead of reduction="mean": identical, except that a batch whose targets are all
+            # masked gives 0 instead of 0/0 = NaN (possible in chat data where only assistant tokens count)
+            loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")
+            return loss_sum / (flat_targets != -1).sum().clamp(min=1)
+        return F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction=loss_reduction)
+
+    # ------------------------------------------------------------------------------------------
+    # accounting
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self):
+        """
+        Training FLOPs per token (forward + backward), the usual 6N rule plus attention:
+        - 6 * N_matmul: every weight of a matmul costs 2 FLOPs (multiply-add) per token in the forward,
+          and 4 in the backward (gradient w.r.t. input and w.r.t. weight). N_matmul is every parameter
+          except the token embedding, which is a table lookup, not a matmul.
+        - attention scores q.k and the weighted sum of v: 2 * 2 * n_head * head_dim * T per layer
+          forward, times 3 for forward + backward = 12 * n_layer * n_head * head_dim * T. This counts
+          the full T x T square (the common convention), not the causal half.
+        """
+        cfg = self.config
+        n_matmul = self.num_params() - self.transformer.wte.weight.numel()
+        head_dim = cfg.n_embd // cfg.n_head
+        return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.sequence_len
+
+    # ------------------------------------------------------------------------------------------
+    # optimizers
+
+    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0):
+        """
+        Two optimizers, each parameter in exactly one of them. Returns [adamw, muon].
+
+        - Muon for every 2-D matrix inside the transformer blocks (attention q/k/v/proj, MLP fc/proj), about
+          all of the compute. Muon orthogonalises its momentum (Newton-Schulz) so every direction of the
+          matrix moves at a similar rate; it trains these hidden matrices faster than AdamW.
+        - AdamW for the token embedding (wte) and the output head (lm_head). Muon's "matrix as a linear map"
+          view does not fit a lookup table, nor the classifier head, whose rows see very different gradient
+          scales (rare vs frequent tokens); AdamW's per-element adaptivity handles exactly that.
+          Their learning rates are scaled by (n_embd / 768) ** -0.5: tuned at width 768, smaller for wider
+          models. betas (0.8, 0.95) and eps 1e-10, as tuned for this setup.
+
+        Under torchrun (process group initialised) the ZeRO-2-style DistAdamW / DistMuon are used: they
+        average gradients across ranks inside step() and shard the optimizer state and update compute.
+        Every group gets "initial_lr" so the training loop can set lr = initial_lr * schedule multiplier.
+        """
+        from nanochat.adamw import DistAdamW
+        from nanochat.muon import DistMuon, Muon
+
+        matrix_params = [p for p in self.transformer.h.parameters()]
+        embedding_params = [self.transformer.wte.weight]
+        lm_head_params = [self.lm_head.weight]
+        n_assigned = len(matrix_params) + len(embedding_params) + len(lm_head_params)
+        if n_assigned != len(list(self.parameters())) or any(p.dim() != 2 for p in matrix_params):
+            raise RuntimeError("setup_optimizers: parameter groups do not partition the model's parameters")
+
+        lr_scale = (self.config.n_embd / 768) ** -0.5
+        adam_groups = [
+            dict(params=lm_head_params, lr=unembedding_lr * lr_scale),
+            dict(params=embedding_params, lr=embedding_lr * lr_scale),
+        ]
+        distributed = dist.is_available() and dist.is_initialized()
+        adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
+        if distributed:
+            adamw = DistAdamW(adam_groups, **adamw_kwargs)
+        else:
+            fused = self.lm_head.weight.device.type == "cuda"
+            adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
+        muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95)
+        optimizers = [adamw, muon]
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["initial_lr"] = group["lr"]
+
+        n = lambda ps: sum(p.numel() for p in ps)
+        print0(f"Optimizers ({'distributed, ZeRO-2 style' if distributed else 'single process'}):")
+        print0(f"  AdamW  lm_head {n(lm_head_params):,} params, lr {unembedding_lr * lr_scale:.6f} "
+               f"(= {unembedding_lr} x (n_embd/768)^-0.5)")
+        print0(f"  AdamW  wte     {n(embedding_params):,} params, lr {embedding_lr * lr_scale:.6f} "
+               f"(= {embedding_lr} x (n_embd/768)^-0.5), weight decay {weight_decay}")
+        print0(f"  Muon   {len(matrix_params)} block matrices, {n(matrix_params):,} params, lr {matrix_lr}")
+        return optimizers
+
+    # ------------------------------------------------------------------------------------------
+    # sampling
+
+    @torch.no_grad()
+    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
+        """
+        Naive autoregressive sampling for the quick samples printed during training: re-runs the whole
+        sequence each step (no KV cache: simple, and these samples are short). temperature 0 = greedy.
+        Yields one token id at a time.
+        """
+        device = self.lm_head.weight.device
+        rng = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        for _ in range(max_tokens):
+            logits = self.forward(ids)[:, -1, :]
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            if temperature > 0:
+                probs = F.softmax(logits / temperature, dim=-1)
+                next_id = torch.multinomial(probs, num_samples=1, generator=rng)
+            else:
+                next_id = torch.argmax(logits, dim=-1, keepdim=True)
+            ids = torch.cat((ids, next_id), dim=1)
+            yield next_id.item()

@@ -1,0 +1,98 @@
+import json
+import os
+
+import pytest
+import torch
+
+from nanochat.checkpoint_manager import (build_model, find_last_step, find_model_tag, load_checkpoint,
+                                         save_checkpoint)
+from nanochat.common import UserError
+from nanochat.gpt import GPT, GPTConfig
+
+
+def trained_model_and_optimizers():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64))
+    model.init_weights()
+    optimizers = model.setup_optimizers()
+    for _ in range(2):
+        idx = torch.randint(0, 128, (2, 16))
+        model(idx, idx).backward()
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    return model, optimizers
+
+
+def save(tmp_path, model, optimizers, step=5):
+    meta = dict(model_config=model.config.to_dict(), user_config=dict(depth=2), loop_state=dict(ema=1.5))
+    save_checkpoint(str(tmp_path), step, model.state_dict(), [o.state_dict() for o in optimizers], meta)
+
+
+def test_round_trip_is_exact(tmp_path):
+    model, optimizers = trained_model_and_optimizers()
+    save(tmp_path, model, optimizers)
+    assert sorted(os.listdir(tmp_path)) == ["meta_000005.json", "model_000005.pt", "optim_000005_rank0.pt"]
+    model_state, optim_states, meta = load_checkpoint(str(tmp_path), 5, "cpu", load_optimizer=True)
+    assert meta["step"] == 5 and meta["world_size"] == 1 and meta["loop_state"] == dict(ema=1.5)
+    for k, v in model.state_dict().items():
+        assert torch.equal(model_state[k], v)
+    rebuilt, _ = build_model(str(tmp_path), 5, "cpu", phase="eval")
+    assert not rebuilt.training
+    idx = torch.randint(0, 128, (2, 16))
+    assert torch.equal(rebuilt(idx), model(idx))  # weights and rotary tables identical
+    # optimizer state continues exactly: load into fresh optimizers, take the same step on both
+    _, fresh_opts = trained_model_and_optimizers()
+    fresh_model = rebuilt.train()
+    fresh_opts = fresh_model.setup_optimizers()
+    for opt, state in zip(fresh_opts, optim_states):
+        opt.load_state_dict(state)
+    for m, opts in ((model, optimizers), (fresh_model, fresh_opts)):
+        m(idx, idx).backward()
+        for opt in opts:
+            opt.step()
+    for (k, a), b in zip(model.state_dict().items(), fresh_model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_truncated_file_is_a_clear_error(tmp_path):
+    model, optimizers = trained_model_and_optimizers()
+    save(tmp_path, model, optimizers)
+    path = tmp_path / "model_000005.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="model_000005.pt is unreadable"):
+        load_checkpoint(str(tmp_path), 5, "cpu")
+    os.remove(path)
+    with pytest.raises(UserError, match="checkpoint file missing: .*model_000005.pt"):
+        load_checkpoint(str(tmp_path), 5, "cpu")
+
+
+def test_interrupted_save_is_not_the_last_step(tmp_path, monkeypatch):
+    model, optimizers = trained_model_and_optimizers()
+    save(tmp_path, model, optimizers, step=5)
+    import nanochat.checkpoint_manager as cm
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # killed after the weights were written, before the marker
+
+    monkeypatch.setattr(cm, "_atomic_json_save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, model, optimizers, step=10)
+    assert os.path.exists(tmp_path / "model_000010.pt")
+    assert find_last_step(str(tmp_path)) == 5
+    with pytest.raises(UserError, match="no complete checkpoint of step 10"):
+        load_checkpoint(str(tmp_path), 10, "cpu")
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def test_model_tag_is_never_guessed(tmp_path):
+    with pytest.raises(UserError, match="no checkpoints directory"):
+        find_model_tag(str(tmp_path / "base_checkpoints"))
+    (tmp_path / "base_checkpoints" / "d4").mkdir(parents=True)
+    assert find_model_tag(str(tmp_path / "base_checkpoints")) == "d4"
+    (tmp_path / "base_checkpoints" / "d6").mkdir()
+    with pytest.raises(UserError, match="several models .*d4, d6; choose one with --model_tag"):
+        find_model_tag(str(tmp_path / "base_checkpoints"))
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        find_last_step(str(tmp_path / "base_checkpoints" / "d4"))

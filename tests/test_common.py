@@ -1,0 +1,233 @@
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, run_torchrun
+from nanochat import common
+from nanochat.common import (ColoredFormatter, UserError, compute_init, download_file_with_lock, get_base_dir,
+                             get_dist_info, print0)
+
+
+# ---------------------------------------------------------------------------------------------
+# compute_init / distributed environment
+
+
+def test_compute_init_plain_process(capsys):
+    assert compute_init("cpu") == (False, 0, 0, 1, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert "rank  local_rank  world_size  device  host" in out  # the topology table
+    assert "ddp=False" in out
+
+
+def test_compute_init_two_processes_over_gloo(tmp_path):
+    result = run_torchrun(2, ["tests/dist_common_worker.py", str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr
+    infos = [json.load(open(tmp_path / f"out.rank{r}.json")) for r in range(2)]
+    for r, info in enumerate(infos):
+        assert (info["ddp"], info["rank"], info["local_rank"], info["world_size"]) == (True, r, r, 2)
+        assert info["device"] == "cpu" and info["backend"] == "gloo"
+        assert info["rank_sum"] == 1.0  # 0 + 1: the all_reduce went through
+        assert info["same_init"]
+    # rank 0 printed one topology table with a row per rank; nobody else printed it
+    assert result.stdout.count("rank  local_rank  world_size  device") == 1
+    assert result.stdout.count(" cpu ") >= 2
+
+
+def test_two_nodes_rank_differs_from_local_rank(tmp_path):
+    """Two 'machines' (two torchrun launchers, one process each): on node 1, RANK=1 but LOCAL_RANK=0."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
+             "--master_addr=127.0.0.1", f"--master_port={port}", "tests/dist_common_worker.py", str(tmp_path / "out")]
+            for n in range(2)]
+    procs = [subprocess.Popen(c, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    infos = [json.load(open(tmp_path / f"out.rank{r}.json")) for r in range(2)]
+    assert [(i["rank"], i["local_rank"], i["world_size"]) for i in infos] == [(0, 0, 2), (1, 0, 2)]
+
+
+def test_incomplete_torchrun_env_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="LOCAL_RANK not set"):
+        get_dist_info()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(UserError, match="inconsistent"):
+        get_dist_info()
+
+
+def test_incomplete_env_in_a_script_prints_one_line(tmp_path):
+    env = dict(os.environ, RANK="0")
+    env.pop("LOCAL_RANK", None)
+    result = subprocess.run([sys.executable, "-c", "from nanochat.common import compute_init; compute_init('cpu')"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: distributed launch is incomplete"), result.stderr
+
+
+def test_torchrun_on_mps_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(var, value)
+    with pytest.raises(UserError, match="torchrun is not supported on MPS"):
+        compute_init("mps")
+
+
+def test_unavailable_device_is_refused():
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA device"):
+            compute_init("cuda")
+    with pytest.raises(UserError, match="unknown device_type"):
+        compute_init("tpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# logging and output
+
+
+def test_importing_nanochat_leaves_root_logger_alone():
+    code = (
+        "import logging\n"
+        "root = logging.getLogger(); before = (list(root.handlers), root.level)\n"
+        "import nanochat.common, nanochat.configurator, nanochat.gpt, nanochat.checkpoint_manager, nanochat.report\n"
+        "assert (list(root.handlers), root.level) == before, 'import changed the root logger'\n"
+        "nanochat.common.setup_default_logging()\n"
+        "assert (list(root.handlers), root.level) == before, 'setup_default_logging changed the root logger'\n"
+        "assert logging.getLogger('nanochat').handlers\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_colored_formatter_highlights_figures():
+    record = logging.LogRecord("nanochat.dataset", logging.INFO, __file__, 1,
+                               "Downloaded Shard 3 (95.2 MB), %d%% done, 1,024 docs", (45,), None)
+    colored = ColoredFormatter(color=True).format(record)
+    assert "\033[1mShard 3\033[0m" in colored
+    assert "\033[1m95.2 MB\033[0m" in colored and "\033[1m45%\033[0m" in colored and "\033[1m1,024 docs\033[0m" in colored
+    assert "\033[32m\033[1mINFO" in colored  # INFO in green bold
+    plain = ColoredFormatter(color=False).format(record)
+    assert "\033" not in plain and plain.endswith("INFO - Downloaded Shard 3 (95.2 MB), 45% done, 1,024 docs")
+    # the record itself is untouched, so other handlers still see plain text
+    assert record.getMessage() == "Downloaded Shard 3 (95.2 MB), 45% done, 1,024 docs"
+
+
+def test_no_color_and_non_tty_disable_colors(monkeypatch):
+    class FakeTTY:
+        def isatty(self):
+            return True
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert common._use_color(FakeTTY())
+    monkeypatch.setenv("NO_COLOR", "")
+    assert not common._use_color(FakeTTY())
+    monkeypatch.delenv("NO_COLOR")
+    assert not common._use_color(open(os.devnull, "w"))
+
+
+def test_print0_only_on_rank_zero(monkeypatch, capsys):
+    print0("hello")
+    monkeypatch.setenv("RANK", "1")
+    print0("from rank 1")
+    assert capsys.readouterr().out == "hello\n"
+
+
+def test_base_dir_from_env_created_on_demand(isolated_env):
+    assert not isolated_env.exists()
+    assert get_base_dir() == str(isolated_env) and isolated_env.is_dir()
+
+
+# ---------------------------------------------------------------------------------------------
+# download_file_with_lock (against a local HTTP server; no internet)
+
+
+def _payload(n=300_000):
+    return bytes((i * 7919) % 251 for i in range(n))
+
+
+def _download_worker(url, filename, queue):
+    queue.put(download_file_with_lock(url, filename))
+
+
+def test_concurrent_callers_download_once(file_server):
+    data = _payload()
+    open(os.path.join(file_server.root, "f.bin"), "wb").write(data)
+    file_server.slow_paths["/f.bin"] = 0.05  # slow enough that all callers arrive while it downloads
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_download_worker, args=(f"{file_server.url}/f.bin", "dl/f.bin", queue)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    paths = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert len(set(paths)) == 1 and open(paths[0], "rb").read() == data
+    assert file_server.requests["/f.bin"] == 1
+
+
+def test_download_killed_with_sigkill_leaves_nothing_then_completes(file_server, isolated_env):
+    data = _payload(2_000_000)
+    open(os.path.join(file_server.root, "big.bin"), "wb").write(data)
+    file_server.slow_paths["/big.bin"] = 0.05
+    final = isolated_env / "dl" / "big.bin"
+    code = f"from nanochat.common import download_file_with_lock; download_file_with_lock('{file_server.url}/big.bin', 'dl/big.bin')"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # wait until it is midway: a temp file with some bytes in it
+        tmps = list((isolated_env / "dl").glob("big.bin.tmp*")) if (isolated_env / "dl").exists() else []
+        if tmps and tmps[0].stat().st_size > 200_000:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("download never started")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not final.exists()
+    file_server.slow_paths.clear()
+    path = download_file_with_lock(f"{file_server.url}/big.bin", "dl/big.bin")
+    assert path == str(final) and final.read_bytes() == data
+    assert not list((isolated_env / "dl").glob("big.bin.tmp*"))  # the dead process's temp file is gone
+
+
+def test_download_retries_then_checks_sha256(file_server):
+    data = _payload(1000)
+    open(os.path.join(file_server.root, "r.bin"), "wb").write(data)
+    file_server.fail_first["/r.bin"] = 2
+    path = download_file_with_lock(f"{file_server.url}/r.bin", "r.bin", backoff=0.01,
+                                   expected_sha256=hashlib.sha256(data).hexdigest())
+    assert open(path, "rb").read() == data and file_server.requests["/r.bin"] == 3
+    with pytest.raises(UserError, match="sha256 mismatch"):
+        download_file_with_lock(f"{file_server.url}/r.bin", "r2.bin", backoff=0.01, retries=2, expected_sha256="0" * 64)
+    assert not os.path.exists(os.path.join(get_base_dir(), "r2.bin"))
+
+
+def test_download_missing_file_fails_fast(file_server):
+    with pytest.raises(UserError, match="could not download"):
+        download_file_with_lock(f"{file_server.url}/nope.bin", "nope.bin", backoff=0.01)
+    assert file_server.requests["/nope.bin"] == 1  # a 404 is not retried
+
+
+def test_postprocess_runs_before_the_file_appears(file_server):
+    open(os.path.join(file_server.root, "p.txt"), "w").write("abc")
+    seen = []
+
+    def post(path):
+        seen.append((path, open(path).read(), os.path.exists(os.path.join(get_base_dir(), "p.txt"))))
+
+    path = download_file_with_lock(f"{file_server.url}/p.txt", "p.txt", postprocess_fn=post)
+    assert seen and seen[0][1] == "abc" and seen[0][2] is False and seen[0][0] != path

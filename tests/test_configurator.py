@@ -1,0 +1,100 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+from nanochat.common import UserError
+from nanochat.configurator import configure, parse_args
+
+KEYS = dict(depth=20, lr=0.02, run="dummy", compile=True, total_batch_size=524288)
+
+SCRIPT = '''"""A toy stage script."""
+from nanochat.configurator import configure
+depth = 20  # model depth
+matrix_lr = 0.02  # Muon learning rate
+run = "dummy"  # wandb run name
+compile = True
+config = configure(globals())
+print("RESULT", depth, matrix_lr, run, compile, sorted(config))
+'''
+
+
+def run_script(tmp_path, *args):
+    path = tmp_path / "toy_train.py"
+    path.write_text(SCRIPT)
+    return subprocess.run([sys.executable, str(path), *args], cwd=REPO_ROOT, capture_output=True, text=True)
+
+
+def test_values_are_parsed_against_the_default_type():
+    out = parse_args(["--depth=12", "--lr=1", "--run=a=b", "--compile=false", "--total_batch_size=1e3"], KEYS)
+    assert out == dict(depth=12, lr=1.0, run="a=b", compile=False, total_batch_size=1000)
+    assert type(out["lr"]) is float
+    for raw, expected in (("true", True), ("1", True), ("0", False), ("False", False)):
+        assert parse_args([f"--compile={raw}"], KEYS) == dict(compile=expected)
+    assert parse_args(["--compile"], KEYS) == dict(compile=True)
+
+
+def test_dashes_equal_underscores():
+    assert parse_args(["--total-batch-size=8"], KEYS) == dict(total_batch_size=8)
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--dept=3", "unknown config key 'dept' (did you mean --depth?)"),
+    ("--depth=0.5", "--depth expects an int, got '0.5'"),
+    ("--depth=abc", "--depth expects an int"),
+    ("--lr=fast", "--lr expects a float"),
+    ("--compile=maybe", "--compile expects a bool"),
+    ("--depth", "has no value"),
+    ("nonexistent.py", "config file 'nonexistent.py' not found"),
+])
+def test_bad_input_is_a_user_error(arg, message):
+    with pytest.raises(UserError) as e:
+        parse_args([arg], KEYS)
+    assert message in str(e.value)
+
+
+def test_config_file_then_overrides(tmp_path):
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text("depth = 6\nlr = 3  # ints are fine for floats\nrun = 'from-file'\n")
+    assert parse_args([str(cfg), "--depth=8"], KEYS) == dict(depth=8, lr=3.0, run="from-file")
+    bad = tmp_path / "bad.py"
+    bad.write_text("depht = 6\n")
+    with pytest.raises(UserError, match="unknown key 'depht'"):
+        parse_args([str(bad)], KEYS)
+    wrong_type = tmp_path / "wrong.py"
+    wrong_type.write_text("depth = 'six'\n")
+    with pytest.raises(UserError, match="expected int"):
+        parse_args([str(wrong_type)], KEYS)
+
+
+def test_configure_updates_scope_and_returns_config():
+    scope = dict(KEYS, __name__="x", _private=1, some_module=os)
+    config = configure(scope, ["--depth=4"])
+    assert scope["depth"] == 4 and config == dict(KEYS, depth=4)
+
+
+def test_script_help_lists_every_key(tmp_path):
+    result = run_script(tmp_path, "--help")
+    assert result.returncode == 0
+    out = result.stdout
+    assert "A toy stage script." in out
+    for line in ("--depth      int    20", "--matrix_lr  float  0.02", "--run        str    'dummy'", "--compile    bool   True"):
+        assert line in out, out
+    assert "model depth" in out and "Muon learning rate" in out
+    assert "RESULT" not in out  # --help exits before the script runs
+
+
+def test_script_overrides_and_prints_them(tmp_path):
+    result = run_script(tmp_path, "--depth=4", "--matrix-lr=0.05", "--run=my=run")
+    assert result.returncode == 0, result.stderr
+    assert "Overriding: depth = 4 (default 20)" in result.stdout
+    assert "RESULT 4 0.05 my=run True ['compile', 'depth', 'matrix_lr', 'run']" in result.stdout
+
+
+def test_script_unknown_key_is_one_line_error(tmp_path):
+    result = run_script(tmp_path, "--detph=4")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: unknown config key 'detph' (did you mean --depth?); run with --help to list every key"]

@@ -1,0 +1,146 @@
+import math
+
+import pytest
+import torch
+
+from nanochat.gpt import GPT, GPTConfig, KVCache, config_from_depth
+
+
+def make_model(**overrides):
+    cfg = dict(sequence_len=32, vocab_size=256, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    model.init_weights()
+    return model
+
+
+def test_config_from_depth():
+    cfg = config_from_depth(20)
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head) == (20, 1280, 10, 10)
+    cfg = config_from_depth(4, vocab_size=8192, sequence_len=512)
+    assert (cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.sequence_len) == (256, 2, 8192, 512)
+    cfg = config_from_depth(5)  # 320 wide: 320/128 is fractional -> 5 heads of 64
+    assert cfg.n_embd % cfg.n_head == 0 and cfg.n_embd // cfg.n_head == 64
+
+
+def test_initial_loss_is_ln_vocab():
+    model = make_model(vocab_size=512)
+    idx = torch.randint(0, 512, (4, 32))
+    loss = model(idx, idx)
+    assert abs(loss.item() - math.log(512)) / math.log(512) < 0.05
+
+
+def test_loss_reductions_and_all_masked_targets():
+    model = make_model()
+    # make the head non-zero so per-token losses differ
+    torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+    idx = torch.randint(0, 256, (2, 16))
+    targets = idx.clone()
+    targets[0, :5] = -1
+    per_token = model(idx, targets, loss_reduction="none")
+    assert per_token.shape == (32,)
+    assert torch.all(per_token.view(2, 16)[0, :5] == 0)
+    valid = targets.view(-1) != -1
+    assert torch.allclose(model(idx, targets), per_token[valid].mean(), rtol=1e-5)
+    assert torch.allclose(model(idx, targets, loss_reduction="sum"), per_token.sum(), rtol=1e-5)
+    all_masked = torch.full_like(idx, -1)
+    loss = model(idx, all_masked)
+    assert torch.isfinite(loss) and loss.item() == 0.0
+
+
+def test_logits_softcapped():
+    model = make_model()
+    torch.nn.init.normal_(model.lm_head.weight, std=100.0)
+    logits = model(torch.randint(0, 256, (1, 8)))
+    assert logits.dtype == torch.float32
+    assert logits.abs().max() <= GPT.SOFTCAP
+
+
+def randomize_zero_init(model):
+    """The output projections and head start at zero; give them weight so comparisons are not trivial."""
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            torch.nn.init.normal_(p, std=0.1)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    gqa = make_model(n_head=4, n_kv_head=2)
+    randomize_zero_init(gqa)
+    mha = make_model(n_head=4, n_kv_head=4)
+    head_dim = 64 // 4
+    sd = {}
+    for name, tensor in gqa.state_dict().items():
+        if name.endswith("attn.c_k.weight") or name.endswith("attn.c_v.weight"):
+            # kv head j serves query heads 2j and 2j+1: duplicate each kv head's rows
+            tensor = tensor.view(2, head_dim, 64).repeat_interleave(2, dim=0).reshape(4 * head_dim, 64)
+        sd[name] = tensor
+    mha.load_state_dict(sd)
+    idx = torch.randint(0, 256, (2, 16))
+    assert gqa.transformer.h[0].attn.c_k.weight.shape == (2 * head_dim, 64)
+    assert torch.allclose(gqa(idx), mha(idx), atol=1e-5)
+
+
+def test_kv_cache_matches_full_forward():
+    model = make_model(n_head=4, n_kv_head=2)
+    randomize_zero_init(model)
+    model.eval()
+    idx = torch.randint(0, 256, (2, 20))
+    full = model(idx)
+    cache = KVCache(batch_size=2, n_kv_head=2, max_len=32, head_dim=16, n_layer=2, device="cpu", dtype=torch.float32)
+    pieces = [model(idx[:, :8], kv_cache=cache)]  # prefill
+    pieces += [model(idx[:, t:t + 1], kv_cache=cache) for t in range(8, 12)]  # one token at a time
+    pieces.append(model(idx[:, 12:20], kv_cache=cache))  # a chunk after a cached prefix
+    assert cache.get_pos() == 20
+    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
+
+
+def test_generate_greedy_matches_argmax():
+    model = make_model()
+    torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+    prompt = [1, 2, 3]
+    out = list(model.generate(prompt, max_tokens=5, temperature=0.0))
+    ids = list(prompt)
+    for _ in range(5):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert out == ids[3:]
+
+
+def test_estimate_flops_hand_count():
+    model = make_model(sequence_len=32, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    d, kv, L, V, T = 64, 2 * 16, 2, 256, 32
+    per_layer = d * d + 2 * kv * d + d * d + 4 * d * d + 4 * d * d  # q, k+v, proj, fc, mlp proj
+    n_matmul = L * per_layer + V * d  # blocks + lm_head (the embedding is a lookup)
+    assert model.num_params() == n_matmul + V * d
+    attention = 12 * L * 4 * 16 * T
+    assert model.estimate_flops() == 6 * n_matmul + attention
+
+
+def test_parameter_groups_partition_the_parameters():
+    model = make_model()
+    adamw, muon = model.setup_optimizers()
+    seen = [id(p) for opt in (adamw, muon) for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    assert len(seen) == len(set(seen))
+    adam_ids = {id(p) for g in adamw.param_groups for p in g["params"]}
+    assert adam_ids == {id(model.lm_head.weight), id(model.transformer.wte.weight)}
+    for opt in (adamw, muon):
+        for g in opt.param_groups:
+            assert g["initial_lr"] == g["lr"]
+
+
+def test_small_model_overfits_one_batch():
+    model = make_model(vocab_size=64, n_embd=64, n_layer=2)
+    idx = torch.randint(0, 64, (4, 32))
+    x, y = idx[:, :-1], idx[:, 1:]
+    optimizers = model.setup_optimizers(unembedding_lr=0.02, embedding_lr=0.2, matrix_lr=0.05)
+    first = None
+    for _ in range(60):
+        loss = model(x, y)
+        first = first if first is not None else loss.item()
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    assert first == pytest.approx(math.log(64), rel=0.05)
+    assert loss.item() < 0.5, loss.item()
