@@ -100,3 +100,33 @@ def run_torchrun(nproc, args, env=None, timeout=300, cwd=REPO_ROOT):
     full_env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + list(args)
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def pydocs_dir(tmp_path_factory):
+    """
+    The pydocs corpus (nanochat.dataset.build_pydocs), built once per test session (~5-7 s on 2 cores) into
+    a shared temporary base dir. Returns that corpus directory (`<shared base>/base_data/pydocs`).
+    Treat it as read-only; tests get a private copy through `pydocs_corpus`.
+    """
+    from nanochat.dataset import build_pydocs
+    base = tmp_path_factory.mktemp("pydocs_base")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base))
+        return build_pydocs()
+
+
+@pytest.fixture
+def pydocs_corpus(pydocs_dir, isolated_env, monkeypatch):
+    """
+    Select the pydocs corpus for this test: copies the session's build into this test's NANOCHAT_BASE_DIR
+    (`base_data/pydocs`, ~1 MB, milliseconds) and sets NANOCHAT_DATASET=pydocs, so list_parquet_files, the
+    tokenizer and the dataloader (and subprocesses such as run_torchrun, which inherit the environment)
+    read it with no build and no download. A copy, not a symlink: a test may damage its shards freely.
+    Returns the corpus directory.
+    """
+    import shutil
+    target = isolated_env / "base_data" / "pydocs"
+    shutil.copytree(pydocs_dir, target)
+    monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
+    return str(target)

@@ -1,0 +1,158 @@
+"""
+Data loader: shapes and dtypes, the data-slot property (2 ranks x accumulation 1 see exactly what 1 rank x
+accumulation 2 sees), disjoint documents across ranks, exact resume, BOS-aligned rows.
+Ranks are simulated in one process by building the loader with rank/world_size (the same code torchrun runs).
+"""
+
+import os
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nanochat.dataloader import DistributedTokenLoader
+from nanochat.tokenizer import Tokenizer
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly bakers".split()
+
+
+def doc_text(i):
+    n = 5 + (i * 37) % 60  # documents of different lengths, some longer than a row
+    return f"doc{i:05d} " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(n)) + "."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train_from_iterator(iter([doc_text(i) for i in range(300)]), 400)
+
+
+@pytest.fixture
+def corpus(isolated_env, monkeypatch):
+    """A FineWeb-format corpus of 3 shards (2 train, 1 val), 3 row groups of 40 numbered docs each."""
+    monkeypatch.setenv("NANOCHAT_DATASET", "fineweb-edu")
+    monkeypatch.setenv("NANOCHAT_FINEWEB_SHARDS", "3")
+    directory = isolated_env / "base_data" / "fineweb-edu"
+    directory.mkdir(parents=True)
+    n = 0
+    for shard in range(3):
+        docs = [doc_text(n + i) for i in range(120)]
+        n += 120
+        pq.write_table(pa.table({"text": docs}), directory / f"shard_{shard:05d}.parquet", row_group_size=40)
+    return directory
+
+
+def make(tok, rank=0, world_size=1, B=2, T=16, total=None, split="train", state=None, bos_aligned=False):
+    return DistributedTokenLoader(B, T, split, "cpu", tok, total, rank, world_size, seed=0, resume_state=state,
+                                  bos_aligned=bos_aligned, tokenizer_threads=2, tokenizer_batch_size=8)
+
+
+def doc_ids(tok, batch):
+    return set(int(m) for m in re.findall(r"doc(\d{5})", tok.decode(batch[0].flatten().tolist())))
+
+
+def test_shapes_dtypes_and_shift(tok, corpus):
+    loader = make(tok, B=3, T=16)
+    x1, y1 = next(loader)
+    x2, y2 = next(loader)
+    assert x1.shape == y1.shape == (3, 16) and x1.dtype == torch.int32 and y1.dtype == torch.int64
+    flat_x, flat_y = x1.flatten(), y1.flatten()
+    assert torch.equal(flat_x[1:].long(), flat_y[:-1])  # targets are the inputs shifted by one, across rows too
+    assert x2[0, 0].item() == y1[-1, -1].item()  # and across batches: no token is skipped
+    assert x1[0, 0].item() == tok.get_bos_token_id()  # the stream starts at a document start
+
+
+def test_slots_make_the_stream_world_size_invariant(tok, corpus):
+    B, T = 2, 16
+    total = 2 * B * T
+    single = make(tok, total=total)  # 1 rank, accumulation 2: slot 0 then slot 1
+    ranks = [make(tok, rank=r, world_size=2, total=total) for r in range(2)]  # 2 ranks, accumulation 1
+    for step in range(250):  # long enough to cross units and an epoch of the training shards
+        micro = [next(single) for _ in range(2)]
+        per_rank = [next(r) for r in ranks]
+        for a in range(2):
+            assert torch.equal(micro[a][0], per_rank[a][0]) and torch.equal(micro[a][1], per_rank[a][1]), (step, a)
+    assert single.epoch >= 1
+
+
+def test_ranks_never_share_documents(tok, corpus):
+    ranks = [make(tok, rank=r, world_size=3, total=3 * 2 * 16) for r in range(3)]
+    seen = [set() for _ in ranks]
+    for _ in range(15):
+        for r, loader in enumerate(ranks):
+            seen[r] |= doc_ids(tok, next(loader))
+    assert all(seen)
+    for a in range(3):
+        for b in range(a + 1, 3):
+            assert not (seen[a] & seen[b])
+    assert max(max(s) for s in seen) < 240  # train split only: docs 240+ are in the validation shard
+
+
+def test_more_slots_than_row_groups(tok, corpus):
+    # 8 slots but only 6 train row groups: row groups are split so every slot still gets its own documents
+    loaders = [make(tok, rank=r, world_size=8, total=8 * 2 * 16) for r in range(8)]
+    seen = [set().union(*(doc_ids(tok, next(l)) for _ in range(4))) for l in loaders]
+    assert all(seen)
+    assert sum(len(s) for s in seen) == len(set().union(*seen))
+
+
+@pytest.mark.parametrize("bos_aligned", [False, True])
+def test_resume_returns_the_same_batches(tok, corpus, bos_aligned):
+    total = 2 * 2 * 16
+    for n in (1, 7, 330):  # 330: far enough to resume inside a later epoch and mid-document
+        reference = make(tok, total=total, bos_aligned=bos_aligned)
+        for _ in range(n):
+            held = next(reference)
+        state = reference.state_dict()
+        assert n < 330 or reference.epoch >= 1
+        expected = [held] + [next(reference) for _ in range(9)]
+        resumed = make(tok, total=total, state=state, bos_aligned=bos_aligned)
+        for e, got in zip(expected, (next(resumed) for _ in range(10))):
+            assert torch.equal(e[0], got[0]) and torch.equal(e[1], got[1]), n
+
+
+def test_state_merges_across_ranks(tok, corpus):
+    """The checkpoint keeps the slot states of all ranks in one dict; each rank picks its own slots back."""
+    total = 2 * 2 * 16
+    ranks = [make(tok, rank=r, world_size=2, total=total) for r in range(2)]
+    for _ in range(5):
+        held = [next(r) for r in ranks]
+    merged = {"slots": {k: v for r in ranks for k, v in r.state_dict()["slots"].items()}}
+    resumed = [make(tok, rank=r, world_size=2, total=total, state=merged) for r in range(2)]
+    for h, r in zip(held, resumed):
+        assert torch.equal(h[0], next(r)[0])
+    # and a single process with accumulation 2 can continue from the 2-rank state
+    single = make(tok, total=total, state=merged)
+    assert torch.equal(next(single)[0], held[0][0]) and torch.equal(next(single)[0], held[1][0])
+
+
+def test_bos_aligned_rows_start_at_documents(tok, corpus):
+    loader = make(tok, B=4, T=24, bos_aligned=True)
+    bos = tok.get_bos_token_id()
+    for _ in range(10):
+        x, y = next(loader)
+        assert torch.all(x[:, 0] == bos)
+        assert torch.equal(x[:, 1:].long(), y[:, :-1])
+    assert 0 < loader.dropped_fraction() < 1  # documents longer than what is left of a row are cropped
+
+
+def test_val_split_is_read_in_order_by_rank(tok, corpus):
+    ranks = [make(tok, rank=r, world_size=2, split="val") for r in range(2)]
+    ids = [doc_ids(tok, next(r)) for r in ranks]
+    assert all(min(s) >= 240 for s in ids) and not (ids[0] & ids[1])
+    assert min(ids[0]) == 240  # val is not shuffled: rank 0 starts at the first val document
+
+
+def test_cuda_path_or_skip(tok, corpus):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA here: the pinned-memory path is checked on a GPU machine")
+    loader = DistributedTokenLoader(2, 16, "train", "cuda", tok, None, 0, 1, 0, None, False, 2, 8)
+    x, y = next(loader)
+    assert x.is_cuda and x.dtype == torch.int32 and y.dtype == torch.int64
+
+
+def test_indivisible_total_batch_is_a_user_error(tok, corpus):
+    from nanochat.common import UserError
+    with pytest.raises(UserError, match="not a multiple"):
+        make(tok, world_size=2, total=3 * 2 * 16)
