@@ -1,0 +1,441 @@
+"""
+The tokenizer: text <-> token ids, and conversations -> (ids, mask) for chat training.
+
+A byte-level BPE in the style of GPT-4:
+- Training uses `rustbpe` (fast, parallel, Rust): it learns the merges from a text iterator.
+- Inference uses `tiktoken` (fast, Rust): the learned merges are handed to a `tiktoken.Encoding`, so nothing
+  is ever downloaded. Both use the same split pattern, SPLIT_PATTERN, so a text is split into pieces the same
+  way when the merges are learned and when they are applied.
+- Token ids 0..255 are the 256 single bytes, then one id per learned merge, then the special tokens
+  (SPECIAL_TOKENS, in that order). `vocab_size` counts all of them.
+
+Special tokens never come out of ordinary text: every encode here is tiktoken's `encode_ordinary`, so a user
+who types "<|bos|>" gets the tokens of those seven characters, not the id of <|bos|>. Special tokens only
+enter a sequence through encode_special / prepend / append / render_conversation.
+
+Files, under $NANOCHAT_BASE_DIR/tokenizer/ (written by `python -m scripts.tok_train`):
+- tokenizer.tiktoken  the mergeable ranks in tiktoken's text format: one `base64(token bytes) rank` per line
+- token_bytes.pt      1-D int32 tensor [vocab_size]: number of UTF-8 bytes of each token, 0 for special tokens.
+                      Used to report bits per byte, a loss that does not depend on the tokenizer.
+- tokenizer.json      split pattern, special tokens, vocab size and the sha256 of tokenizer.tiktoken
+                      (written last, so a half-written save is detected on load)
+
+Chat format (render_conversation):
+
+    <|bos|><|user_start|>What is 2+2?<|user_end|><|assistant_start|>Let me check.<|python_start|>2+2<|python_end|>
+    <|output_start|>4<|output_end|>It is 4.<|assistant_end|><|user_start|>...
+
+    mask: 0 on <|bos|>, on every user turn (start, text, end) and on <|assistant_start|>;
+          1 on what the assistant writes: its text, its tool calls (<|python_start|> code <|python_end|>)
+            and <|assistant_end|> (so it learns to stop);
+          0 on tool outputs (<|output_start|> output <|output_end|>): the tool writes them, not the model,
+            so the model must not be trained to predict them.
+"""
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import sys
+
+import tiktoken
+import torch
+
+from nanochat.common import UserError, _use_color, get_base_dir
+
+logger = logging.getLogger(__name__)
+
+# How text is cut into pieces before BPE: merges never cross a piece boundary. This is GPT-4's pattern
+# (cl100k_base) with one change: numbers are split into runs of at most 2 digits (`\p{N}{1,2}`, GPT-4 uses
+# `{1,3}`), so "2025" -> "20" "25". With a small vocabulary, tokens spent on 3-digit numbers are better
+# spent elsewhere. The alternatives, in order:
+#   '(?i:[sdmt]|ll|ve|re)          English contractions: 's 't 're 've 'm 'll 'd (any case)
+#   [^\r\n\p{L}\p{N}]?+\p{L}+      a word, optionally led by one non-letter/non-digit (usually a space)
+#   \p{N}{1,2}                     1 or 2 digits
+#    ?[^\s\p{L}\p{N}]++[\r\n]*     punctuation/symbols, optionally led by a space, with trailing newlines
+#   \s*[\r\n]                      whitespace ending in a newline
+#   \s+(?!\S)                      whitespace not followed by a non-space (leaves one space for the next word)
+#   \s+                            any other whitespace
+# ONE constant, used by training (rustbpe) and by encoding (tiktoken).
+SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+
+# Appended after the BPE tokens, in this order: <|bos|> gets id n_bpe, <|user_start|> n_bpe + 1, ...
+SPECIAL_TOKENS = [
+    "<|bos|>",            # begins every document and every conversation
+    "<|user_start|>",     # a user turn
+    "<|user_end|>",
+    "<|assistant_start|>",  # an assistant turn
+    "<|assistant_end|>",
+    "<|python_start|>",   # the assistant calls the python tool
+    "<|python_end|>",
+    "<|output_start|>",   # the tool's output, written into the conversation (not predicted by the model)
+    "<|output_end|>",
+]
+
+DEFAULT_VOCAB_SIZE = 65536  # including the special tokens; 2**16 ids also fit in a uint16
+
+RANKS_FILE = "tokenizer.tiktoken"
+META_FILE = "tokenizer.json"
+TOKEN_BYTES_FILE = "token_bytes.pt"
+
+TRAIN_HINT = "train one with `python -m scripts.tok_train`"
+
+
+def _write_atomic(path, data: bytes):
+    """Write to a temp file in the same directory, then rename: the file is either old or complete."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class Tokenizer:
+    """
+    A trained BPE tokenizer (see the module docstring). Build one with `Tokenizer.train_from_iterator` or
+    `Tokenizer.from_directory`, or with `get_tokenizer()` for the one scripts/tok_train.py saved.
+
+    `truncation_stats` counts what render_conversation cut off at max_tokens:
+    {"conversations": number of conversations truncated, "tokens_dropped": tokens cut off in total}.
+    """
+
+    def __init__(self, mergeable_ranks, pattern=SPLIT_PATTERN):
+        """`mergeable_ranks`: {token bytes: rank} with ranks exactly 0..n-1 (ids 0..255 are the 256 bytes)."""
+        ranks = sorted(mergeable_ranks.values())
+        if ranks != list(range(len(ranks))):
+            raise ValueError("mergeable ranks must be exactly 0..n-1")
+        self.mergeable_ranks = dict(mergeable_ranks)
+        self.pattern = pattern
+        n = len(mergeable_ranks)
+        self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self.enc = tiktoken.Encoding(name="nanochat", pat_str=pattern, mergeable_ranks=self.mergeable_ranks,
+                                     special_tokens=self.special_tokens)
+        self.truncation_stats = {"conversations": 0, "tokens_dropped": 0}
+
+    # -------------------------------------------------------------------------
+    # Training, saving, loading
+
+    @classmethod
+    def train_from_iterator(cls, text_iterator, vocab_size=DEFAULT_VOCAB_SIZE):
+        """
+        Learn BPE merges from an iterator of strings (documents) with rustbpe, using SPLIT_PATTERN.
+        `vocab_size` includes the special tokens, so vocab_size - len(SPECIAL_TOKENS) - 256 merges are learned.
+        A corpus too small to provide that many merges gives a smaller vocabulary (logged as a warning);
+        get_vocab_size() tells the real size.
+        """
+        import rustbpe  # only training needs it
+
+        min_size = 256 + len(SPECIAL_TOKENS) + 1
+        if vocab_size < min_size:
+            raise UserError(f"vocab_size={vocab_size} is too small: the 256 byte tokens and {len(SPECIAL_TOKENS)} "
+                            f"special tokens alone take {min_size - 1}; use at least {min_size}")
+        bpe = rustbpe.Tokenizer()
+        bpe_vocab_size = vocab_size - len(SPECIAL_TOKENS)
+        bpe.train_from_iterator(text_iterator, bpe_vocab_size, pattern=SPLIT_PATTERN)
+        mergeable_ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
+        if len(mergeable_ranks) < bpe_vocab_size:
+            logger.warning(f"the training text only allowed {len(mergeable_ranks) - 256} merges of the "
+                           f"{bpe_vocab_size - 256} asked for: vocab size is {len(mergeable_ranks) + len(SPECIAL_TOKENS)}, "
+                           f"not {vocab_size} (train on more text)")
+        return cls(mergeable_ranks)
+
+    def save(self, path):
+        """
+        Write the tokenizer to directory `path`: tokenizer.tiktoken, token_bytes.pt, then tokenizer.json.
+        Each file is written to a temp file and renamed; tokenizer.json (written last) records the sha256 of
+        tokenizer.tiktoken, so from_directory detects a save that died half-way.
+        """
+        os.makedirs(path, exist_ok=True)
+        by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
+        ranks_text = "".join(f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in by_rank).encode("ascii")
+        _write_atomic(os.path.join(path, RANKS_FILE), ranks_text)
+        tmp = os.path.join(path, f"{TOKEN_BYTES_FILE}.tmp{os.getpid()}")
+        torch.save(self.compute_token_bytes(), tmp)
+        os.replace(tmp, os.path.join(path, TOKEN_BYTES_FILE))
+        meta = {
+            "pattern": self.pattern,
+            "special_tokens": SPECIAL_TOKENS,
+            "vocab_size": self.get_vocab_size(),
+            "ranks_sha256": hashlib.sha256(ranks_text).hexdigest(),
+        }
+        _write_atomic(os.path.join(path, META_FILE), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        logger.info(f"Saved tokenizer (vocab {self.get_vocab_size():,}) to {path}")
+
+    @classmethod
+    def from_directory(cls, path):
+        """Load a tokenizer written by save(). Missing or inconsistent files raise UserError."""
+        meta_path, ranks_path = os.path.join(path, META_FILE), os.path.join(path, RANKS_FILE)
+        if not os.path.exists(meta_path) or not os.path.exists(ranks_path):
+            raise UserError(f"no tokenizer in {path}: {TRAIN_HINT}")
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        with open(ranks_path, "rb") as f:
+            ranks_text = f.read()
+        if hashlib.sha256(ranks_text).hexdigest() != meta["ranks_sha256"]:
+            raise UserError(f"tokenizer files in {path} do not belong together (a save was interrupted?): {TRAIN_HINT}")
+        if meta["special_tokens"] != SPECIAL_TOKENS:
+            raise UserError(f"the tokenizer in {path} has special tokens {meta['special_tokens']}, this code expects "
+                            f"{SPECIAL_TOKENS}: {TRAIN_HINT}")
+        mergeable_ranks = {}
+        for line in ranks_text.splitlines():
+            token, rank = line.split()
+            mergeable_ranks[base64.b64decode(token)] = int(rank)
+        # encode with the pattern the merges were learned with (SPLIT_PATTERN for anything tok_train saved)
+        return cls(mergeable_ranks, pattern=meta["pattern"])
+
+    def compute_token_bytes(self):
+        """
+        int32 tensor [vocab_size]: the number of bytes of each token, 0 for special tokens. Taken from the
+        raw token bytes, never from a decoded string: a token can be part of a multi-byte UTF-8 character
+        (e.g. the first 2 of the 3 bytes of "中"), which would decode to a replacement character.
+        """
+        token_bytes = torch.zeros(self.get_vocab_size(), dtype=torch.int32)
+        for token, rank in self.mergeable_ranks.items():
+            token_bytes[rank] = len(token)
+        return token_bytes
+
+    # -------------------------------------------------------------------------
+    # Encoding and decoding
+
+    def get_vocab_size(self):
+        """Number of ids: 256 bytes + merges + special tokens."""
+        return self.enc.n_vocab
+
+    def get_special_tokens(self):
+        """{special token string: id}, in SPECIAL_TOKENS order."""
+        return dict(self.special_tokens)
+
+    def encode_special(self, name):
+        """The id of special token `name`, e.g. encode_special("<|bos|>")."""
+        if name not in SPECIAL_TOKENS:
+            raise ValueError(f"{name!r} is not a special token; they are {SPECIAL_TOKENS}")
+        return self.special_tokens[name]
+
+    def get_bos_token_id(self):
+        return self.encode_special("<|bos|>")
+
+    def id_to_token(self, token_id):
+        """
+        A readable string for one token. Bytes that are not valid UTF-8 on their own (a token holding part
+        of a multi-byte character) are shown as \\xNN escapes; special tokens as their name.
+        """
+        return self.enc.decode_single_token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    def _as_id(self, token):
+        return self.encode_special(token) if isinstance(token, str) else int(token)
+
+    def encode(self, text_or_list, prepend=None, append=None, num_threads=8):
+        """
+        str -> list[int]; list[str] -> list[list[int]] (encoded in parallel by tiktoken, `num_threads`).
+        `prepend` / `append`: a token id or a special token string (e.g. "<|bos|>") added to each sequence.
+
+        The text is always ordinary text: special-token strings inside it are encoded as plain characters.
+        Strings that are not valid Unicode (lone surrogates such as "\\ud800", which Python allows in a str
+        but UTF-8 cannot encode) are repaired the way tiktoken does it: surrogate pairs are joined into the
+        character they stand for and each lone surrogate becomes U+FFFD "\ufffd", so decode(encode(s))
+        returns s with those replacements. Every valid string round-trips exactly.
+        """
+        pre = None if prepend is None else self._as_id(prepend)
+        post = None if append is None else self._as_id(append)
+
+        def wrap(ids):
+            if pre is not None:
+                ids.insert(0, pre)
+            if post is not None:
+                ids.append(post)
+            return ids
+
+        if isinstance(text_or_list, str):
+            return wrap(self.enc.encode_ordinary(text_or_list))
+        if isinstance(text_or_list, (list, tuple)):
+            return [wrap(ids) for ids in self.enc.encode_ordinary_batch(list(text_or_list), num_threads=num_threads)]
+        raise TypeError(f"encode expects a str or a list of str, got {type(text_or_list).__name__}")
+
+    def __call__(self, *args, **kwargs):
+        return self.encode(*args, **kwargs)
+
+    def decode(self, ids):
+        """list[int] -> str. Special tokens come out as their names; an incomplete UTF-8 sequence as U+FFFD."""
+        return self.enc.decode([int(i) for i in ids])  # int(): also takes a tensor or numpy ids
+
+    # -------------------------------------------------------------------------
+    # Conversations
+
+    def _validated_messages(self, conversation):
+        """
+        Check the conversation and return its messages with a leading system message merged into the first
+        user message ("system text\\n\\nuser text"). Raises ValueError saying what is wrong.
+        """
+        if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
+            raise ValueError("a conversation is a dict {'messages': [...]}")
+        messages = conversation["messages"]
+        if not messages:
+            raise ValueError("conversation has no messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+            if message["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"message {i} has unknown role {message['role']!r} (system, user, assistant)")
+            if message["role"] == "system" and i != 0:
+                raise ValueError(f"message {i} is a system message: only the first message may be one")
+        if messages[0]["role"] == "system":
+            system = messages[0]["content"]
+            if not isinstance(system, str):
+                raise ValueError("the system message's content must be a string")
+            if len(messages) < 2 or messages[1]["role"] != "user":
+                raise ValueError("the system message must be followed by a user message")
+            if not isinstance(messages[1]["content"], str):
+                raise ValueError("message 1 (user) content must be a string")
+            first_user = {"role": "user", "content": system + "\n\n" + messages[1]["content"]}
+            messages = [first_user] + messages[2:]
+        for i, message in enumerate(messages):
+            expected = "user" if i % 2 == 0 else "assistant"
+            if message["role"] != expected:
+                raise ValueError(f"roles must alternate user/assistant starting with user (after the optional "
+                                 f"system message); message {i} is {message['role']!r}, expected {expected!r}")
+            content = message["content"]
+            if expected == "user":
+                if not isinstance(content, str):
+                    raise ValueError(f"user message {i} content must be a string, got {type(content).__name__}")
+            elif isinstance(content, list):
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") not in ("text", "python", "python_output"):
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise ValueError(f"assistant message {i} part {j} has unknown type {kind!r} "
+                                         f"(text, python, python_output)")
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"assistant message {i} part {j} needs a string 'text'")
+            elif not isinstance(content, str):
+                raise ValueError(f"assistant message {i} content must be a string or a list of parts")
+        return messages
+
+    def _render_messages(self, messages):
+        """Tokens and mask of validated messages (no truncation)."""
+        ids, mask = [], []
+
+        def add(token_ids, m):
+            if isinstance(token_ids, int):
+                token_ids = [token_ids]
+            ids.extend(token_ids)
+            mask.extend([m] * len(token_ids))
+
+        special = self.special_tokens
+        add(special["<|bos|>"], 0)
+        for message in messages:
+            content = message["content"]
+            if message["role"] == "user":
+                add(special["<|user_start|>"], 0)
+                add(self.encode(content), 0)
+                add(special["<|user_end|>"], 0)
+                continue
+            add(special["<|assistant_start|>"], 0)  # given at sampling time, so never a target
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            for part in parts:
+                if part["type"] == "text":
+                    add(self.encode(part["text"]), 1)
+                elif part["type"] == "python":  # the model writes the tool call: trained
+                    add(special["<|python_start|>"], 1)
+                    add(self.encode(part["text"]), 1)
+                    add(special["<|python_end|>"], 1)
+                else:  # python_output: the tool writes it, the model only reads it
+                    add(special["<|output_start|>"], 0)
+                    add(self.encode(part["text"]), 0)
+                    add(special["<|output_end|>"], 0)
+            add(special["<|assistant_end|>"], 1)  # the model must learn to end its turn
+        return ids, mask
+
+    def render_conversation(self, conversation, max_tokens=2048):
+        """
+        Conversation -> (ids, mask), two lists of equal length; mask[i] = 1 where ids[i] is a training target
+        (see the module docstring for the format and the mask).
+
+        conversation = {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}:
+        an optional system message first (merged into the first user message as "system\\n\\nuser"), then
+        user and assistant alternate starting with user. User content is a string; assistant content is a
+        string or a list of parts {"type": "text"|"python"|"python_output", "text": str}. A malformed
+        conversation raises ValueError.
+
+        Sequences longer than max_tokens are cut to max_tokens; each cut is counted in
+        self.truncation_stats and the first one is logged as a warning.
+        """
+        ids, mask = self._render_messages(self._validated_messages(conversation))
+        if len(ids) > max_tokens:
+            if self.truncation_stats["conversations"] == 0:
+                logger.warning(f"conversation of {len(ids):,} tokens truncated to max_tokens={max_tokens:,} "
+                               f"(counted in tokenizer.truncation_stats; further truncations are not logged)")
+            self.truncation_stats["conversations"] += 1
+            self.truncation_stats["tokens_dropped"] += len(ids) - max_tokens
+            ids, mask = ids[:max_tokens], mask[:max_tokens]
+        return ids, mask
+
+    def render_for_completion(self, conversation):
+        """
+        The prompt for sampling the assistant's next reply (chat, evaluation, RL): the conversation rendered
+        without its last assistant message (if it ends with one) and ending with <|assistant_start|>.
+        The conversation may end with a user message. Returns ids only (nothing is trained on).
+        """
+        messages = self._validated_messages(conversation)
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        ids, _ = self._render_messages(messages)
+        ids.append(self.encode_special("<|assistant_start|>"))
+        return ids
+
+    def visualize_tokenization(self, ids, mask=None, color=None):
+        """
+        A debug view of a token sequence, one string. Newlines/tabs inside tokens are shown as \\n and \\t.
+        With a mask: at a terminal, trained tokens (mask 1) are green and the others red, tokens separated
+        by a dim "|"; without colours (NO_COLOR set or output not a TTY) tokens are separated by "|" and
+        each run of trained tokens is wrapped in [[ ]].
+        Without a mask: token boundaries only (alternating colours, or "|").
+        `color`: None = decide from sys.stdout and NO_COLOR, True/False to force.
+        """
+        if color is None:
+            color = _use_color(sys.stdout)
+        if mask is not None and len(mask) != len(ids):
+            raise ValueError(f"ids and mask differ in length ({len(ids)} vs {len(mask)})")
+        texts = [self.id_to_token(i).replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") for i in ids]
+        if color:
+            green, red, cyan, yellow, dim, reset = "\033[32m", "\033[31m", "\033[36m", "\033[33m", "\033[2m", "\033[0m"
+            if mask is None:
+                colored = [f"{(cyan, yellow)[k % 2]}{t}{reset}" for k, t in enumerate(texts)]
+            else:
+                colored = [f"{green if m else red}{t}{reset}" for t, m in zip(texts, mask)]
+            return f"{dim}|{reset}".join(colored)
+        if mask is None:
+            return "|".join(texts)
+        out = []
+        for k, (t, m) in enumerate(zip(texts, mask)):
+            prev = mask[k - 1] if k > 0 else 0
+            if k > 0:
+                out.append("]]|" if prev and not m else "|")
+            if m and not prev:
+                out.append("[[")
+            out.append(t)
+        if mask and mask[-1]:
+            out.append("]]")
+        return "".join(out)
+
+
+# -----------------------------------------------------------------------------
+# The tokenizer of this run (trained by scripts/tok_train.py)
+
+
+def get_tokenizer_dir():
+    return os.path.join(get_base_dir(), "tokenizer")
+
+
+def get_tokenizer():
+    """The tokenizer saved under $NANOCHAT_BASE_DIR/tokenizer/; UserError if there is none."""
+    return Tokenizer.from_directory(get_tokenizer_dir())
+
+
+def get_token_bytes(device="cpu"):
+    """
+    int32 tensor [vocab_size] on `device`: UTF-8 bytes of each token id (0 for special tokens), to turn a
+    loss in nats per token into bits per byte: sum(loss) / (ln 2 * sum(token_bytes[targets])).
+    """
+    path = os.path.join(get_tokenizer_dir(), TOKEN_BYTES_FILE)
+    if not os.path.exists(path):
+        raise UserError(f"no {path}: {TRAIN_HINT}")
+    return torch.load(path, map_location="cpu", weights_only=True).to(device)

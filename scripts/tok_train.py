@@ -1,0 +1,94 @@
+"""
+Train the BPE tokenizer on the training split of the selected corpus ($NANOCHAT_DATASET) and save it to
+$NANOCHAT_BASE_DIR/tokenizer/ (merges, token_bytes.pt for bits per byte, metadata).
+
+    python -m scripts.tok_train                                  # FineWeb-Edu, 65,536 tokens, up to 2B chars
+    NANOCHAT_DATASET=pydocs python -m scripts.tok_train --vocab-size=8192   # offline, CPU-sized
+
+Documents are cropped to doc_cap characters (so a handful of huge documents cannot dominate the pair
+counts) and training stops after max_chars characters in total.
+"""
+
+import time
+
+from nanochat.common import UserError, print0
+from nanochat.configurator import configure
+from nanochat.dataset import dataset_name, parquets_iter_batched
+from nanochat.report import get_report
+from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer, get_tokenizer_dir
+
+max_chars = 2_000_000_000  # train on at most this many characters of the train split
+doc_cap = 10_000  # crop every document to its first doc_cap characters
+vocab_size = 65536  # tokens in total: 256 bytes + merges + the special tokens
+config = configure(globals())
+
+if max_chars < 1 or doc_cap < 1:
+    raise UserError(f"max_chars and doc_cap must be >= 1 (got max_chars={max_chars}, doc_cap={doc_cap})")
+corpus = dataset_name()
+print0(f"Training a tokenizer of {vocab_size:,} tokens ({len(SPECIAL_TOKENS)} special) on the train split of "
+       f"{corpus}: at most {max_chars:,} chars, documents cropped to {doc_cap:,} chars")
+
+# -----------------------------------------------------------------------------
+# The text: documents of the train split, in order, cropped, until max_chars
+
+seen = {"chars": 0, "docs": 0}  # filled in by the iterator as rustbpe consumes it
+
+
+def text_iterator():
+    for batch in parquets_iter_batched("train"):
+        for doc in batch:
+            doc = doc[:min(doc_cap, max_chars - seen["chars"])]
+            seen["chars"] += len(doc)
+            seen["docs"] += 1
+            yield doc
+            if seen["chars"] >= max_chars:
+                return
+
+
+# -----------------------------------------------------------------------------
+# Train and save
+
+t0 = time.time()
+tokenizer = Tokenizer.train_from_iterator(text_iterator(), vocab_size)
+train_time = time.time() - t0
+if seen["chars"] == 0:
+    raise UserError(f"the train split of {corpus} has no text")
+chars_per_s = seen["chars"] / train_time
+tokenizer_dir = get_tokenizer_dir()
+tokenizer.save(tokenizer_dir)
+
+print0(f"Trained on {seen['docs']:,} documents, {seen['chars']:,} chars in {train_time:.2f}s ({chars_per_s:,.0f} chars/s)")
+print0(f"Vocab size: {tokenizer.get_vocab_size():,} ({tokenizer.get_vocab_size() - 256 - len(SPECIAL_TOKENS):,} merges "
+       f"+ 256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+print0(f"Saved to {tokenizer_dir}")
+
+# Sanity: an exact round trip, and what the tokenization looks like (token boundaries)
+sample = "The tokenizer splits 1234567 into pairs of digits; it's byte-level, so 한국어 and emoji 🙂 work too.\n"
+ids = tokenizer.encode(sample)
+if tokenizer.decode(ids) != sample:
+    raise RuntimeError("the trained tokenizer does not round-trip its sample text")
+print0(f"Sample: {len(sample.encode('utf-8'))} bytes -> {len(ids)} tokens "
+       f"({len(sample.encode('utf-8')) / len(ids):.2f} bytes/token):")
+print0(tokenizer.visualize_tokenization(ids))
+
+token_bytes = tokenizer.compute_token_bytes()
+regular = token_bytes[token_bytes > 0].float()
+print0(f"Token lengths in bytes (special tokens excluded): min {int(regular.min())}, max {int(regular.max())}, "
+       f"mean {regular.mean():.2f}")
+
+get_report().log(section="Tokenizer training", data=[
+    config,
+    {
+        "dataset": corpus,
+        "train_docs": seen["docs"],
+        "train_chars": seen["chars"],
+        "train_time_s": train_time,
+        "chars_per_s": round(chars_per_s),
+        "trained_vocab_size": tokenizer.get_vocab_size(),
+        "num_special_tokens": len(SPECIAL_TOKENS),
+        "token_bytes_min": int(regular.min()),
+        "token_bytes_max": int(regular.max()),
+        "token_bytes_mean": float(regular.mean()),
+    },
+])
+print0("Next: `python -m scripts.tok_eval` (compression vs GPT-2/GPT-4), then `python -m scripts.base_train`")
