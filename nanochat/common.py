@@ -393,6 +393,47 @@ def autocast_dtype(device_type):
     return torch.float32
 
 
+PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU
+    "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
+    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
+}
+
+
+def measure_matmul_flops(device, dtype, n=1024, repeats=5):
+    """Best observed FLOP/s of an n x n x n matmul on `device` in `dtype` (a few warm-ups, then timed runs)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def get_peak_flops(device, dtype):
+    """
+    The denominator of MFU (model FLOPs utilisation = achieved model FLOP/s / peak FLOP/s), per device.
+    Known CUDA GPUs: the datasheet dense bf16 peak (an H100 SXM: 989 TFLOP/s). Anything else (CPU, MPS,
+    unknown GPUs): measured once here with a matmul in the dtype we compute in (fp32 on CPU), so MFU says
+    how close training gets to what this machine's matmul can actually do. Returns (flops, how it was got).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        name = torch.cuda.get_device_name(device)
+        for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+            if key in name:
+                return flops, f"{name} datasheet bf16 peak"
+    n = 2048 if device.type != "cpu" else 1024
+    flops = measure_matmul_flops(device, dtype, n=n)
+    return flops, f"measured {str(dtype).removeprefix('torch.')} {n}x{n} matmul on {device.type}"
+
+
 # -----------------------------------------------------------------------------
 # 4. Experiment tracking
 

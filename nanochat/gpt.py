@@ -359,3 +359,30 @@ class GPT(nn.Module):
                 next_id = torch.argmax(logits, dim=-1, keepdim=True)
             ids = torch.cat((ids, next_id), dim=1)
             yield next_id.item()
+
+
+def clip_grad_norm_(optimizers, max_norm):
+    """
+    Clip the gradient of the whole model to norm `max_norm`; returns the norm before clipping (a tensor).
+
+    The norm that matters is the norm of the gradient the optimizers will use: the average over all ranks.
+    In one process that is simply the .grad of every parameter (torch's clip_grad_norm_). Under torchrun each
+    rank's .grad holds only its own data's gradient, so a norm of it would differ per rank, and the ranks
+    would clip by different factors. Instead the Dist optimizers first average the gradients (their
+    reduce_scatter; each rank then holds the averaged gradient of its own share), each rank sums the squares
+    of its share, one all_reduce adds the shares up: the exact norm of the averaged gradient, the same
+    number on every rank, at the cost of one scalar all_reduce. Every rank then scales its share by the same
+    factor, min(1, max_norm / (norm + 1e-6)), exactly as torch's clip_grad_norm_ does in one process.
+    """
+    if not all(hasattr(opt, "owned_grad_sq_norm") for opt in optimizers):
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    for opt in optimizers:
+        opt.reduce_gradients()  # issue every optimizer's reduce_scatters before waiting on any of them
+    sq_norm = sum(opt.owned_grad_sq_norm() for opt in optimizers)
+    dist.all_reduce(sq_norm)
+    norm = sq_norm.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for opt in optimizers:
+        opt.scale_gradients(scale)
+    return norm

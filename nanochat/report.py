@@ -1,39 +1,74 @@
 """
-The run report: each stage appends a section of figures under $NANOCHAT_BASE_DIR/report/ and
-`python -m nanochat.report generate` assembles them into report.md.
-(The header, generate and plots arrive with the pretraining stage; sections can be logged now.)
+The run report: one markdown file that says what ran, on what, and what came out.
+
+    python -m nanochat.report reset      # start a new report: header with environment facts
+    ... every stage appends its own section (get_report().log(section, data)) ...
+    python -m nanochat.report generate   # assemble report.md (+ training curves), copy it to the cwd
+
+Everything lives in $NANOCHAT_BASE_DIR/report/: header.md, one <section>.md per stage, the per-step
+metrics the training scripts write (*-metrics.jsonl), and the generated report.md and PNG curves.
 """
 
 import datetime
+import glob
+import json
 import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
 
 from nanochat.common import get_base_dir
 
+# stage sections in pipeline order; sections not listed here come after them, alphabetically
+SECTION_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-loss",
+                 "base-model-evaluation", "midtraining", "chat-evaluation-mid", "chat-sft", "chat-evaluation-sft",
+                 "chat-rl", "chat-evaluation-rl"]
+# (section, key in that section, label in the summary table)
+SUMMARY_METRICS = [
+    ("tokenizer-evaluation", "Mean compression (bytes/token)", "Tokenizer bytes/token"),
+    ("base-model-training", "Number of parameters", "Parameters"),
+    ("base-model-training", "Minimum validation bpb", "Base val bpb (min)"),
+    ("base-model-training", "Average MFU (%)", "Base MFU %"),
+    ("base-model-training", "Total training time (min)", "Base training time (min)"),
+    ("base-model-loss", "val bpb", "Base val bpb"),
+    ("base-model-evaluation", "CORE metric", "CORE"),
+    ("midtraining", "Minimum validation bpb", "Mid val bpb (min)"),
+    ("midtraining", "Held-out offline-task loss", "Mid held-out task loss"),
+]
+GPU_HOUR_USD = float(os.environ.get("NANOCHAT_GPU_HOUR_USD", "3.0"))  # rough on-demand price of one H100-class GPU hour
+
 
 def _slug(section):
-    return "".join(c if c.isalnum() else "-" for c in section.lower()).strip("-")
+    return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+
+
+def report_dir():
+    path = os.path.join(get_base_dir(), "report")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 class Report:
-    def __init__(self, report_dir):
-        self.report_dir = report_dir
-        os.makedirs(report_dir, exist_ok=True)
+    def __init__(self, directory):
+        self.dir = directory
 
     def log(self, section, data):
         """Write one section: `data` is a list of dicts (key -> value) or strings, written in order."""
-        path = os.path.join(self.report_dir, f"{_slug(section)}.md")
+        path = os.path.join(self.dir, f"{_slug(section)}.md")
+        lines = [f"## {section}", f"timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}", ""]
+        for item in data:
+            if isinstance(item, str):
+                lines.append(item)
+                continue
+            for k, v in item.items():
+                v = f"{v:.4f}" if isinstance(v, float) else v
+                lines.append(f"- {k}: {v}")
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(f"## {section}\n")
-            f.write(f"timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n\n")
-            for item in data:
-                if isinstance(item, str):
-                    f.write(item + "\n")
-                else:
-                    for k, v in item.items():
-                        v = f"{v:.4f}" if isinstance(v, float) else v
-                        f.write(f"- {k}: {v}\n")
-            f.write("\n")
+            f.write("\n".join(lines) + "\n\n")
         os.replace(tmp, path)
         return path
 
@@ -46,5 +81,180 @@ class DummyReport:
 def get_report():
     """The report on rank 0, a no-op elsewhere (only one process writes the report)."""
     if int(os.environ.get("RANK", 0)) == 0:
-        return Report(os.path.join(get_base_dir(), "report"))
+        return Report(report_dir())
     return DummyReport()
+
+
+# -----------------------------------------------------------------------------
+# header: environment facts
+
+
+def _run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=_repo_root()).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _repo_root():
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _code_size():
+    """Characters, lines and files of the project's own code (what a reader has to read)."""
+    root = _repo_root()
+    chars = lines = files = 0
+    for pattern in ("nanochat/*.py", "scripts/*.py", "tasks/*.py", "*.sh"):
+        for path in glob.glob(os.path.join(root, pattern)):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            chars, lines, files = chars + len(text), lines + text.count("\n"), files + 1
+    return chars, lines, files
+
+
+def header_text():
+    import psutil
+    import torch
+    commit = _run(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
+    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"]))
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    chars, lines, files = _code_size()
+    out = [
+        "# nanochat training report", "",
+        f"Generated: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}", "",
+        "## Environment", "",
+        f"- Git commit: {commit}{' (dirty: uncommitted changes)' if dirty else ''}",
+        f"- Host: {socket.gethostname()} ({platform.system()} {platform.release()})",
+        f"- CPU: {_cpu_model()}, {psutil.cpu_count(logical=False)} cores / {psutil.cpu_count()} threads",
+        f"- Memory: {psutil.virtual_memory().total / 2**30:.1f} GiB",
+        f"- GPUs: {len(gpus)} x {gpus[0]}" if gpus else "- GPUs: none",
+        f"- GPU count: {len(gpus)}",
+        f"- Python: {platform.python_version()}, PyTorch: {torch.__version__}",
+        f"- Code: {chars:,} characters, {lines:,} lines, {files} files (~{chars // 4:,} tokens)",
+        "",
+    ]
+    return "\n".join(out) + "\n"
+
+
+# -----------------------------------------------------------------------------
+# generate
+
+
+def _parse_section(text):
+    """{key: value} of the `- key: value` lines of a section."""
+    return dict(m.groups() for m in re.finditer(r"^- ([^:\n]+): (.*)$", text, re.MULTILINE))
+
+
+def _timestamps(texts):
+    stamps = []
+    for text in texts:
+        for m in re.finditer(r"^(?:timestamp|Generated|Started): (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)$", text, re.MULTILINE):
+            stamps.append(datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+    return stamps
+
+
+def plot_curves(directory):
+    """Training curves (loss, val bpb, tokens/s per step) of each *-metrics.jsonl, as PNG files. Returns their names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    for path in sorted(glob.glob(os.path.join(directory, "*-metrics.jsonl"))):
+        stage = os.path.basename(path).removesuffix("-metrics.jsonl")
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key in ("loss", "val_bpb", "tok_per_sec")}
+        for key, label in (("loss", "train loss (EMA)"), ("val_bpb", "validation bits per byte"), ("tok_per_sec", "tokens / second")):
+            if not series[key]:
+                continue
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            steps, values = zip(*series[key])
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
+            ax.set_xlabel("step")
+            ax.set_ylabel(label)
+            ax.set_title(f"{stage}: {label}")
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            name = f"report_{stage}_{key}.png"
+            fig.savefig(os.path.join(directory, name), dpi=100)
+            plt.close(fig)
+            written.append(name)
+    return written
+
+
+def generate(copy_to=None):
+    """Assemble report.md from the header and the sections; returns its path. Copies report + PNGs to `copy_to`."""
+    directory = report_dir()
+    header_path = os.path.join(directory, "header.md")
+    header = open(header_path, encoding="utf-8").read() if os.path.exists(header_path) else header_text()
+    sections = {}
+    for path in glob.glob(os.path.join(directory, "*.md")):
+        name = os.path.basename(path)[:-3]
+        if name not in ("header", "report"):
+            sections[name] = open(path, encoding="utf-8").read()
+    order = [s for s in SECTION_ORDER if s in sections] + sorted(s for s in sections if s not in SECTION_ORDER)
+
+    parsed = {name: _parse_section(text) for name, text in sections.items()}
+    rows = [(label, parsed[s][k]) for s, k, label in SUMMARY_METRICS if s in parsed and k in parsed[s]]
+    stamps = _timestamps([header] + list(sections.values()))
+    wall = (max(stamps) - min(stamps)).total_seconds() if len(stamps) >= 2 else 0.0
+    gpu_count = int(m.group(1)) if (m := re.search(r"^- GPU count: (\d+)$", header, re.MULTILINE)) else 0
+
+    out = [header.rstrip(), "", "## Summary", ""]
+    out += ["| metric | value |", "| --- | --- |"] + [f"| {label} | {value} |" for label, value in rows]
+    out.append(f"| Total wall time | {wall / 3600:.2f} h ({wall / 60:.1f} min) |")
+    if gpu_count:
+        out.append(f"| Estimated cost | ${wall / 3600 * gpu_count * GPU_HOUR_USD:,.2f} "
+                   f"({gpu_count} GPUs x ${GPU_HOUR_USD:.2f}/GPU-hour, NANOCHAT_GPU_HOUR_USD) |")
+    out.append("")
+    images = plot_curves(directory)
+    if images:
+        out += ["## Training curves", ""] + [f"![{name}]({name})" for name in images] + [""]
+    for name in order:
+        out.append(sections[name].rstrip())
+        out.append("")
+    report_path = os.path.join(directory, "report.md")
+    with open(report_path, "w", encoding="utf-8") as f:
+        f.write("\n".join(out) + "\n")
+    if copy_to:
+        for name in ["report.md"] + images:
+            shutil.copy(os.path.join(directory, name), os.path.join(copy_to, name))
+    return report_path
+
+
+def reset():
+    """Start a new report: remove the previous sections, metrics and outputs; write the header."""
+    directory = report_dir()
+    for path in glob.glob(os.path.join(directory, "*")):
+        if os.path.isfile(path):
+            os.remove(path)
+    with open(os.path.join(directory, "header.md"), "w", encoding="utf-8") as f:
+        f.write(header_text().replace("Generated: ", "Started: ", 1))
+    return directory
+
+
+def main(argv):
+    if len(argv) != 1 or argv[0] not in ("reset", "generate"):
+        print("usage: python -m nanochat.report reset|generate", file=sys.stderr)
+        return 2
+    if argv[0] == "reset":
+        print(f"Report reset: {reset()}/header.md")
+    else:
+        path = generate(copy_to=os.getcwd())
+        print(f"Report written to {path} and copied to {os.path.join(os.getcwd(), 'report.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

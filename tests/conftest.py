@@ -130,3 +130,25 @@ def pydocs_corpus(pydocs_dir, isolated_env, monkeypatch):
     shutil.copytree(pydocs_dir, target)
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     return str(target)
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer_dir(pydocs_dir, tmp_path_factory):
+    """A 512-token tokenizer trained once per session on the pydocs training shards (the real tok_train path's
+    Tokenizer, not a stub). Returns its directory; tests get a private copy through `trained_tokenizer`."""
+    import pyarrow.parquet as pq
+    from nanochat.tokenizer import Tokenizer
+    texts = []
+    for name in sorted(os.listdir(pydocs_dir))[:-1]:  # the last shard is validation
+        texts += pq.read_table(os.path.join(pydocs_dir, name), columns=["text"]).column("text").to_pylist()
+    out = tmp_path_factory.mktemp("tokenizer") / "tokenizer"
+    Tokenizer.train_from_iterator(iter(texts[:2000]), 512).save(str(out))
+    return out
+
+
+@pytest.fixture
+def trained_tokenizer(pydocs_corpus, small_tokenizer_dir, isolated_env):
+    """pydocs corpus + the session's small tokenizer in this test's base dir: ready for base_train."""
+    import shutil
+    shutil.copytree(small_tokenizer_dir, isolated_env / "tokenizer")
+    return isolated_env / "tokenizer"

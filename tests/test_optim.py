@@ -1,0 +1,165 @@
+"""
+Optimizers: Newton-Schulz orthogonalisation, Muon against a hand-written step, and DistMuon / DistAdamW
+on 2 and 3 gloo processes against Muon / torch.optim.AdamW in one process (the worker script
+tests/dist_optim_worker.py does the distributed part; these tests assert on what it saved).
+"""
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO_ROOT, run_torchrun
+from nanochat.muon import DistMuon, Muon, zeropower_via_newtonschulz5
+
+# The band stated in zeropower_via_newtonschulz5's docstring: singular values s >= 0.0016 * ||G||_F
+# come out in [0.68, 1.21]; none comes out above 1.21.
+BAND_LO, BAND_HI, BAND_THRESHOLD = 0.68, 1.21, 0.0016
+
+
+def exact_polar(G):
+    U, S, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U, S, Vh
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 200), (300, 40), (128, 128)])
+def test_newton_schulz_band_and_direction(shape):
+    gen = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    G = torch.randn(shape, generator=gen) * 3.0
+    X = zeropower_via_newtonschulz5(G)
+    assert X.shape == G.shape and X.dtype == torch.float32
+    U, S, Vh = exact_polar(G)
+    out = torch.linalg.svdvals(X.double())
+    assert out.max() <= BAND_HI
+    if shape[0] != shape[1]:
+        # non-square Gaussian matrices have no tiny singular values: all must land in the band
+        assert (S / G.double().norm()).min() >= BAND_THRESHOLD
+        assert out.min() >= BAND_LO, f"smallest singular value {out.min():.4f} below the band"
+    # same singular vectors as G: U^T X V is diagonal, i.e. X = U S' V^T
+    D = U.mT @ X.double() @ Vh.mT
+    off_diagonal = D - torch.diag_embed(torch.diagonal(D))
+    assert off_diagonal.norm() / D.norm() < 1e-4
+    # close to the exact polar factor U V^T
+    P = U @ Vh
+    cosine = (X.double() * P).sum() / (X.double().norm() * P.norm())
+    assert cosine > 0.97
+
+
+def test_newton_schulz_zero_and_rank_checks():
+    assert torch.equal(zeropower_via_newtonschulz5(torch.zeros(4, 6)), torch.zeros(4, 6))
+    with pytest.raises(ValueError):
+        zeropower_via_newtonschulz5(torch.ones(5))
+
+
+def reference_newton_schulz(M, steps=5):
+    """Independent float64 numpy version of the quintic iteration."""
+    X = M.astype(np.float64)
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (np.linalg.norm(X) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+    return X.T if tall else X
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_matches_hand_written_steps(nesterov):
+    gen = torch.Generator().manual_seed(7)
+    tall = torch.randn(24, 8, generator=gen)   # lr scaled by sqrt(24 / 8)
+    wide = torch.randn(8, 20, generator=gen)   # lr not scaled
+    params = [torch.nn.Parameter(tall.clone()), torch.nn.Parameter(wide.clone())]
+    opt = Muon(params, lr=0.05, momentum=0.9, nesterov=nesterov)
+    expected = [tall.numpy().astype(np.float64), wide.numpy().astype(np.float64)]
+    buffers = [np.zeros_like(e) for e in expected]
+    for step, (lr, momentum) in enumerate([(0.05, 0.9), (0.02, 0.8), (0.03, 0.95)]):
+        opt.param_groups[0]["lr"] = lr
+        opt.param_groups[0]["momentum"] = momentum
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, g in enumerate(grads):
+            g = g.numpy().astype(np.float64)
+            buffers[i] = momentum * buffers[i] + (1 - momentum) * g
+            direction = (1 - momentum) * g + momentum * buffers[i] if nesterov else buffers[i]
+            rows, cols = g.shape
+            expected[i] = expected[i] - lr * math.sqrt(max(1.0, rows / cols)) * reference_newton_schulz(direction)
+        for p, g, e in zip(params, grads, expected):
+            assert torch.equal(p.grad, g), "step() must not modify the gradient"
+            np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
+
+
+def test_muon_rejects_non_matrices():
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([torch.nn.Parameter(torch.zeros(3, 3)), torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([torch.nn.Parameter(torch.zeros(2, 3, 4))])
+
+
+def test_dist_optimizers_need_a_process_group():
+    from nanochat.adamw import DistAdamW
+    with pytest.raises(RuntimeError, match="process group"):
+        DistMuon([torch.nn.Parameter(torch.zeros(3, 3))])
+    with pytest.raises(RuntimeError, match="process group"):
+        DistAdamW([torch.nn.Parameter(torch.zeros(3, 3))])
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def dist_results(request, tmp_path_factory):
+    """Run the worker once per world size; every test below checks a different part of its output."""
+    world_size = request.param
+    out_dir = tmp_path_factory.mktemp(f"dist_optim_{world_size}")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+    result = run_torchrun(world_size, ["tests/dist_optim_worker.py", str(out_dir)], env=env, timeout=120)
+    assert result.returncode == 0, f"worker failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return world_size, [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+
+
+def test_dist_matches_single_process(dist_results):
+    world_size, ranks = dist_results
+    for rank, res in enumerate(ranks):
+        assert res["world_size"] == world_size
+        for i, (d, ref, init) in enumerate(zip(res["dist"], res["ref"], res["initial"])):
+            assert d.shape == ref.shape
+            torch.testing.assert_close(d, ref, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {rank} param {i}: {m}")
+            assert not torch.equal(ref, init), f"param {i} did not move"
+        # every rank ends with the same weights, bit for bit
+        for i, (d, d0) in enumerate(zip(res["dist"], ranks[0]["dist"])):
+            assert torch.equal(d, d0), f"rank {rank} param {i} differs from rank 0"
+
+
+def test_dist_state_is_sharded(dist_results):
+    """Each rank holds momentum only for the matrices it owns, and AdamW state for its slice only; that
+    state equals the corresponding part of the single-process optimizer's state."""
+    world_size, ranks = dist_results
+    owners_per_matrix = [0] * len(ranks[0]["muon_position"])
+    for rank, res in enumerate(ranks):
+        for i, (pos, buf, ref_buf) in enumerate(zip(res["muon_position"], res["muon_buffers"], res["ref_muon_buffers"])):
+            owned = pos % world_size == rank
+            assert (buf is not None) == owned, f"rank {rank}, matrix {i} (position {pos} in its shape group)"
+            if owned:
+                owners_per_matrix[i] += 1
+                torch.testing.assert_close(buf, ref_buf, rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {rank} matrix {i}: {m}")
+        for i, (state, ref_state) in enumerate(zip(res["adamw_state"], res["ref_adamw_state"])):
+            assert set(state) == {"exp_avg", "exp_avg_sq"}, f"rank {rank}, AdamW param {i}: {set(state)}"
+            for key, ref in ref_state.items():
+                ref = ref.reshape(-1, *ref.shape[1:])  # a 0-d parameter counts as 1 row
+                rows = math.ceil(ref.shape[0] / world_size)
+                assert state[key].shape == (rows, *ref.shape[1:]), f"rank {rank}, AdamW param {i}, {key}"
+                padded = torch.cat([ref, ref.new_zeros((rows * world_size - ref.shape[0], *ref.shape[1:]))])
+                torch.testing.assert_close(state[key], padded[rank * rows:(rank + 1) * rows], rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"rank {rank}, AdamW param {i}, {key}: {m}")
+    assert owners_per_matrix == [1] * len(owners_per_matrix), "every matrix must have exactly one owner"
+
+
+def test_dist_state_dict_round_trip(dist_results):
+    world_size, ranks = dist_results
+    for rank, res in enumerate(ranks):
+        for i, (resumed, straight) in enumerate(zip(res["resumed"], res["uninterrupted"])):
+            torch.testing.assert_close(resumed, straight, rtol=0, atol=0, msg=lambda m: f"rank {rank} param {i}: {m}")
+        for error in res["wrong_rank_errors"]:
+            assert error is not None and "same number of processes" in error
