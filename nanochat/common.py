@@ -330,6 +330,10 @@ def compute_init(device_type="cuda"):
         # most matmuls anyway; this affects the ones that still run in fp32.
         torch.set_float32_matmul_precision("high")
 
+    if device_type == "cuda":
+        # grow allocations in place instead of keeping fixed-size blocks: less fragmentation when nearly all
+        # of the GPU's memory is in use (read at the first CUDA allocation, which has not happened yet)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if ddp and device_type == "cuda":
         if ddp_local_rank >= torch.cuda.device_count():
             raise UserError(f"LOCAL_RANK={ddp_local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible: "

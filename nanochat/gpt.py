@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from nanochat.common import UserError, print0
 
@@ -172,6 +173,7 @@ class GPT(nn.Module):
     """
 
     SOFTCAP = 15.0
+    LOGITS_CHUNK_ELEMENTS = 2**27  # above this many logits (512 MiB in fp32) the loss is computed in chunks
 
     def __init__(self, config):
         super().__init__()
@@ -237,24 +239,49 @@ class GPT(nn.Module):
         if t0 + T > self.rotary_len:
             raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
         x = self.transformer.wte(idx)
-        # under bf16 autocast the Linear outputs are bf16: rotary tables must match q/k's dtype
+        # Under bf16 autocast the residual stream is kept in bf16 too: the Linear outputs added to it are
+        # bf16 anyway, and an fp32 stream would double the activation memory of every layer (d20 with
+        # 32 x 2048 tokens per GPU would not fit in 80 GB). The rotary tables must match q/k's dtype.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dtype)
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
         x = norm(x)
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache)
         x = norm(x)
-        logits = self.lm_head(x).float()
-        logits = self.SOFTCAP * torch.tanh(logits / self.SOFTCAP)
         if targets is None:
-            return logits
-        flat_logits, flat_targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)
-        if loss_reduction == "mean":
-            # sum / count instead of reduction="mean": identical, except that a batch whose targets are all
-            # masked gives 0 instead of 0/0 = NaN (possible in chat data where only assistant tokens count)
-            loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")
-            return loss_sum / (flat_targets != -1).sum().clamp(min=1)
-        return F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction=loss_reduction)
+            return self._softcapped_logits(x)
+        flat_x, flat_targets = x.view(-1, x.size(-1)), targets.reshape(-1)
+        if flat_x.size(0) * self.config.vocab_size <= self.LOGITS_CHUNK_ELEMENTS:
+            per_token = self._per_token_loss(flat_x, flat_targets)
+        else:
+            # The fp32 logits of a whole batch are the biggest tensors of training (32 x 2048 tokens x 65536
+            # vocab x 4 bytes = 17 GB, and softcap/cross-entropy keep several such). So compute the loss in
+            # chunks of rows, and with checkpointing keep only each chunk's input for the backward pass,
+            # which recomputes the chunk's logits: a few % more compute (the lm_head forward, again) for
+            # tens of GB less memory.
+            rows = max(1, self.LOGITS_CHUNK_ELEMENTS // self.config.vocab_size)
+            pieces = []
+            for xc, tc in zip(flat_x.split(rows), flat_targets.split(rows)):
+                if torch.is_grad_enabled():
+                    pieces.append(checkpoint(self._per_token_loss, xc, tc, use_reentrant=False))
+                else:
+                    pieces.append(self._per_token_loss(xc, tc))
+            per_token = torch.cat(pieces)
+        if loss_reduction == "none":
+            return per_token  # (B*T,), 0 at ignored targets
+        if loss_reduction == "sum":
+            return per_token.sum()
+        # "mean" over the targets that count; a batch whose targets are all masked (possible in chat data,
+        # where only assistant tokens count) gives 0 instead of 0/0 = NaN
+        return per_token.sum() / (flat_targets != -1).sum().clamp(min=1)
+
+    def _softcapped_logits(self, x):
+        logits = self.lm_head(x).float()
+        return self.SOFTCAP * torch.tanh(logits / self.SOFTCAP)
+
+    def _per_token_loss(self, x, targets):
+        return F.cross_entropy(self._softcapped_logits(x), targets, ignore_index=-1, reduction="none")
 
     # ------------------------------------------------------------------------------------------
     # accounting

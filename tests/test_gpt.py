@@ -144,3 +144,24 @@ def test_small_model_overfits_one_batch():
         model.zero_grad(set_to_none=True)
     assert first == pytest.approx(math.log(64), rel=0.05)
     assert loss.item() < 0.5, loss.item()
+
+
+def test_chunked_loss_equals_whole_batch_loss(monkeypatch):
+    model = make_model()
+    randomize_zero_init(model)
+    idx = torch.randint(0, 256, (4, 32))
+    targets = idx.clone()
+    targets[1, 3:9] = -1
+    whole = model(idx, targets)
+    whole.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    monkeypatch.setattr(GPT, "LOGITS_CHUNK_ELEMENTS", 256 * 40)  # 40 rows per chunk: uneven split of 128 rows
+    chunked = model(idx, targets)
+    chunked.backward()
+    assert torch.allclose(whole, chunked, rtol=1e-6)
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-7), n
+    with torch.no_grad():
+        assert torch.allclose(model(idx, targets, loss_reduction="none"), torch.cat([
+            model(idx[i:i + 1], targets[i:i + 1], loss_reduction="none") for i in range(4)]), atol=1e-6)
