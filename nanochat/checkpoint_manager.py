@@ -144,6 +144,7 @@ def load_model(source, device, phase, model_tag=None, step=None):
     step = find_last_step(checkpoint_dir) if step is None or step < 0 else step
     print0(f"Loading {source} model {model_tag} step {step} from {checkpoint_dir}")
     model, meta = build_model(checkpoint_dir, step, device, phase)
+    meta = dict(meta, model_tag=model_tag, checkpoint_dir=checkpoint_dir)
     from nanochat.tokenizer import get_tokenizer
     tokenizer = get_tokenizer()
     if tokenizer.get_vocab_size() != model.config.vocab_size:

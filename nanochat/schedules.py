@@ -31,3 +31,14 @@ def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95):
     """
     frac = min(step / warmup_steps, 1.0)
     return (1 - frac) * start + frac * end
+
+
+def mid_lr_multiplier(progress, warmdown_frac=0.2):
+    """
+    Midtraining's schedule as a function of progress through the run (0..1): constant 1, then a linear
+    decay to 0 over the last `warmdown_frac`. Progress, not steps, because a run of one epoch of the
+    mixture does not know its number of steps in advance (progress = fraction of the data read).
+    """
+    if progress < 1 - warmdown_frac:
+        return 1.0
+    return max(0.0, (1 - progress) / warmdown_frac)

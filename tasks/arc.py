@@ -1,0 +1,104 @@
+"""
+ARC, the AI2 Reasoning Challenge (allenai/ai2_arc): grade-school science multiple-choice questions, in two
+subsets: ARC-Easy and ARC-Challenge (the questions simple retrieval and co-occurrence methods got wrong).
+Categorical: the user turn is the question rendered by tasks.common.render_mc with the dataset's own labels
+as letters, the assistant answers one label.
+
+Files, fetched once each from the Hugging Face hub (tasks.common.hf_download) and read with pyarrow:
+    allenai/ai2_arc  ARC-Easy/{train,validation,test}-00000-of-00001.parquet        2,251 / 570 / 2,376
+                     ARC-Challenge/{train,validation,test}-00000-of-00001.parquet   1,119 / 299 / 1,172
+Columns: id (str), question (str), choices {text: [str], label: [str]}, answerKey (str, one of the labels).
+Labels are usually A-D, but some questions have 3 or 5 choices and a few use 1-4 instead of letters:
+they are used as published, so the answer is always one of the labels shown in the prompt.
+"""
+
+import argparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from nanochat.common import UserError
+from tasks.common import Task, hf_download, render_mc
+
+REPO = "allenai/ai2_arc"
+SUBSETS = ("ARC-Easy", "ARC-Challenge")
+SPLITS = ("train", "validation", "test")
+COLUMNS = ("id", "question", "choices", "answerKey")
+
+
+class ARC(Task):
+    """ARC(subset="ARC-Easy"|"ARC-Challenge", split="train"|"validation"|"test", start=0, stop=None, step=1)."""
+
+    eval_type = "categorical"
+
+    def __init__(self, subset="ARC-Easy", split="test", **kwargs):
+        if subset not in SUBSETS:
+            raise UserError(f"ARC subset must be one of {', '.join(SUBSETS)}, got {subset!r}")
+        if split not in SPLITS:
+            raise UserError(f"ARC split must be one of {', '.join(SPLITS)}, got {split!r}")
+        path = hf_download(REPO, f"{subset}/{split}-00000-of-00001.parquet")
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path} is not a readable parquet file ({e}); delete it to download it again") from e
+        missing = set(COLUMNS) - set(table.column_names)
+        if missing:
+            raise UserError(f"{path} lacks column(s) {sorted(missing)} (has {table.column_names}): not the published ARC file")
+        self.rows = table.select(list(COLUMNS)).to_pylist()  # a few thousand short rows: plain Python is fine
+        super().__init__(**kwargs)
+
+    def num_examples(self):
+        return len(self.rows)
+
+    def get_example(self, index):
+        row = self.rows[index]
+        letters, texts = row["choices"]["label"], row["choices"]["text"]
+        if len(letters) != len(texts) or row["answerKey"] not in letters:
+            raise ValueError(f"ARC question {row['id']}: labels {letters} do not match {len(texts)} choices "
+                             f"and answer {row['answerKey']!r}")
+        return {
+            "messages": [
+                {"role": "user", "content": render_mc(row["question"], letters, texts)},
+                {"role": "assistant", "content": row["answerKey"]},
+            ],
+            "letters": list(letters),  # an evaluator picks the most likely of these
+        }
+
+    def evaluate(self, conversation, assistant_response):
+        """True when the response (a label; surrounding spaces ignored) is the reference label."""
+        return assistant_response.strip() == conversation["messages"][-1]["content"]
+
+
+def print_examples(task, n):
+    """A few rendered examples: tokens with the training mask if a tokenizer is trained, else the JSON."""
+    import json
+    from nanochat.tokenizer import get_tokenizer
+    try:
+        tokenizer = get_tokenizer()
+    except UserError:
+        tokenizer = None
+        print("(no trained tokenizer: printing the conversations as JSON)")
+    print(f"{type(task).__name__}: {len(task):,} examples\n")
+    for i in range(min(n, len(task))):
+        conversation = task[i]
+        if tokenizer is None:
+            print(json.dumps(conversation, indent=2, ensure_ascii=False))
+        else:
+            ids, mask = tokenizer.render_conversation(conversation)
+            print(tokenizer.visualize_tokenization(ids, mask))
+        print("-" * 80)
+
+
+def main(argv=None):
+    from nanochat.common import setup_default_logging
+    setup_default_logging()
+    parser = argparse.ArgumentParser(description="Print a few rendered ARC examples (downloads the split once).")
+    parser.add_argument("--subset", default="ARC-Easy", choices=SUBSETS)
+    parser.add_argument("--split", default="test", choices=SPLITS)
+    parser.add_argument("-n", type=int, default=3, help="number of examples")
+    args = parser.parse_args(argv)
+    print_examples(ARC(subset=args.subset, split=args.split), args.n)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""
+What every chat task shares: Task (a sliceable view over a dataset of conversations), TaskMixture (a
+deterministic shuffled mix of tasks), TaskSequence (tasks one after another), render_mc (the multiple-choice
+prompt format), and hf_download (fetching a published dataset file from the Hugging Face hub).
+
+A conversation is {"messages": [{"role": "user"|"assistant"|"system", "content": str | [parts]}]}, rendered to
+tokens by nanochat.tokenizer.Tokenizer.render_conversation.
+"""
+
+import os
+import random
+
+from nanochat.common import download_file_with_lock
+
+
+class Task:
+    """
+    A dataset of conversations, seen through a slice: Task(start=0, stop=None, step=1) exposes examples
+    start, start+step, ... < stop of the underlying dataset. Subclasses load their data, then call
+    super().__init__(start=..., stop=..., step=...), and implement num_examples(), get_example(index) and,
+    for evaluation, evaluate(conversation, assistant_response).
+
+    eval_type: "categorical" (the answer is one of a few letters: score by comparing the model's choice) or
+    "generative" (the model writes an answer that evaluate() checks).
+    """
+
+    eval_type = "generative"
+
+    def __init__(self, start=0, stop=None, step=1):
+        if start < 0 or step < 1 or (stop is not None and stop < start):
+            raise ValueError(f"bad slice: start={start}, stop={stop}, step={step}")
+        self.start, self.stop, self.step = start, stop, step
+
+    def num_examples(self):
+        """Size of the underlying dataset (before slicing)."""
+        raise NotImplementedError
+
+    def get_example(self, index):
+        """The conversation of underlying example `index`."""
+        raise NotImplementedError
+
+    def evaluate(self, conversation, assistant_response):
+        raise NotImplementedError(f"{type(self).__name__} has no evaluation")
+
+    def reward(self, conversation, assistant_response):
+        """Reward for reinforcement learning: by default 1.0 for a correct answer, else 0.0."""
+        return float(self.evaluate(conversation, assistant_response))
+
+    def _range(self):
+        stop = self.num_examples() if self.stop is None else min(self.stop, self.num_examples())
+        return range(self.start, stop, self.step)
+
+    def __len__(self):
+        return len(self._range())
+
+    def __getitem__(self, i):
+        r = self._range()
+        if not 0 <= i < len(r):
+            raise IndexError(f"{type(self).__name__} index {i} out of range (len {len(r)})")
+        return self.get_example(r[i])
+
+
+class TaskMixture:
+    """
+    All examples of all tasks, in one deterministic shuffled order (random.Random(seed)). Listing a task
+    twice makes its examples appear twice (oversampling). Each epoch of training sees every example once.
+    """
+
+    def __init__(self, tasks, seed=42):
+        self.tasks = list(tasks)
+        self.index = [(t, i) for t, task in enumerate(self.tasks) for i in range(len(task))]
+        random.Random(seed).shuffle(self.index)
+
+    def __len__(self):
+        return len(self.index)
+
+    def __getitem__(self, i):
+        t, j = self.index[i]
+        return self.tasks[t][j]
+
+
+class TaskSequence:
+    """The tasks one after another, in order (a curriculum)."""
+
+    def __init__(self, tasks):
+        self.tasks = list(tasks)
+        self.offsets = []
+        total = 0
+        for task in self.tasks:
+            self.offsets.append(total)
+            total += len(task)
+        self.total = total
+
+    def __len__(self):
+        return self.total
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.total:
+            raise IndexError(f"TaskSequence index {i} out of range (len {self.total})")
+        for task, offset in zip(reversed(self.tasks), reversed(self.offsets)):
+            if i >= offset:
+                return task[i - offset]
+
+
+def render_mc(question, letters, choices):
+    """
+    The multiple-choice prompt. Each choice comes first and its letter right after it ("- Paris = A"): a
+    small model then finds the letter next to the content it just read, instead of having to remember which
+    letter came before which choice. The assistant answers with the letter alone.
+    """
+    lines = [f"Multiple Choice question: {question}"]
+    lines += [f"- {choice} = {letter}" for letter, choice in zip(letters, choices)]
+    lines.append("\nRespond only with the letter of the correct answer.")
+    return "\n".join(lines)
+
+
+def hf_url():
+    """Base URL of the Hugging Face hub; $NANOCHAT_HF_URL points tests at a local server."""
+    return os.environ.get("NANOCHAT_HF_URL", "https://huggingface.co").rstrip("/")
+
+
+def hf_download(repo, path):
+    """Fetch file `path` of dataset `repo` once (locked, atomic), as published; returns the local path."""
+    url = f"{hf_url()}/datasets/{repo}/resolve/main/{path}"
+    return download_file_with_lock(url, os.path.join("tasks", repo, path))

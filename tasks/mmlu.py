@@ -1,0 +1,109 @@
+"""
+MMLU (cais/mmlu): four-choice questions on 57 subjects, from elementary mathematics to law. Categorical:
+the user turn is the question rendered by tasks.common.render_mc, the assistant answers one letter A-D.
+
+Files, fetched once each from the Hugging Face hub (tasks.common.hf_download) and read with pyarrow:
+    cais/mmlu  all/test-00000-of-00001.parquet                 14,042 questions (the benchmark)
+               all/validation-00000-of-00001.parquet            1,531
+               all/dev-00000-of-00001.parquet                     285 (5 per subject, for few-shot prompts)
+               auxiliary_train/train-00000-of-00001.parquet    99,842 (ARC, OBQA, RACE, ... in MMLU form: training data)
+Columns: question (str), subject (str), choices (list of 4 str), answer (int 0-3, the index of the right choice).
+auxiliary_train is published differently: ONE column `train`, a struct holding those four fields; it is
+flattened on load, and either layout is accepted for every file.
+"""
+
+import argparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from nanochat.common import UserError
+from tasks.common import Task, hf_download, render_mc
+
+REPO = "cais/mmlu"
+SPLITS = {"all": ("test", "validation", "dev"), "auxiliary_train": ("train",)}
+LETTERS = ("A", "B", "C", "D")
+COLUMNS = ("question", "subject", "choices", "answer")
+
+
+class MMLU(Task):
+    """MMLU(subset="all"|"auxiliary_train", split=..., start=0, stop=None, step=1); splits in SPLITS."""
+
+    eval_type = "categorical"
+
+    def __init__(self, subset="all", split="test", **kwargs):
+        if subset not in SPLITS:
+            raise UserError(f"MMLU subset must be one of {', '.join(SPLITS)}, got {subset!r}")
+        if split not in SPLITS[subset]:
+            raise UserError(f"MMLU subset {subset!r} has split(s) {', '.join(SPLITS[subset])}, got {split!r}")
+        path = hf_download(REPO, f"{subset}/{split}-00000-of-00001.parquet")
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path} is not a readable parquet file ({e}); delete it to download it again") from e
+        if table.column_names == ["train"]:  # auxiliary_train layout: struct column -> its fields as columns
+            table = table.flatten()
+            table = table.rename_columns([name.removeprefix("train.") for name in table.column_names])
+        missing = set(COLUMNS) - set(table.column_names)
+        if missing:
+            raise UserError(f"{path} lacks column(s) {sorted(missing)} (has {table.column_names}): not the published MMLU file")
+        # Kept as Arrow arrays (compact) and converted one row at a time in get_example.
+        self.table = table.select(list(COLUMNS))
+        super().__init__(**kwargs)
+
+    def num_examples(self):
+        return self.table.num_rows
+
+    def get_example(self, index):
+        row = {name: self.table.column(name)[index].as_py() for name in COLUMNS}
+        choices = row["choices"]
+        if len(choices) != len(LETTERS) or not 0 <= row["answer"] < len(choices):
+            raise ValueError(f"MMLU row {index}: expected 4 choices and an answer in 0-3, got {len(choices)} and {row['answer']}")
+        return {
+            "messages": [
+                {"role": "user", "content": render_mc(row["question"], LETTERS, choices)},
+                {"role": "assistant", "content": LETTERS[row["answer"]]},
+            ],
+            "letters": list(LETTERS),  # an evaluator picks the most likely of these
+            "subject": row["subject"],  # to report accuracy per subject
+        }
+
+    def evaluate(self, conversation, assistant_response):
+        """True when the response (a letter; surrounding spaces ignored) is the reference letter."""
+        return assistant_response.strip() == conversation["messages"][-1]["content"]
+
+
+def print_examples(task, n):
+    """A few rendered examples: tokens with the training mask if a tokenizer is trained, else the JSON."""
+    import json
+    from nanochat.tokenizer import get_tokenizer
+    try:
+        tokenizer = get_tokenizer()
+    except UserError:
+        tokenizer = None
+        print("(no trained tokenizer: printing the conversations as JSON)")
+    print(f"{type(task).__name__}: {len(task):,} examples\n")
+    for i in range(min(n, len(task))):
+        conversation = task[i]
+        if tokenizer is None:
+            print(json.dumps(conversation, indent=2, ensure_ascii=False))
+        else:
+            ids, mask = tokenizer.render_conversation(conversation)
+            print(tokenizer.visualize_tokenization(ids, mask))
+        print("-" * 80)
+
+
+def main(argv=None):
+    from nanochat.common import setup_default_logging
+    setup_default_logging()
+    parser = argparse.ArgumentParser(description="Print a few rendered MMLU examples (downloads the split once).")
+    parser.add_argument("--subset", default="all", choices=list(SPLITS))
+    parser.add_argument("--split", default=None, help="all: test|validation|dev (default dev); auxiliary_train: train")
+    parser.add_argument("-n", type=int, default=3, help="number of examples")
+    args = parser.parse_args(argv)
+    split = args.split or SPLITS[args.subset][-1]
+    print_examples(MMLU(subset=args.subset, split=split), args.n)
+
+
+if __name__ == "__main__":
+    main()

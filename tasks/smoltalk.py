@@ -1,0 +1,92 @@
+"""
+SmolTalk (HuggingFaceTB/smol-smoltalk): general chat conversations (rewriting, summarising, everyday talk,
+following constraints, ...), the subset of SmolTalk Hugging Face selected for small models. This is what
+teaches the model the chat format itself: user and assistant turns, sometimes with a system message.
+
+Files, fetched once each from the Hugging Face hub (tasks.common.hf_download) and read with pyarrow:
+    HuggingFaceTB/smol-smoltalk  data/train-00000-of-00001.parquet   ~460K conversations
+                                 data/test-00000-of-00001.parquet     ~24K conversations
+Column used: messages, a list of {content: str, role: "system"|"user"|"assistant"}; an optional system
+message comes first, then user and assistant alternate. (The files also have a `source` column: which
+generator made the conversation. It is not used.)
+
+Generative, with no automatic evaluation: there is no single right answer to check against, so the task is
+used for training and for validation loss only; evaluate() raises NotImplementedError.
+"""
+
+import argparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from nanochat.common import UserError
+from tasks.common import Task, hf_download
+
+REPO = "HuggingFaceTB/smol-smoltalk"
+SPLITS = ("train", "test")
+
+
+class SmolTalk(Task):
+    """SmolTalk(split="train"|"test", start=0, stop=None, step=1)."""
+
+    eval_type = "generative"
+
+    def __init__(self, split="train", **kwargs):
+        if split not in SPLITS:
+            raise UserError(f"SmolTalk split must be one of {', '.join(SPLITS)}, got {split!r}")
+        path = hf_download(REPO, f"data/{split}-00000-of-00001.parquet")
+        try:
+            table = pq.read_table(path, columns=["messages"])
+        except (pa.ArrowException, OSError) as e:  # also a missing `messages` column
+            raise UserError(f"{path} is not a readable SmolTalk parquet file with a `messages` column ({e}); "
+                            f"delete it to download it again") from e
+        # Kept in Arrow: ~460K conversations are far more compact there than as Python dicts (which matters
+        # with one copy per process under torchrun); get_example converts one at a time. The chunks are not
+        # combined: more than 2 GB of text in one string array would overflow its 32-bit offsets.
+        self.messages = table.column("messages")
+        super().__init__(**kwargs)
+
+    def num_examples(self):
+        return len(self.messages)
+
+    def get_example(self, index):
+        messages = self.messages[index].as_py()
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+
+    def evaluate(self, conversation, assistant_response):
+        raise NotImplementedError("SmolTalk has no automatic evaluation (open-ended conversations): use it for "
+                                  "training and validation loss")
+
+
+def print_examples(task, n):
+    """A few rendered examples: tokens with the training mask if a tokenizer is trained, else the JSON."""
+    import json
+    from nanochat.tokenizer import get_tokenizer
+    try:
+        tokenizer = get_tokenizer()
+    except UserError:
+        tokenizer = None
+        print("(no trained tokenizer: printing the conversations as JSON)")
+    print(f"{type(task).__name__}: {len(task):,} examples\n")
+    for i in range(min(n, len(task))):
+        conversation = task[i]
+        if tokenizer is None:
+            print(json.dumps(conversation, indent=2, ensure_ascii=False))
+        else:
+            ids, mask = tokenizer.render_conversation(conversation)
+            print(tokenizer.visualize_tokenization(ids, mask))
+        print("-" * 80)
+
+
+def main(argv=None):
+    from nanochat.common import setup_default_logging
+    setup_default_logging()
+    parser = argparse.ArgumentParser(description="Print a few rendered SmolTalk examples (downloads the split once).")
+    parser.add_argument("--split", default="test", choices=SPLITS)
+    parser.add_argument("-n", type=int, default=3, help="number of examples")
+    args = parser.parse_args(argv)
+    print_examples(SmolTalk(split=args.split), args.n)
+
+
+if __name__ == "__main__":
+    main()
