@@ -104,7 +104,7 @@ for B in [int(b) for b in device_batch_sizes.split(",")]:
     print0(f"B={B}: {tok_s:,.0f} tok/s, MFU {mfu:.1f}%, step {dt * 1000:.0f} ms, outside fwd/bwd {100 * (dt - fwdbwd) / dt:.1f}% "
            f"(data {100 * data / dt:.1f}%), loss {loss_value:.3f}")
 
-print0(f"\n| B | accumulation | tok/s | MFU | step | outside fwd/bwd | of which data | process start -> first step starts / ends |")
+print0("\n| B | accumulation | tok/s | MFU | step | outside fwd/bwd | of which data | process start -> first step starts / ends |")
 print0("|---|---|---|---|---|---|---|---|")
 for B, accum, tok_s, mfu, dt, outside, data, first in rows:
     print0(f"| {B} | {accum} | {tok_s:,.0f} | {mfu:.1f}% | {dt * 1000:.0f} ms | {outside:.1f}% | {data:.1f}% | "

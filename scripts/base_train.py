@@ -13,7 +13,6 @@ rank 0 (the "master process") alone prints, logs to wandb and writes the report.
 """
 
 import json
-import math
 import os
 import signal
 import time
@@ -60,7 +59,7 @@ warmdown_ratio = 0.2  # fraction of steps of linear lr decay at the end
 final_lr_frac = 0.0  # lr multiplier at the very end of the warmdown
 # evaluation and output (every <= 0 turns a periodic action off; the final eval and checkpoint always happen)
 eval_every = 250  # steps between val bits-per-byte evaluations
-eval_tokens = 20 * 524288  # val tokens per evaluation, all ranks together
+eval_tokens = -1  # val tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
 core_metric_every = 2000  # steps between CORE evaluations
 core_metric_max_per_task = 500  # examples per CORE task
 sample_every = 2000  # steps between printed samples
@@ -174,6 +173,7 @@ train_loader = tokenizing_distributed_data_loader(device_batch_size, max_seq_len
                                                   total_batch_size=total_batch_size, seed=data_seed,
                                                   resume_state=loader_state, bos_aligned=bos_aligned)
 build_val_loader = lambda: tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "val", device, tokenizer=tokenizer)
+eval_tokens = eval_tokens if eval_tokens > 0 else 20 * total_batch_size
 eval_steps = max(1, eval_tokens // world_tokens_per_fwdbwd)
 x, y = next(train_loader)  # the first micro-batch; from now on the next one is fetched right after each backward
 
@@ -330,7 +330,7 @@ while True:
         first_step_time = time.time() - t_script_start  # start-up, data, compile and the first step
     grad_norm_value = grad_norm.item() if grad_norm is not None else float("nan")
     print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) | loss: {debiased_loss:.6f} "
-           f"(step {train_loss:.6f}, mean of {ddp_world_size} rank(s)) | lrm: {lrm:.2f} | grad norm: {grad_norm_value:.4f} | "
+           f"(step {train_loss:.6f}, mean of {ddp_world_size} rank(s)) | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm: {grad_norm_value:.4f} | "
            f"dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.2f} | total time: {total_training_time / 60:.2f}m")
     wandb_run.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
                    "total_training_time": total_training_time, "train/loss": debiased_loss, "train/step_loss": train_loss,

@@ -46,7 +46,7 @@ init_lr_frac = 1.0  # every lr is multiplied by this (fine-tuning often starts l
 weight_decay = 0.0  # AdamW weight decay
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 eval_every = 150  # steps between validation evaluations (<= 0: only at the end)
-eval_tokens = 20 * 524288  # validation tokens per evaluation, all ranks together
+eval_tokens = -1  # validation tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
 mixture = "real"  # real (SmolTalk, MMLU, GSM8K, identity, spelling; downloads) | offline (synthetic, no downloads)
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
@@ -186,7 +186,7 @@ def mid_data_generator(split):
 
 
 train_loader = mid_data_generator("train")
-eval_steps = max(1, eval_tokens // world_tokens_per_fwdbwd)
+eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * total_batch_size) // world_tokens_per_fwdbwd)
 peak_flops, peak_source = get_peak_flops(device, compute_dtype)
 checkpoint_dir = os.path.join(get_base_dir(), "mid_checkpoints", meta["model_tag"])  # same tag as the base model
 metrics_path = os.path.join(get_base_dir(), "report", "mid-train-metrics.jsonl")
@@ -204,6 +204,10 @@ def log_metrics(**metrics):
 # -----------------------------------------------------------------------------
 # Training loop
 x, y = next(train_loader)  # prefetch the first micro-batch
+# Every rank says what it got: (device_batch_size, max_seq_len) of ITS OWN conversations, not x world_size
+masked = 100 * (y == -1).float().mean().item()
+print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
+      f"{masked:.0f}% of targets -1 (not trained on: user turns, tool outputs)", flush=True)
 step = 0
 smooth_train_loss, ema_beta, total_training_time = 0.0, 0.9, 0.0
 val_bpb, first_val_bpb, min_val_bpb = None, None, float("inf")

@@ -7,10 +7,12 @@ A conversation is {"messages": [{"role": "user"|"assistant"|"system", "content":
 tokens by nanochat.tokenizer.Tokenizer.render_conversation.
 """
 
+import json
 import os
 import random
+import re
 
-from nanochat.common import download_file_with_lock
+from nanochat.common import UserError, download_file_with_lock
 
 
 class Task:
@@ -123,3 +125,41 @@ def hf_download(repo, path):
     """Fetch file `path` of dataset `repo` once (locked, atomic), as published; returns the local path."""
     url = f"{hf_url()}/datasets/{repo}/resolve/main/{path}"
     return download_file_with_lock(url, os.path.join("tasks", repo, path))
+
+
+# "#### 72" ends a GSM8K-style solution: the final answer (commas and a $ allowed)
+FINAL_ANSWER_RE = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+
+
+def extract_answer(text):
+    """The number after the first "####" in `text`, commas removed ("#### 1,200" -> "1200"); None if absent."""
+    match = FINAL_ANSWER_RE.search(text)
+    return match.group(1).replace(",", "") if match else None
+
+
+def assistant_text(message):
+    """The text of an assistant message: its string, or its text parts joined (tool calls and outputs left out)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part["type"] == "text")
+
+
+def print_examples(task, n):
+    """`python -m tasks.<name>`: a few rendered examples, tokens with the training mask if a tokenizer is
+    trained, else the JSON."""
+    from nanochat.tokenizer import get_tokenizer
+    try:
+        tokenizer = get_tokenizer()
+    except UserError:
+        tokenizer = None
+        print("(no trained tokenizer: printing the conversations as JSON)")
+    print(f"{type(task).__name__}: {len(task):,} examples\n")
+    for i in range(min(n, len(task))):
+        conversation = task[i]
+        if tokenizer is None:
+            print(json.dumps(conversation, indent=2, ensure_ascii=False))
+        else:
+            ids, mask = tokenizer.render_conversation(conversation)
+            print(tokenizer.visualize_tokenization(ids, mask))
+        print("-" * 80)

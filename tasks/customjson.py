@@ -20,7 +20,7 @@ import json
 import os
 
 from nanochat.common import UserError
-from tasks.common import Task
+from tasks.common import Task, print_examples
 
 PART_TYPES = ("text", "python", "python_output")
 
@@ -94,26 +94,14 @@ class CustomJSON(Task):
 
 def main(argv=None):
     from nanochat.common import setup_default_logging
-    from nanochat.tokenizer import get_tokenizer
     setup_default_logging()
     parser = argparse.ArgumentParser(description="Check a CustomJSON file and print a few rendered conversations.")
     parser.add_argument("filepath", help="JSONL file, one JSON array of messages per line")
     parser.add_argument("-n", type=int, default=3, help="number of examples")
     args = parser.parse_args(argv)
     task = CustomJSON(args.filepath)
-    try:
-        tokenizer = get_tokenizer()
-    except UserError:
-        tokenizer = None
-        print("(no trained tokenizer: printing the conversations as JSON)")
-    print(f"{args.filepath}: {len(task):,} conversations, all valid\n")
-    for i in range(min(args.n, len(task))):
-        if tokenizer is None:
-            print(json.dumps(task[i], indent=2, ensure_ascii=False))
-        else:
-            ids, mask = tokenizer.render_conversation(task[i])
-            print(tokenizer.visualize_tokenization(ids, mask))
-        print("-" * 80)
+    print(f"{args.filepath}: {len(task):,} conversations, all valid")
+    print_examples(task, args.n)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""
+r"""
 GSM8K (openai/gsm8k): 8.5K grade-school math word problems whose worked solutions use a calculator.
 Generative: the model writes a solution ending in "#### <number>", and evaluate() checks that number.
 
@@ -21,7 +21,7 @@ so the model learns to call the python tool (mask 1: it writes the call) and to 
 - every `<<...>>` (shortest match) is an annotation; the text between annotations is kept verbatim as text
   parts (empty ones are dropped, so two annotations in a row give python, output, python, output);
 - an annotation is split at its LAST "=": python = what is before it, python_output = what is after it,
-  both stripped of surrounding spaces; commas are left alone (the dataset's expressions have none);
+  both stripped of surrounding spaces and otherwise kept as written;
 - an annotation without "=" (not a calculation) is dropped; the text around it is joined;
 - the final "#### <number>" line stays in the last text part: it is how the model states its answer.
 Note the result also appears in the text right after the annotation ("...<<48/2=24>>24 marbles"): that
@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.common import UserError
-from tasks.common import Task, hf_download
+from tasks.common import Task, hf_download, extract_answer, print_examples
 
 REPO = "openai/gsm8k"
 SUBSETS = ("main", "socratic")
@@ -43,7 +43,6 @@ SPLITS = ("train", "test")
 
 ANNOTATION_RE = re.compile(r"<<(.*?)>>", re.DOTALL)
 # "#### 1,234.5": an optional "$", then the number; commas (thousands separators) are removed afterwards
-FINAL_ANSWER_RE = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
 
 
 def parse_answer(answer):
@@ -68,12 +67,6 @@ def parse_answer(answer):
         pos = match.end()
     add_text(answer[pos:])
     return parts
-
-
-def extract_answer(text):
-    """The number after the first "####" in `text`, without commas ("#### 1,200" -> "1200"); None if absent."""
-    match = FINAL_ANSWER_RE.search(text)
-    return match.group(1).replace(",", "") if match else None
 
 
 def _same_number(a, b):
@@ -129,26 +122,6 @@ class GSM8K(Task):
             raise ValueError("the reference answer has no '#### <number>' line")
         predicted = extract_answer(assistant_response)
         return predicted is not None and _same_number(predicted, ref_number)
-
-
-def print_examples(task, n):
-    """A few rendered examples: tokens with the training mask if a tokenizer is trained, else the JSON."""
-    import json
-    from nanochat.tokenizer import get_tokenizer
-    try:
-        tokenizer = get_tokenizer()
-    except UserError:
-        tokenizer = None
-        print("(no trained tokenizer: printing the conversations as JSON)")
-    print(f"{type(task).__name__}: {len(task):,} examples\n")
-    for i in range(min(n, len(task))):
-        conversation = task[i]
-        if tokenizer is None:
-            print(json.dumps(conversation, indent=2, ensure_ascii=False))
-        else:
-            ids, mask = tokenizer.render_conversation(conversation)
-            print(tokenizer.visualize_tokenization(ids, mask))
-        print("-" * 80)
 
 
 def main(argv=None):

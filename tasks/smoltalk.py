@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.common import UserError
-from tasks.common import Task, hf_download
+from tasks.common import Task, hf_download, print_examples
 
 REPO = "HuggingFaceTB/smol-smoltalk"
 SPLITS = ("train", "test")
@@ -56,26 +56,6 @@ class SmolTalk(Task):
     def evaluate(self, conversation, assistant_response):
         raise NotImplementedError("SmolTalk has no automatic evaluation (open-ended conversations): use it for "
                                   "training and validation loss")
-
-
-def print_examples(task, n):
-    """A few rendered examples: tokens with the training mask if a tokenizer is trained, else the JSON."""
-    import json
-    from nanochat.tokenizer import get_tokenizer
-    try:
-        tokenizer = get_tokenizer()
-    except UserError:
-        tokenizer = None
-        print("(no trained tokenizer: printing the conversations as JSON)")
-    print(f"{type(task).__name__}: {len(task):,} examples\n")
-    for i in range(min(n, len(task))):
-        conversation = task[i]
-        if tokenizer is None:
-            print(json.dumps(conversation, indent=2, ensure_ascii=False))
-        else:
-            ids, mask = tokenizer.render_conversation(conversation)
-            print(tokenizer.visualize_tokenization(ids, mask))
-        print("-" * 80)
 
 
 def main(argv=None):

@@ -169,3 +169,40 @@ def test_evaluate_bpb_hand_computed():
     batches = iter([(y, y)])
     # counted targets: 1,2,3,3,1,2 (0 and -1 excluded); nats = 12, bytes = 12
     assert evaluate_bpb(Toy(), batches, 1, token_bytes) == pytest.approx(12 / (math.log(2) * 12))
+
+
+def test_readme_quick_start_runs_in_minutes(trained_tokenizer, isolated_env):
+    """The Mac/CPU quick start of the README and of base_train's docstring, exactly as written there."""
+    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
+    command = "python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512 --num_iterations=20"
+    assert command in readme and command in open(os.path.join(REPO_ROOT, "scripts", "base_train.py")).read()
+    t0 = time.time()
+    result = subprocess.run([sys.executable, "-m", *command.split()[2:]], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert result.returncode == 0, result.stderr
+    assert time.time() - t0 < 180
+    assert "step 00020/00020" in result.stdout and "validation bpb" in result.stdout
+    losses = train_losses(isolated_env)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5  # it learns
+
+
+def test_base_loss_and_report(trained_tokenizer, isolated_env, tmp_path):
+    from nanochat.report import reset
+    reset()
+    assert base_train("--num_iterations=4").returncode == 0
+    result = subprocess.run([sys.executable, "-m", "scripts.base_loss", "--device_batch_size=2", "--split_tokens=128"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "train bpb:" in result.stdout and "val bpb:" in result.stdout
+    section = (isolated_env / "report" / "base-model-loss.md").read_text()
+    assert "- val bpb: " in section and "Samples (greedy)" in section
+    out = tmp_path / "cwd"
+    out.mkdir()
+    result = subprocess.run([sys.executable, "-m", "nanochat.report", "generate"], cwd=out, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = (out / "report.md").read_text()
+    assert "# nanochat training report" in report and "Git commit" in report
+    assert "| Base val bpb (min) |" in report and "| Base val bpb |" in report and "| Total wall time |" in report
+    assert report.index("## Base model training") < report.index("## Base model loss")
+    for png in ("report_base-train_loss.png", "report_base-train_val_bpb.png", "report_base-train_tok_per_sec.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png in report

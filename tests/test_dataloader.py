@@ -4,7 +4,6 @@ accumulation 2 sees), disjoint documents across ranks, exact resume, BOS-aligned
 Ranks are simulated in one process by building the loader with rank/world_size (the same code torchrun runs).
 """
 
-import os
 import re
 
 import pyarrow as pa

@@ -1,0 +1,69 @@
+"""
+The offline chat mixture: synthetic tasks that need no download, so midtraining and chat evaluation run
+anywhere (a laptop, CI, a machine without internet), and a small model is measured on things it can learn.
+
+    python -m scripts.mid_train --mixture=offline      uses offline_mixture("train") and offline_mixture("test")
+    python -m tasks.offline                            prints the mixture's composition and a few examples
+
+Sizes are chosen for a CPU-sized midtraining (a depth-4 model, ~300k tokens in ~5 minutes on 2 cores) to see
+a good share of every task: ~5,400 training conversations, ~700 test conversations (TRAIN and TEST below).
+Every task and its split are deterministic and documented in its module; train and test never share a
+word (spelling), a problem (arithmetic), a documentation entry (pydocs) or a conversation (identity).
+"""
+
+import argparse
+
+from nanochat.common import UserError
+from tasks.arithmetic import Arithmetic
+from tasks.common import TaskMixture, print_examples
+from tasks.identity import Identity
+from tasks.pydocs_chat import PydocsChat, PydocsMC
+from tasks.spellingbee import SimpleSpelling, SpellingBee
+
+
+def offline_tasks(split):
+    """The tasks of the offline mixture for `split` ("train" or "test"), in a fixed order."""
+    if split == "train":
+        identity = Identity(split="train", size=200)
+        return [
+            SpellingBee(split="train", size=700),  # count letters, with a python tool call
+            SimpleSpelling(split="train", size=500),  # spell a word letter by letter
+            Arithmetic(split="train", size=800),  # word problems with calculator calls, "#### answer"
+            PydocsChat(split="train", step=9),  # ~800 of the 7,188 training entries, spread over all modules
+            PydocsMC(split="train", step=16),  # ~450 multiple-choice questions (long prompts, 1 trained token)
+            identity, identity,  # who am I; listed twice = oversampled 2x
+        ]
+    if split == "test":
+        return [
+            SpellingBee(split="test", size=100),
+            SimpleSpelling(split="test", size=60),
+            Arithmetic(split="test", size=120),
+            PydocsChat(split="test", step=5),  # ~160 of the 799 test entries
+            PydocsMC(split="test", step=8),
+            Identity(split="test", size=50),
+        ]
+    raise UserError(f"offline_mixture: split must be train or test, got {split!r}")
+
+
+def offline_mixture(split, seed=42):
+    """TaskMixture of offline_tasks(split), shuffled with `seed`."""
+    return TaskMixture(offline_tasks(split), seed=seed)
+
+
+def main(argv=None):
+    from nanochat.common import setup_default_logging
+    setup_default_logging()
+    parser = argparse.ArgumentParser(description="Show the offline mixture: its tasks, sizes, and a few examples.")
+    parser.add_argument("--split", default="train", choices=["train", "test"])
+    parser.add_argument("-n", type=int, default=4, help="number of mixture examples to print")
+    args = parser.parse_args(argv)
+    tasks = offline_tasks(args.split)
+    for task in tasks:
+        print(f"{type(task).__name__:>15}: {len(task):,}")
+    mixture = TaskMixture(tasks)
+    print(f"{'total':>15}: {len(mixture):,} {args.split} conversations\n")
+    print_examples(mixture, args.n)
+
+
+if __name__ == "__main__":
+    main()
