@@ -81,6 +81,23 @@ class ShardedGradients:
         for entry in self._pending:
             self._averaged(entry).mul_(scale)
 
+    # Each rank holds only its share of the optimizer state, so every rank saves its own file, which is only
+    # valid on the same rank of a run with the same number of ranks: record both, and check them on load.
+    def state_dict(self):
+        state_dict = super().state_dict()
+        state_dict["shard"] = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        here = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+        saved = state_dict.get("shard")
+        if saved != here:
+            where = f"rank {saved['rank']} of {saved['world_size']}" if saved else "a process that did not record its rank"
+            raise UserError(f"{type(self).__name__} state was saved by {where} but is loaded on rank {here['rank']} of "
+                            f"{here['world_size']}: each rank holds only its own share of the optimizer state, "
+                            f"so resume with the same number of processes, each rank loading its own file")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "shard"})
+
     def _take_pending(self):
         self.reduce_gradients()
         pending, self._pending = self._pending, None
@@ -197,17 +214,3 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
             if full is not p_rows:
                 p_rows.copy_(full[:p_rows.size(0)])
 
-    def state_dict(self):
-        state_dict = super().state_dict()
-        state_dict["shard"] = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-        return state_dict
-
-    def load_state_dict(self, state_dict):
-        here = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-        saved = state_dict.get("shard")
-        if saved != here:
-            where = f"rank {saved['rank']} of {saved['world_size']}" if saved else "a process that did not record its rank"
-            raise UserError(f"DistAdamW state was saved by {where} but is loaded on rank {here['rank']} of "
-                            f"{here['world_size']}: each rank holds only its own slice of the optimizer state, "
-                            f"so resume with the same number of processes, each rank loading its own file")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "shard"})

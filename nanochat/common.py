@@ -397,6 +397,23 @@ def autocast_dtype(device_type):
     return torch.float32
 
 
+def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size):
+    """
+    Micro-steps per optimizer step: total_batch_size / (device_batch_size x max_seq_len x world_size), which
+    must be a whole number. If not, a UserError names the values and suggests ones that work.
+    """
+    per_micro = device_batch_size * max_seq_len * world_size  # tokens of one micro-step on all ranks together
+    if total_batch_size % per_micro == 0 and total_batch_size > 0:
+        return total_batch_size // per_micro
+    lower = total_batch_size // per_micro * per_micro
+    options = [f"--total_batch_size={v}" for v in (lower, lower + per_micro) if v > 0]
+    rows = [b for b in range(device_batch_size, 0, -1) if total_batch_size % (b * max_seq_len * world_size) == 0][:3]
+    options += [f"--device_batch_size={b}" for b in rows]
+    raise UserError(f"total_batch_size {total_batch_size:,} is not a multiple of device_batch_size x max_seq_len x "
+                    f"world_size = {device_batch_size} x {max_seq_len} x {world_size} = {per_micro:,}; "
+                    f"try {' or '.join(options)}")
+
+
 PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU
     "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
     "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,

@@ -39,7 +39,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from nanochat.common import UserError, print0
+from nanochat.common import grad_accum_steps_for, print0
 from nanochat.dataset import list_row_groups, read_row_group
 
 
@@ -148,12 +148,8 @@ class DistributedTokenLoader:
         self.B, self.T, self.split, self.device, self.bos_aligned = B, T, split, torch.device(device), bos_aligned
         if total_batch_size is None:  # one slot per rank, e.g. for evaluation
             total_batch_size = B * T * world_size
-        tokens_per_micro = B * T
-        if total_batch_size % (tokens_per_micro * world_size) != 0:
-            raise UserError(f"total_batch_size {total_batch_size:,} is not a multiple of device_batch_size x max_seq_len x "
-                            f"world_size = {B} x {T} x {world_size} = {tokens_per_micro * world_size:,}")
-        self.num_slots = total_batch_size // tokens_per_micro
-        self.accum = self.num_slots // world_size
+        self.accum = grad_accum_steps_for(total_batch_size, B, T, world_size)  # micro-batches per rank per step
+        self.num_slots = self.accum * world_size
         self.my_slots = list(range(rank * self.accum, (rank + 1) * self.accum))
         slot_states = (resume_state or {}).get("slots", {})
         # The corpus is listed once, here: every epoch reads the same units (shards downloaded later are not

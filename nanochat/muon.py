@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.adamw import ShardedGradients
-from nanochat.common import UserError, autocast_dtype
+from nanochat.common import autocast_dtype
 
 
 def zeropower_via_newtonschulz5(G, steps=5):
@@ -275,18 +275,3 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
         # 3. Every rank now (after the waits) holds every updated matrix.
         for work in gathers:
             work.wait()
-
-    def state_dict(self):
-        state_dict = super().state_dict()
-        state_dict["shard"] = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-        return state_dict
-
-    def load_state_dict(self, state_dict):
-        here = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-        saved = state_dict.get("shard")
-        if saved != here:
-            where = f"rank {saved['rank']} of {saved['world_size']}" if saved else "a process that did not record its rank"
-            raise UserError(f"DistMuon state was saved by {where} but is loaded on rank {here['rank']} of "
-                            f"{here['world_size']}: each rank holds only its own share of the optimizer state, "
-                            f"so resume with the same number of processes, each rank loading its own file")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "shard"})

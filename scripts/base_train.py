@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
 from nanochat.common import (UserError, autocast_dtype, autodetect_device_type, compute_cleanup, compute_init,
-                             get_base_dir, get_peak_flops, init_wandb, print0, print_banner)
+                             get_base_dir, get_peak_flops, grad_accum_steps_for, init_wandb, print0, print_banner)
 from nanochat.configurator import configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.gpt import GPT, clip_grad_norm_, config_from_depth
@@ -131,15 +131,7 @@ print0(f"Training tokens: {total_tokens:,} | tokens:params ratio {total_tokens /
 # optimizer takes one step.
 tokens_per_fwdbwd = device_batch_size * max_seq_len  # one rank, one micro-step
 world_tokens_per_fwdbwd = tokens_per_fwdbwd * ddp_world_size  # all ranks, one micro-step
-if total_batch_size % world_tokens_per_fwdbwd != 0:
-    lower = total_batch_size // world_tokens_per_fwdbwd * world_tokens_per_fwdbwd
-    options = [f"--total_batch_size={v}" for v in (lower, lower + world_tokens_per_fwdbwd) if v > 0]
-    rows = [b for b in range(device_batch_size, 0, -1) if total_batch_size % (b * max_seq_len * ddp_world_size) == 0][:3]
-    options += [f"--device_batch_size={b}" for b in rows]
-    raise UserError(f"total_batch_size {total_batch_size:,} is not a multiple of device_batch_size x max_seq_len x "
-                    f"world_size = {device_batch_size} x {max_seq_len} x {ddp_world_size} = {world_tokens_per_fwdbwd:,}; "
-                    f"try {' or '.join(options)}")
-grad_accum_steps = total_batch_size // world_tokens_per_fwdbwd
+grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, ddp_world_size)  # or a clear error
 print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {tokens_per_fwdbwd:,}")
 print0(f"Tokens / micro-batch (all {ddp_world_size} ranks): {world_tokens_per_fwdbwd:,}")
 print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {grad_accum_steps}")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from nanochat.checkpoint_manager import load_model, save_checkpoint
 from nanochat.common import (UserError, autocast_dtype, autodetect_device_type, compute_cleanup, compute_init,
-                             get_base_dir, get_peak_flops, init_wandb, print0, print_banner)
+                             get_base_dir, get_peak_flops, grad_accum_steps_for, init_wandb, print0, print_banner)
 from nanochat.configurator import configure
 from nanochat.gpt import clip_grad_norm_
 from nanochat.loss_eval import evaluate_bpb
@@ -81,10 +81,7 @@ token_bytes = get_token_bytes(device=device)
 # Batch arithmetic: x, y = next(train_loader) is (device_batch_size, max_seq_len) on EACH rank
 tokens_per_fwdbwd = device_batch_size * max_seq_len  # one rank, one micro-step
 world_tokens_per_fwdbwd = tokens_per_fwdbwd * ddp_world_size  # all ranks, one micro-step
-if total_batch_size % world_tokens_per_fwdbwd != 0:
-    raise UserError(f"total_batch_size {total_batch_size:,} is not a multiple of device_batch_size x max_seq_len x world_size = "
-                    f"{device_batch_size} x {max_seq_len} x {ddp_world_size} = {world_tokens_per_fwdbwd:,}")
-grad_accum_steps = total_batch_size // world_tokens_per_fwdbwd
+grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, ddp_world_size)  # or a clear error
 print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {tokens_per_fwdbwd:,}")
 print0(f"Tokens / micro-batch (all {ddp_world_size} ranks): {world_tokens_per_fwdbwd:,}")
 print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {grad_accum_steps}")

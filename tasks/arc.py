@@ -14,11 +14,9 @@ they are used as published, so the answer is always one of the labels shown in t
 
 import argparse
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from nanochat.common import UserError
-from tasks.common import Task, hf_download, render_mc, print_examples
+from tasks.common import Task, hf_parquet, render_mc, print_examples
 
 REPO = "allenai/ai2_arc"
 SUBSETS = ("ARC-Easy", "ARC-Challenge")
@@ -36,14 +34,7 @@ class ARC(Task):
             raise UserError(f"ARC subset must be one of {', '.join(SUBSETS)}, got {subset!r}")
         if split not in SPLITS:
             raise UserError(f"ARC split must be one of {', '.join(SPLITS)}, got {split!r}")
-        path = hf_download(REPO, f"{subset}/{split}-00000-of-00001.parquet")
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowException, OSError) as e:
-            raise UserError(f"{path} is not a readable parquet file ({e}); delete it to download it again") from e
-        missing = set(COLUMNS) - set(table.column_names)
-        if missing:
-            raise UserError(f"{path} lacks column(s) {sorted(missing)} (has {table.column_names}): not the published ARC file")
+        table = hf_parquet(REPO, f"{subset}/{split}-00000-of-00001.parquet", COLUMNS)
         self.rows = table.select(list(COLUMNS)).to_pylist()  # a few thousand short rows: plain Python is fine
         super().__init__(**kwargs)
 

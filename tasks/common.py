@@ -127,6 +127,31 @@ def hf_download(repo, path):
     return download_file_with_lock(url, os.path.join("tasks", repo, path))
 
 
+def hf_parquet(repo, path, columns):
+    """
+    A published parquet file of dataset `repo` (downloaded once) as a pyarrow Table with at least `columns`
+    (only those are read). A file whose single column is a struct (MMLU's auxiliary_train stores its rows in
+    one `train` struct) is flattened to its fields first. An unreadable file or missing columns: UserError
+    naming the file.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    local = hf_download(repo, path)
+    try:
+        names = pq.ParquetFile(local).schema_arrow.names
+        if len(names) == 1 and names[0] not in columns:  # one struct column: read it all, then flatten
+            table = pq.read_table(local).flatten()
+            table = table.rename_columns([n.removeprefix(names[0] + ".") for n in table.column_names])
+        else:
+            table = pq.read_table(local, columns=[c for c in columns if c in names])
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{local} is not a readable parquet file ({e}); delete it to download it again") from e
+    missing = set(columns) - set(table.column_names)
+    if missing:
+        raise UserError(f"{local} lacks column(s) {sorted(missing)} (has {table.column_names}): not the published {repo} file")
+    return table.select(list(columns))
+
+
 # "#### 72" ends a GSM8K-style solution: the final answer (commas and a $ allowed)
 FINAL_ANSWER_RE = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
 

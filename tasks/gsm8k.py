@@ -31,11 +31,9 @@ is how the solutions are written, and the model learns to copy the tool's output
 import argparse
 import re
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from nanochat.common import UserError
-from tasks.common import Task, hf_download, extract_answer, print_examples
+from tasks.common import Task, hf_parquet, extract_answer, print_examples
 
 REPO = "openai/gsm8k"
 SUBSETS = ("main", "socratic")
@@ -87,14 +85,7 @@ class GSM8K(Task):
             raise UserError(f"GSM8K subset must be one of {', '.join(SUBSETS)}, got {subset!r}")
         if split not in SPLITS:
             raise UserError(f"GSM8K split must be one of {', '.join(SPLITS)}, got {split!r}")
-        path = hf_download(REPO, f"{subset}/{split}-00000-of-00001.parquet")
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowException, OSError) as e:
-            raise UserError(f"{path} is not a readable parquet file ({e}); delete it to download it again") from e
-        missing = {"question", "answer"} - set(table.column_names)
-        if missing:
-            raise UserError(f"{path} lacks column(s) {sorted(missing)} (has {table.column_names}): not the published GSM8K file")
+        table = hf_parquet(REPO, f"{subset}/{split}-00000-of-00001.parquet", ("question", "answer"))
         # Plain lists: 7.5K short strings, cheap to hold, and indexing them is fast.
         self.questions = table.column("question").to_pylist()
         self.answers = table.column("answer").to_pylist()

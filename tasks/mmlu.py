@@ -14,11 +14,9 @@ flattened on load, and either layout is accepted for every file.
 
 import argparse
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from nanochat.common import UserError
-from tasks.common import Task, hf_download, render_mc, print_examples
+from tasks.common import Task, hf_parquet, render_mc, print_examples
 
 REPO = "cais/mmlu"
 SPLITS = {"all": ("test", "validation", "dev"), "auxiliary_train": ("train",)}
@@ -36,17 +34,7 @@ class MMLU(Task):
             raise UserError(f"MMLU subset must be one of {', '.join(SPLITS)}, got {subset!r}")
         if split not in SPLITS[subset]:
             raise UserError(f"MMLU subset {subset!r} has split(s) {', '.join(SPLITS[subset])}, got {split!r}")
-        path = hf_download(REPO, f"{subset}/{split}-00000-of-00001.parquet")
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowException, OSError) as e:
-            raise UserError(f"{path} is not a readable parquet file ({e}); delete it to download it again") from e
-        if table.column_names == ["train"]:  # auxiliary_train layout: struct column -> its fields as columns
-            table = table.flatten()
-            table = table.rename_columns([name.removeprefix("train.") for name in table.column_names])
-        missing = set(COLUMNS) - set(table.column_names)
-        if missing:
-            raise UserError(f"{path} lacks column(s) {sorted(missing)} (has {table.column_names}): not the published MMLU file")
+        table = hf_parquet(REPO, f"{subset}/{split}-00000-of-00001.parquet", COLUMNS)  # either layout
         # Kept as Arrow arrays (compact) and converted one row at a time in get_example.
         self.table = table.select(list(COLUMNS))
         super().__init__(**kwargs)

@@ -16,11 +16,9 @@ used for training and for validation loss only; evaluate() raises NotImplemented
 
 import argparse
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from nanochat.common import UserError
-from tasks.common import Task, hf_download, print_examples
+from tasks.common import Task, hf_parquet, print_examples
 
 REPO = "HuggingFaceTB/smol-smoltalk"
 SPLITS = ("train", "test")
@@ -34,12 +32,7 @@ class SmolTalk(Task):
     def __init__(self, split="train", **kwargs):
         if split not in SPLITS:
             raise UserError(f"SmolTalk split must be one of {', '.join(SPLITS)}, got {split!r}")
-        path = hf_download(REPO, f"data/{split}-00000-of-00001.parquet")
-        try:
-            table = pq.read_table(path, columns=["messages"])
-        except (pa.ArrowException, OSError) as e:  # also a missing `messages` column
-            raise UserError(f"{path} is not a readable SmolTalk parquet file with a `messages` column ({e}); "
-                            f"delete it to download it again") from e
+        table = hf_parquet(REPO, f"data/{split}-00000-of-00001.parquet", ("messages",))
         # Kept in Arrow: ~460K conversations are far more compact there than as Python dicts (which matters
         # with one copy per process under torchrun); get_example converts one at a time. The chunks are not
         # combined: more than 2 GB of text in one string array would overflow its 32-bit offsets.
