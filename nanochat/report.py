@@ -28,15 +28,15 @@ SECTION_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-train
                  "chat-rl", "chat-evaluation-rl"]
 # (section, key in that section, label in the summary table)
 SUMMARY_METRICS = [
-    ("tokenizer-evaluation", "Mean compression (bytes/token)", "Tokenizer bytes/token"),
+    ("tokenizer-evaluation", "Val bytes/token", "Tokenizer bytes/token (val)"),
     ("base-model-training", "Number of parameters", "Parameters"),
     ("base-model-training", "Minimum validation bpb", "Base val bpb (min)"),
     ("base-model-training", "Average MFU (%)", "Base MFU %"),
     ("base-model-training", "Total training time (min)", "Base training time (min)"),
     ("base-model-loss", "val bpb", "Base val bpb"),
     ("base-model-evaluation", "CORE metric", "CORE"),
-    ("midtraining", "Minimum validation bpb", "Mid val bpb (min)"),
-    ("midtraining", "Held-out offline-task loss", "Mid held-out task loss"),
+    ("midtraining", "Validation bpb of the base model", "Chat val bpb, base model"),
+    ("midtraining", "Final validation bpb", "Chat val bpb, after midtraining"),
 ]
 GPU_HOUR_USD = float(os.environ.get("NANOCHAT_GPU_HOUR_USD", "3.0"))  # rough on-demand price of one H100-class GPU hour
 

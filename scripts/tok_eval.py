@@ -197,7 +197,8 @@ print0(table)
 
 get_report().log(section="Tokenizer evaluation", data=[
     {"dataset": corpus, "vocab_size": tokenizer.get_vocab_size(), "sample_chars": sample_chars,
-     "compared_with": ", ".join(e for e in encoders if e != "ours") or "none (offline, not cached)"},
+     "compared_with": ", ".join(e for e in encoders if e != "ours") or "none (offline, not cached)",
+     "Val bytes/token": f"{num_bytes[f'{corpus} val'] / max(results[f'{corpus} val', 'ours'], 1):.2f}"},
     "",
     table,
 ])

@@ -35,9 +35,6 @@ SPLITS = ("train", "test")
 TEST_BUCKETS = 10  # a problem is a test problem when sha256(its calculations) % TEST_BUCKETS == 0
 DEFAULT_SIZE = {"train": 5000, "test": 500}
 
-# "#### 1,234": the final answer line, as in GSM8K; commas (thousands separators) are removed afterwards
-
-
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kira", "Leo",
          "Maya", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq", "Uma", "Victor", "Wen", "Yusuf", "Zoe"]
 ITEMS = [("apple", "apples"), ("notebook", "notebooks"), ("pencil", "pencils"), ("ticket", "tickets"),

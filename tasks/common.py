@@ -77,6 +77,8 @@ class TaskMixture:
         return len(self.index)
 
     def __getitem__(self, i):
+        if not 0 <= i < len(self.index):  # no negative indices: as Task, so a cursor bug fails loudly
+            raise IndexError(f"TaskMixture index {i} out of range (len {len(self.index)})")
         t, j = self.index[i]
         return self.tasks[t][j]
 

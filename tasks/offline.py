@@ -5,8 +5,9 @@ anywhere (a laptop, CI, a machine without internet), and a small model is measur
     python -m scripts.mid_train --mixture=offline      uses offline_mixture("train") and offline_mixture("test")
     python -m tasks.offline                            prints the mixture's composition and a few examples
 
-Sizes are chosen for a CPU-sized midtraining (a depth-4 model, ~300k tokens in ~5 minutes on 2 cores) to see
-a good share of every task: ~5,400 training conversations, ~700 test conversations (TRAIN and TEST below).
+Sizes are chosen for a CPU-sized midtraining (speedrun.sh's CPU path: a depth-4 model reads 60 x 4,096 =
+246k tokens) to see most of every task: 3,644 training conversations (~350k tokens with a 4,096-token pydocs
+tokenizer) and 589 test conversations (~59k tokens) for CPython 3.11 (offline_tasks below).
 Every task and its split are deterministic and documented in its module; train and test never share a
 word (spelling), a problem (arithmetic), a documentation entry (pydocs) or a conversation (identity).
 """

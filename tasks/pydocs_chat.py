@@ -79,9 +79,22 @@ def trim_doc(text, limit):
     return out
 
 
-def summary(text, limit=SUMMARY_CHARS):
-    """The first sentence of a docstring, whitespace collapsed, cut to `limit` characters at a word."""
-    first = " ".join(trim_doc(text, 10**9).split("\n\n")[0].split())
+def _is_title(paragraph, name):
+    """A docstring's title paragraph: the entry's name alone ("curses"), or a line underlined ("ast\\n~~~")."""
+    lines = paragraph.split("\n")
+    return (len(lines) == 1 and paragraph.strip().lower() == name.rsplit(".", 1)[-1].lower()) or \
+        (len(lines) == 2 and re.fullmatch(r"[=~\-^*#]{3,}", lines[1].strip()) is not None)
+
+
+def summary(text, name="", limit=SUMMARY_CHARS):
+    """
+    The first sentence of a docstring (after a title paragraph, if it has one and more), whitespace
+    collapsed, cut to `limit` characters at a word.
+    """
+    paragraphs = trim_doc(text, 10**9).split("\n\n")
+    if len(paragraphs) > 1 and _is_title(paragraphs[0], name):
+        paragraphs = paragraphs[1:]
+    first = " ".join(paragraphs[0].split())
     match = re.search(r"[.!?](?=\s|$)", first)
     sentence = first[:match.end()] if match else first
     if len(sentence) > limit:
@@ -160,7 +173,7 @@ class PydocsChat(_PydocsTask):
         answer = describe(record) + "\n\n" + trim_doc(record["docstring"], ANSWER_CHARS)
         return {
             "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
-            "name": record["name"], "summary": summary(record["docstring"]),
+            "name": record["name"], "summary": summary(record["docstring"], record["name"]),
         }
 
     def evaluate(self, conversation, assistant_response):

@@ -12,10 +12,14 @@ word out and to count letters with the python tool.
 
 The words come from the embedded documentation corpus (nanochat.dataset.pydocs_entries(), docstrings):
 lowercase words of 3-12 letters, written as whole words (runs of [A-Za-z0-9_] that are all lowercase
-letters), that appear in at least 3 different docstrings; a word that is also a code identifier (it appears
-in an entry's name or signature: `isatty`, `skipkeys`) is kept only if at least 10 docstrings use it, which
-keeps English words that are also names (`file`, `count`) and drops rare identifiers. Sorted and unique, so
-the list depends only on the Python installation (~3,400 words for CPython 3.11).
+letters), that appear in at least 3 different docstrings. Two filters keep English words and drop code:
+- a word that is also a code identifier (it appears in an entry's name or signature: `isatty`,
+  `skipkeys`) is kept only if at least 10 docstrings use it, which keeps English words that are also
+  names (`file`, `count`) and drops rare identifiers;
+- a word used as code in more than half of its occurrences is dropped. An occurrence counts as code right
+  after "." or a backtick, or right before "(", "=", "[", a backtick or ".x" (`getnframes()`, `sys.argv`,
+  `os.environ`), or before "'t" (the "didn" of "didn't" is half a contraction, not a word).
+Sorted and unique, so the list depends only on the Python installation (3,252 words for CPython 3.11).
 
 Split by word: word i of the sorted list is a test word when i % 10 == 0, a training word otherwise, so the
 test words are never seen in training. Example `index` of a split is generated from
@@ -36,6 +40,7 @@ SPLITS = ("train", "test")
 TEST_EVERY = 10  # word i of the sorted word list is a test word when i % TEST_EVERY == 0
 MIN_DOCS = 3  # a word must appear in this many docstrings...
 MIN_DOCS_IF_IDENTIFIER = 10  # ...and in this many if it is also a code identifier
+MAX_CODE_FRACTION = 0.5  # a word used as code in more than this fraction of its occurrences is dropped
 DEFAULT_SIZE = {"train": 20000, "test": 500}  # examples per split (generated: any number is possible)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -47,18 +52,35 @@ def spell(word):
     return "-".join(word)
 
 
+def _code_use(text, start, end):
+    """Whether the word text[start:end] is used as code there (see the module docstring), not as prose."""
+    before = text[start - 1] if start > 0 else " "
+    after = text[end:end + 2]
+    return (before in ".`" or after[:1] in ("(", "=", "[", "`") or after == "'t"
+            or (after[:1] == "." and after[1:].isalnum()))
+
+
 @functools.lru_cache(maxsize=1)
 def _all_words():
     from nanochat.dataset import pydocs_entries  # ~3 s the first time in a process (cached there)
-    docs_per_word = collections.Counter()
+    docs_per_word = collections.Counter()  # in how many docstrings a word appears
+    uses, code_uses = collections.Counter(), collections.Counter()  # all its occurrences; those as code
     identifiers = set()
     for record in pydocs_entries():
-        tokens = set(re.findall(r"[A-Za-z0-9_]+", record["docstring"]))
-        docs_per_word.update(t for t in tokens if 3 <= len(t) <= 12 and t.isascii() and t.isalpha() and t.islower())
+        text = record["docstring"]
+        in_doc = set()
+        for m in re.finditer(r"[A-Za-z0-9_]+", text):
+            w = m.group()
+            if 3 <= len(w) <= 12 and w.isascii() and w.isalpha() and w.islower():
+                in_doc.add(w)
+                uses[w] += 1
+                code_uses[w] += _code_use(text, m.start(), m.end())
+        docs_per_word.update(in_doc)
         if record["kind"] != "topic":  # a topic's name is a help() key, not an identifier
             identifiers.update(re.findall(r"[A-Za-z0-9_]+", record["name"] + " " + record["signature"]))
     return tuple(sorted(w for w, n in docs_per_word.items()
-                        if n >= (MIN_DOCS_IF_IDENTIFIER if w in identifiers else MIN_DOCS)))
+                        if n >= (MIN_DOCS_IF_IDENTIFIER if w in identifiers else MIN_DOCS)
+                        and code_uses[w] <= MAX_CODE_FRACTION * uses[w]))
 
 
 def words(split):

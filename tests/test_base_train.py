@@ -46,9 +46,12 @@ def assert_same_weights(a, b, rtol, atol):
         assert torch.allclose(a[k], b[k], rtol=rtol, atol=atol), (k, (a[k] - b[k]).abs().max().item())
 
 
-def test_trains_and_writes_a_checkpoint(trained_tokenizer, isolated_env):
-    result = base_train("--num_iterations=6")
+def test_trains_and_writes_a_checkpoint(trained_tokenizer, isolated_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # a real wandb run, offline (WANDB_MODE=offline in conftest)
+    result = base_train("--num_iterations=6", "--run=ci-test")
     assert result.returncode == 0, result.stderr
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(f.suffix == ".wandb" for f in runs[0].iterdir())
     out = result.stdout
     assert "Tokens / micro-batch / rank: 2 x 32 = 64" in out
     assert "Total batch size 128 => gradient accumulation steps: 2" in out

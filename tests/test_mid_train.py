@@ -95,6 +95,7 @@ def test_cpu_speedrun_smoke(isolated_env, tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (isolated_env / "report" / "report.md").read_text()
-    for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss", "## Midtraining"):
+    for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss", "## Midtraining",
+                    "| Tokenizer bytes/token (val) |", "| Chat val bpb, base model |", "| Chat val bpb, after midtraining |"):
         assert section in report
     assert os.path.exists(os.path.join(REPO_ROOT, "report.md"))  # speedrun copies the report to the repo root

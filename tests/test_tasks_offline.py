@@ -22,8 +22,8 @@ from tasks.common import Task, TaskMixture, TaskSequence, render_mc
 from tasks.customjson import CustomJSON
 from tasks.identity import Identity, identity_conversations, write_identity_jsonl
 from tasks.offline import offline_mixture, offline_tasks
-from tasks.pydocs_chat import PydocsChat, PydocsMC, entries, masked_documentation, trim_doc
-from tasks.spellingbee import SimpleSpelling, SpellingBee, spell, words
+from tasks.pydocs_chat import PydocsChat, PydocsMC, entries, masked_documentation, summary, trim_doc
+from tasks.spellingbee import SimpleSpelling, SpellingBee, _code_use, spell, words
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,6 +79,10 @@ def test_task_mixture():
     assert len(doubled) == 50
     assert sum(x.startswith("b") for x in doubled) == 20 and all(doubled.count(x) == 2 for x in ids_of(b))
     assert sorted(set(doubled)) == sorted(ids_of(a) + ids_of(b))
+    mixture = TaskMixture([a, b])
+    for bad in (-1, 40):
+        with pytest.raises(IndexError):
+            mixture[bad]
 
 
 def test_task_sequence():
@@ -197,6 +201,12 @@ def test_spelling_words_and_answers():
     for w in train_words + test_words:
         assert re.fullmatch(r"[a-z]{3,12}", w)
     assert train_words == sorted(set(train_words))
+    every = set(train_words + test_words)
+    assert {"file", "count", "number", "value"} <= every  # English words that are also names stay
+    assert not {"didn", "isn", "doesn", "getnframes", "argv"} & every  # contraction halves and code go
+    text = "Call getnframes() on sys.argv or os.environ; didn't `len` set x=1 and the value."
+    code = {m.group(): _code_use(text, m.start(), m.end()) for m in re.finditer(r"[A-Za-z]+", text)}
+    assert [w for w, c in code.items() if c] == ["getnframes", "sys", "argv", "os", "environ", "didn", "len", "x"]
     for x in SpellingBee("test", size=100):
         assert x["word"] in test_words
         assert x["answer"] == x["word"].count(x["letter"])
@@ -262,6 +272,11 @@ def test_pydocs_split_and_mc():
     assert trim_doc(long_paragraph, 50) == "First sentence here."
     assert trim_doc("word " * 30, 22) == "word word word word ..."
     assert trim_doc("One.\n\nTwo two.\n\n" + "x" * 50, 20) == "One.\n\nTwo two."
+    # PydocsChat.evaluate looks for the first sentence, after a title paragraph
+    assert summary("ast\n~~~\n\nThe ast module helps.  It does more.", "ast") == "The ast module helps."
+    assert summary("curses\n\nThe main package for curses.", "curses") == "The main package for curses."
+    assert summary("Return the\n   sum. Then more.", "builtins.sum") == "Return the sum."
+    assert summary("days", "datetime.timedelta.days") == "days"  # a docstring that is only a title stays
 
 
 def test_identity_jsonl_roundtrip(tmp_path):
