@@ -125,7 +125,7 @@ print0(f"Mixture {mixture}: {train_size:,} training conversations (of {len(train
 # State shared between the generator and the loop (the generator runs inside next(train_loader))
 last_step = False  # set when the train generator wraps around (one epoch done) if num_iterations is -1
 approx_progress = 0.0  # fraction of the epoch this rank has read
-data_stats = {"train": {"read": 0, "split": 0, "first": []}, "val": {"read": 0, "split": 0, "first": []}}
+train_stats = {"read": 0, "split": 0, "first": []}  # what this rank read: count, conversations split across rows, first indices
 
 
 def mid_data_generator(split):
@@ -147,7 +147,7 @@ def mid_data_generator(split):
     mask_scratch = torch.empty(needed, dtype=torch.bool, pin_memory=(device_type == "cuda"))
     copy_done = None
     cursor = ddp_rank  # advances by ddp_world_size: each rank reads its own conversations
-    stats = data_stats[split]
+    stats = train_stats if split == "train" else {"read": 0, "split": 0, "first": []}
     while True:
         while len(ids_buffer) < needed:
             ids, mask = tokenizer.render_conversation(dataset[cursor], max_tokens=10**9)
@@ -279,9 +279,9 @@ while True:
 # What each rank read (gathered so rank 0 can show it), checkpoint, report
 per_rank = [None] * ddp_world_size
 if ddp:
-    dist.all_gather_object(per_rank, data_stats["train"])
+    dist.all_gather_object(per_rank, train_stats)
 else:
-    per_rank = [data_stats["train"]]
+    per_rank = [train_stats]
 for r, stats in enumerate(per_rank):
     print0(f"rank {r}: read {stats['read']:,} training conversations (first: {stats['first']}), "
            f"{stats['split']} longer than a row, continued across rows")

@@ -15,8 +15,7 @@ they are used as published, so the answer is always one of the labels shown in t
 import argparse
 
 
-from nanochat.common import UserError
-from tasks.common import Task, hf_parquet, render_mc, print_examples
+from tasks.common import Task, hf_parquet, render_mc, print_examples, check_choice
 
 REPO = "allenai/ai2_arc"
 SUBSETS = ("ARC-Easy", "ARC-Challenge")
@@ -30,10 +29,8 @@ class ARC(Task):
     eval_type = "categorical"
 
     def __init__(self, subset="ARC-Easy", split="test", **kwargs):
-        if subset not in SUBSETS:
-            raise UserError(f"ARC subset must be one of {', '.join(SUBSETS)}, got {subset!r}")
-        if split not in SPLITS:
-            raise UserError(f"ARC split must be one of {', '.join(SPLITS)}, got {split!r}")
+        check_choice("ARC subset", subset, SUBSETS)
+        check_choice("ARC split", split, SPLITS)
         table = hf_parquet(REPO, f"{subset}/{split}-00000-of-00001.parquet", COLUMNS)
         self.rows = table.select(list(COLUMNS)).to_pylist()  # a few thousand short rows: plain Python is fine
         super().__init__(**kwargs)

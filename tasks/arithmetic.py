@@ -29,7 +29,7 @@ import hashlib
 import random
 
 from nanochat.common import UserError
-from tasks.common import Task, assistant_text, extract_answer
+from tasks.common import Task, assistant_text, extract_answer, check_choice
 
 SPLITS = ("train", "test")
 TEST_BUCKETS = 10  # a problem is a test problem when sha256(its calculations) % TEST_BUCKETS == 0
@@ -207,8 +207,7 @@ class Arithmetic(Task):
     eval_type = "generative"
 
     def __init__(self, split="train", size=None, seed=0, **kwargs):
-        if split not in SPLITS:
-            raise UserError(f"Arithmetic split must be one of {', '.join(SPLITS)}, got {split!r}")
+        check_choice("Arithmetic split", split, SPLITS)
         size = DEFAULT_SIZE[split] if size is None else size
         if size < 0:
             raise UserError(f"Arithmetic: size must be >= 0, got {size}")

@@ -106,6 +106,12 @@ class TaskSequence:
                 return task[i - offset]
 
 
+def check_choice(what, value, allowed):
+    """UserError unless `value` is one of `allowed`, e.g. check_choice("GSM8K split", split, ("train", "test"))."""
+    if value not in allowed:
+        raise UserError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
+
+
 def render_mc(question, letters, choices):
     """
     The multiple-choice prompt. Each choice comes first and its letter right after it ("- Paris = A"): a

@@ -32,8 +32,7 @@ import argparse
 import re
 
 
-from nanochat.common import UserError
-from tasks.common import Task, hf_parquet, extract_answer, print_examples
+from tasks.common import Task, hf_parquet, extract_answer, print_examples, check_choice
 
 REPO = "openai/gsm8k"
 SUBSETS = ("main", "socratic")
@@ -81,10 +80,8 @@ class GSM8K(Task):
     eval_type = "generative"
 
     def __init__(self, subset="main", split="train", **kwargs):
-        if subset not in SUBSETS:
-            raise UserError(f"GSM8K subset must be one of {', '.join(SUBSETS)}, got {subset!r}")
-        if split not in SPLITS:
-            raise UserError(f"GSM8K split must be one of {', '.join(SPLITS)}, got {split!r}")
+        check_choice("GSM8K subset", subset, SUBSETS)
+        check_choice("GSM8K split", split, SPLITS)
         table = hf_parquet(REPO, f"{subset}/{split}-00000-of-00001.parquet", ("question", "answer"))
         # Plain lists: 7.5K short strings, cheap to hold, and indexing them is fast.
         self.questions = table.column("question").to_pylist()

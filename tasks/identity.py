@@ -26,7 +26,7 @@ import random
 import re
 
 from nanochat.common import UserError
-from tasks.common import Task
+from tasks.common import Task, check_choice
 
 SPLITS = ("train", "test")
 TEST_BUCKETS = 10
@@ -206,8 +206,7 @@ class Identity(Task):
     eval_type = "generative"
 
     def __init__(self, split="train", size=None, seed=0, **kwargs):
-        if split not in SPLITS:
-            raise UserError(f"Identity split must be one of {', '.join(SPLITS)}, got {split!r}")
+        check_choice("Identity split", split, SPLITS)
         size = DEFAULT_SIZE[split] if size is None else size
         if size < 0:
             raise UserError(f"Identity: size must be >= 0, got {size}")

@@ -16,7 +16,7 @@ import argparse
 
 
 from nanochat.common import UserError
-from tasks.common import Task, hf_parquet, render_mc, print_examples
+from tasks.common import Task, hf_parquet, render_mc, print_examples, check_choice
 
 REPO = "cais/mmlu"
 SPLITS = {"all": ("test", "validation", "dev"), "auxiliary_train": ("train",)}
@@ -30,8 +30,7 @@ class MMLU(Task):
     eval_type = "categorical"
 
     def __init__(self, subset="all", split="test", **kwargs):
-        if subset not in SPLITS:
-            raise UserError(f"MMLU subset must be one of {', '.join(SPLITS)}, got {subset!r}")
+        check_choice("MMLU subset", subset, SPLITS)
         if split not in SPLITS[subset]:
             raise UserError(f"MMLU subset {subset!r} has split(s) {', '.join(SPLITS[subset])}, got {split!r}")
         table = hf_parquet(REPO, f"{subset}/{split}-00000-of-00001.parquet", COLUMNS)  # either layout

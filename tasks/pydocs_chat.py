@@ -26,8 +26,7 @@ import functools
 import random
 import re
 
-from nanochat.common import UserError
-from tasks.common import Task, render_mc
+from tasks.common import Task, render_mc, check_choice
 
 SPLITS = ("train", "test")
 TEST_EVERY = 10  # entry i of pydocs_entries() is a test entry when i % TEST_EVERY == 0
@@ -42,8 +41,7 @@ MASK = "____"
 @functools.lru_cache(maxsize=2)
 def entries(split):
     """The pydocs records of `split` (a tuple; do not modify the dicts). ~3 s the first time in a process."""
-    if split not in SPLITS:
-        raise UserError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    check_choice("split", split, SPLITS)
     from nanochat.dataset import pydocs_entries
     return tuple(r for i, r in enumerate(pydocs_entries()) if (i % TEST_EVERY == 0) == (split == "test"))
 

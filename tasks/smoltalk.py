@@ -17,8 +17,7 @@ used for training and for validation loss only; evaluate() raises NotImplemented
 import argparse
 
 
-from nanochat.common import UserError
-from tasks.common import Task, hf_parquet, print_examples
+from tasks.common import Task, hf_parquet, print_examples, check_choice
 
 REPO = "HuggingFaceTB/smol-smoltalk"
 SPLITS = ("train", "test")
@@ -30,8 +29,7 @@ class SmolTalk(Task):
     eval_type = "generative"
 
     def __init__(self, split="train", **kwargs):
-        if split not in SPLITS:
-            raise UserError(f"SmolTalk split must be one of {', '.join(SPLITS)}, got {split!r}")
+        check_choice("SmolTalk split", split, SPLITS)
         table = hf_parquet(REPO, f"data/{split}-00000-of-00001.parquet", ("messages",))
         # Kept in Arrow: ~460K conversations are far more compact there than as Python dicts (which matters
         # with one copy per process under torchrun); get_example converts one at a time. The chunks are not

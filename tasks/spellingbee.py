@@ -34,7 +34,7 @@ import random
 import re
 
 from nanochat.common import UserError
-from tasks.common import Task, assistant_text, extract_answer
+from tasks.common import Task, assistant_text, extract_answer, check_choice
 
 SPLITS = ("train", "test")
 TEST_EVERY = 10  # word i of the sorted word list is a test word when i % TEST_EVERY == 0
@@ -90,8 +90,7 @@ def words(split):
 
 
 def _check_split(split):
-    if split not in SPLITS:
-        raise UserError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    check_choice("split", split, SPLITS)
 
 
 class _WordTask(Task):
