@@ -1,6 +1,6 @@
 """
 PydocsChat and PydocsMC: synthetic chat tasks built offline (no download) from the documentation of the
-running Python, nanochat.dataset.pydocs_entries() (the records the pydocs pretraining corpus is made of).
+running Python, nanochat.pydocs.pydocs_entries() (the records the pydocs pretraining corpus is made of).
 A model pretrained on pydocs has read these docstrings; these tasks teach it to answer questions about them.
 
     PydocsChat  user:      What does json.dumps do?
@@ -42,7 +42,7 @@ MASK = "____"
 def entries(split):
     """The pydocs records of `split` (a tuple; do not modify the dicts). ~3 s the first time in a process."""
     check_choice("split", split, SPLITS)
-    from nanochat.dataset import pydocs_entries
+    from nanochat.pydocs import pydocs_entries
     return tuple(r for i, r in enumerate(pydocs_entries()) if (i % TEST_EVERY == 0) == (split == "test"))
 
 

@@ -10,7 +10,7 @@ word out and to count letters with the python tool.
     SimpleSpelling  user:      How do you spell strawberry?
                     assistant: "strawberry is spelled s-t-r-a-w-b-e-r-r-y"
 
-The words come from the embedded documentation corpus (nanochat.dataset.pydocs_entries(), docstrings):
+The words come from the embedded documentation corpus (nanochat.pydocs.pydocs_entries(), docstrings):
 lowercase words of 3-12 letters, written as whole words (runs of [A-Za-z0-9_] that are all lowercase
 letters), that appear in at least 3 different docstrings. Two filters keep English words and drop code:
 - a word that is also a code identifier (it appears in an entry's name or signature: `isatty`,
@@ -62,7 +62,7 @@ def _code_use(text, start, end):
 
 @functools.lru_cache(maxsize=1)
 def _all_words():
-    from nanochat.dataset import pydocs_entries  # ~3 s the first time in a process (cached there)
+    from nanochat.pydocs import pydocs_entries  # ~3 s the first time in a process (cached there)
     docs_per_word = collections.Counter()  # in how many docstrings a word appears
     uses, code_uses = collections.Counter(), collections.Counter()  # all its occurrences; those as code
     identifiers = set()

@@ -105,11 +105,11 @@ def run_torchrun(nproc, args, env=None, timeout=300, cwd=REPO_ROOT):
 @pytest.fixture(scope="session")
 def pydocs_dir(tmp_path_factory):
     """
-    The pydocs corpus (nanochat.dataset.build_pydocs), built once per test session (~5-7 s on 2 cores) into
+    The pydocs corpus (nanochat.pydocs.build_pydocs), built once per test session (~5-7 s on 2 cores) into
     a shared temporary base dir. Returns that corpus directory (`<shared base>/base_data/pydocs`).
     Treat it as read-only; tests get a private copy through `pydocs_corpus`.
     """
-    from nanochat.dataset import build_pydocs
+    from nanochat.pydocs import build_pydocs
     base = tmp_path_factory.mktemp("pydocs_base")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import nanochat.common
-from nanochat import dataset
+from nanochat import dataset, pydocs
 from nanochat.common import UserError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,13 +81,13 @@ def test_pydocs_layout_and_content(pydocs_corpus):
         meta = pq.ParquetFile(path).metadata
         sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         assert all(n == dataset.ROW_GROUP_SIZE for n in sizes[:-1]) and 0 < sizes[-1] <= dataset.ROW_GROUP_SIZE
-    assert pq.ParquetFile(val[0]).metadata.num_rows == dataset.PYDOCS_VAL_DOCS
+    assert pq.ParquetFile(val[0]).metadata.num_rows == pydocs.PYDOCS_VAL_DOCS
 
     train_docs = [d for p in train for d in pq.read_table(p).column("text").to_pylist()]
     val_docs = pq.read_table(val[0]).column("text").to_pylist()
-    entries = dataset.pydocs_entries()
+    entries = pydocs.pydocs_entries()
     # one document per record, nothing lost, nothing added
-    assert sorted(train_docs + val_docs) == sorted(dataset.pydocs_document(e) for e in entries)
+    assert sorted(train_docs + val_docs) == sorted(pydocs.pydocs_document(e) for e in entries)
     assert len(train_docs) + len(val_docs) > 5000
     assert sum(map(len, train_docs + val_docs)) > 1_000_000
     assert all(isinstance(d, str) and d.strip() for d in train_docs + val_docs)
@@ -101,7 +101,7 @@ def test_pydocs_layout_and_content(pydocs_corpus):
     dumps = by_name[("json.dumps", "function")]
     assert dumps["module"] == "json" and dumps["signature"].startswith("(obj, *, skipkeys=False")
     assert "JSON" in dumps["docstring"]
-    assert dataset.pydocs_document(dumps).startswith("json.dumps(obj, *, skipkeys=False")
+    assert pydocs.pydocs_document(dumps).startswith("json.dumps(obj, *, skipkeys=False")
     assert "0o777" in by_name[("os.makedirs", "function")]["signature"]  # defaults as written, not 511
     assert "number of items" in by_name[("builtins.len", "function")]["docstring"]  # a C builtin
     assert by_name[("assert", "topic")]["docstring"].startswith('The "assert" statement')
@@ -117,14 +117,14 @@ def test_pydocs_layout_and_content(pydocs_corpus):
 
 
 def test_pydocs_entries_are_fresh_copies(pydocs_dir):
-    a = dataset.pydocs_entries()
+    a = pydocs.pydocs_entries()
     a[0]["name"] = "mutated"
-    assert dataset.pydocs_entries()[0]["name"] != "mutated"
+    assert pydocs.pydocs_entries()[0]["name"] != "mutated"
 
 
 def _small_pydocs(monkeypatch, n=3000):
     docs = [f"Small document number {i}: Return the value." for i in range(n)]
-    monkeypatch.setattr(dataset, "pydocs_documents", lambda: list(docs))
+    monkeypatch.setattr(pydocs, "pydocs_documents", lambda: list(docs))
     return docs
 
 
@@ -132,13 +132,13 @@ def test_pydocs_built_on_demand_once_under_concurrency(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     docs = _small_pydocs(monkeypatch)
     calls = []
-    real_write = dataset._write_pydocs
+    real_write = pydocs._write_pydocs
 
     def counting_write(directory):
         calls.append(directory)
         return real_write(directory)
 
-    monkeypatch.setattr(dataset, "_write_pydocs", counting_write)
+    monkeypatch.setattr(pydocs, "_write_pydocs", counting_write)
     results, errors = [], []
 
     def reader():
@@ -166,7 +166,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     _small_pydocs(monkeypatch)
     final = os.path.join(nanochat.common.get_base_dir(), "base_data", "pydocs")
-    real_write = dataset._write_pydocs
+    real_write = pydocs._write_pydocs
 
     def crashing_write(directory):
         os.makedirs(directory)
@@ -174,7 +174,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
             f.write(b"half a shard")
         raise RuntimeError("killed midway")
 
-    monkeypatch.setattr(dataset, "_write_pydocs", crashing_write)
+    monkeypatch.setattr(pydocs, "_write_pydocs", crashing_write)
     with pytest.raises(RuntimeError):
         dataset.list_parquet_files("train")
     assert not os.path.exists(final)
@@ -183,7 +183,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
     os.makedirs(stale)
     with open(os.path.join(stale, "shard_00000.parquet"), "wb") as f:
         f.write(b"half a shard")
-    monkeypatch.setattr(dataset, "_write_pydocs", real_write)
+    monkeypatch.setattr(pydocs, "_write_pydocs", real_write)
     assert dataset.list_parquet_files("val") == [os.path.join(final, "shard_00001.parquet")]
     assert not os.path.exists(stale)
     assert sorted(os.listdir(os.path.dirname(final))) == ["pydocs", "pydocs.lock"]

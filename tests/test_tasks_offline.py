@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from nanochat.common import UserError
-from nanochat.dataset import pydocs_entries
+from nanochat.pydocs import pydocs_entries
 from nanochat.tokenizer import get_tokenizer
 from tasks.arithmetic import Arithmetic, assistant_text, extract_answer
 from tasks.common import Task, TaskMixture, TaskSequence, render_mc
