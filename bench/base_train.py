@@ -27,7 +27,8 @@ from nanochat.common import autocast_dtype, compute_init, get_peak_flops, print0
 from nanochat.configurator import configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.dataset import parquets_iter_batched
-from nanochat.gpt import GPT, clip_grad_norm_, config_from_depth
+from nanochat.gpt import GPT, config_from_depth
+from nanochat.sharding import clip_grad_norm_
 from nanochat.schedules import lr_multiplier, muon_momentum
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 

@@ -22,107 +22,19 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError
-
-# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (the old names still
-# work but warn); older torch (>= 2.8 is supported) only has the old names.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _pad_rows(t, rows):
-    """t itself if it already has `rows` rows and is contiguous, else a contiguous copy zero-padded along dim 0 to `rows`."""
-    if t.size(0) == rows and t.is_contiguous():
-        return t
-    padded = t.new_zeros((rows, *t.shape[1:]))
-    padded[:t.size(0)] = t
-    return padded
-
-
-class ShardedGradients:
-    """
-    What DistAdamW and DistMuon share: averaging gradients across ranks with reduce_scatter, each rank
-    receiving the averaged gradient of the part it owns. Split in phases, so that gradient clipping can
-    look at the averaged gradient between averaging and updating (nanochat.gpt.clip_grad_norm_):
-
-        opt.reduce_gradients()            issue the async reduce_scatters (step() does it if you do not)
-        opt.owned_grad_sq_norm()          sum of squares of this rank's averaged pieces; summed over
-                                          ranks it is the squared norm of the averaged gradient
-        opt.scale_gradients(scale)        multiply this rank's averaged pieces (the clip factor)
-        opt.step()                        update the owned parts, all_gather the weights
-
-    A subclass implements _launch_reduce_scatters() -> list of dicts with at least "grad" (the owned piece
-    being received) and "work" (the async handle).
-    """
-
-    _pending = None
-
-    def reduce_gradients(self):
-        if self._pending is None:
-            self._pending = self._launch_reduce_scatters()
-
-    def _averaged(self, entry):
-        """The owned gradient piece of `entry`, once its reduce_scatter finished, turned from sum to mean (once)."""
-        if not entry.get("averaged"):
-            entry["work"].wait()
-            entry["grad"].div_(dist.get_world_size())  # SUM -> average (ReduceOp.AVG is missing on older gloo)
-            entry["averaged"] = True
-        return entry["grad"]
-
-    def owned_grad_sq_norm(self):
-        self.reduce_gradients()
-        total = torch.zeros((), dtype=torch.float32, device=self._pending[0]["grad"].device)
-        for entry in self._pending:
-            total += self._averaged(entry).float().square().sum()
-        return total
-
-    def scale_gradients(self, scale):
-        self.reduce_gradients()
-        for entry in self._pending:
-            self._averaged(entry).mul_(scale)
-
-    # Each rank holds only its share of the optimizer state, so every rank saves its own file, which is only
-    # valid on the same rank of a run with the same number of ranks: record both, and check them on load.
-    def state_dict(self):
-        state_dict = super().state_dict()
-        state_dict["shard"] = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-        return state_dict
-
-    def load_state_dict(self, state_dict):
-        here = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-        saved = state_dict.get("shard")
-        if saved != here:
-            where = f"rank {saved['rank']} of {saved['world_size']}" if saved else "a process that did not record its rank"
-            raise UserError(f"{type(self).__name__} state was saved by {where} but is loaded on rank {here['rank']} of "
-                            f"{here['world_size']}: each rank holds only its own share of the optimizer state, "
-                            f"so resume with the same number of processes, each rank loading its own file")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "shard"})
-
-    def _take_pending(self):
-        self.reduce_gradients()
-        pending, self._pending = self._pending, None
-        return pending
+from nanochat.sharding import ShardedGradients, all_gather_single, pad_rows, reduce_scatter_single
 
 
 class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     """
-    AdamW for data-parallel training (torchrun), ZeRO-2 style: the optimizer work is divided among the
-    ranks, the model is not.
-
-    What is sharded: the optimizer state and the update computation. Every parameter is cut along dim 0
-    into W equal slices of ceil(rows / W) rows (W = world size); rank r owns slice r and keeps
-    exp_avg / exp_avg_sq (and the step count) for that slice only, so each rank holds ~1/W of the AdamW
-    state (which is twice the size of the parameters) and does ~1/W of the update arithmetic.
-    What is not sharded: the weights and the gradients. Every rank loads the whole model and holds every
-    parameter in full, runs forward/backward on its own data and holds a full (local) gradient; after
-    step() every rank holds the same full, updated parameters.
-    Why "ZeRO-2 style": besides the sharded state, each slice of the rank-averaged gradient ends up only on
-    its owner (a reduce_scatter), not on every rank as with DDP's all_reduce. The traffic is the same as
-    DDP's: reduce_scatter + all_gather move as many bytes as one all_reduce.
+    AdamW for data-parallel training (torchrun), ZeRO-2 style (what that means: nanochat/sharding.py). The
+    part of the optimizer a rank owns is a slice of rows of EVERY parameter: each parameter is cut along dim 0
+    into W equal slices of ceil(rows / W) rows (W = world size); rank r owns slice r and keeps exp_avg /
+    exp_avg_sq (and the step count) for that slice only.
 
     How a step works, per parameter:
-      1. reduce_scatter the gradient along dim 0: rank r receives slice r of the gradient, averaged over
-         all ranks (the data-parallel gradient);
+      1. reduce_scatter the gradient along dim 0: rank r receives slice r of the gradient, averaged over all
+         ranks (the data-parallel gradient);
       2. AdamW on the owned slice of the parameter, with the owned slice of the state;
       3. all_gather the updated slices, so every rank has the full updated parameter.
     All reduce_scatters are issued asynchronously first, then each parameter waits for its own gradient
@@ -143,9 +55,8 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     initialised, every rank has the same parameters in the same order, calls step() together, and has a
     gradient for every parameter.
 
-    state_dict() holds this rank's slices only (plus the rank and world size it was taken at): save one
-    file per rank and load it back on the same rank with the same world size; anything else raises
-    UserError.
+    Checkpoints: owned_state / load_owned_state, through nanochat.sharding.optimizer_shard and
+    load_optimizer_shards, which work across world sizes (and with torch.optim.AdamW in one process).
     """
 
     def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
@@ -165,9 +76,9 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                                        "every parameter, since all ranks take part in every collective")
                 grad = p.grad.view(1) if p.ndim == 0 else p.grad
                 rows_per_rank = -(-grad.size(0) // world_size)  # ceil
-                grad = _pad_rows(grad, rows_per_rank * world_size)
+                grad = pad_rows(grad, rows_per_rank * world_size)
                 grad_slice = grad.new_empty((rows_per_rank, *grad.shape[1:]))
-                work = _reduce_scatter_single(grad_slice, grad, op=dist.ReduceOp.SUM, async_op=True)
+                work = reduce_scatter_single(grad_slice, grad, op=dist.ReduceOp.SUM, async_op=True)
                 # the padded gradient stays referenced until its collective is done
                 pending.append(dict(group=group, p=p, rows_per_rank=rows_per_rank, padded=grad, grad=grad_slice, work=work))
         return pending
@@ -184,7 +95,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
             group, p, rows_per_rank = entry["group"], entry["p"], entry["rows_per_rank"]
             g = self._averaged(entry)
             p_rows = p.view(1) if p.ndim == 0 else p
-            full = _pad_rows(p_rows, rows_per_rank * world_size)  # p itself on the copy-free path
+            full = pad_rows(p_rows, rows_per_rank * world_size)  # p itself on the copy-free path
             p_slice = full[rank * rows_per_rank:(rank + 1) * rows_per_rank]
 
             state = self.state[p]
@@ -206,7 +117,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
             p_slice.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
             # p_slice is a view into `full`: gathering into `full` leaves our slice in place
-            gathers.append((p_rows, full, _all_gather_single(full, p_slice, async_op=True)))
+            gathers.append((p_rows, full, all_gather_single(full, p_slice, async_op=True)))
 
         # 3. Wait for every all_gather; padded parameters copy their real rows back.
         for p_rows, full, work in gathers:
@@ -214,3 +125,34 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
             if full is not p_rows:
                 p_rows.copy_(full[:p_rows.size(0)])
 
+    def owned_state(self, name_of):
+        """This rank's slice of every parameter's state, without the padding rows (nanochat.sharding)."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        out = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                rows = 1 if p.ndim == 0 else p.size(0)
+                rows_per_rank = -(-rows // world_size)
+                start = rank * rows_per_rank
+                keep = max(0, min(rows_per_rank, rows - start))  # the rest of the slice is padding
+                out[name_of[p]] = {"row_start": start, "step": state["step"],
+                                   "exp_avg": state["exp_avg"][:keep], "exp_avg_sq": state["exp_avg_sq"][:keep]}
+        return out
+
+    def load_owned_state(self, name_of, full_state):
+        """Take this rank's slice of each parameter's full state (nanochat.sharding.load_optimizer_shards)."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        for group in self.param_groups:
+            for p in group["params"]:
+                full = full_state(name_of[p])
+                if full is None:
+                    continue
+                rows_per_rank = -(-full["exp_avg"].size(0) // world_size)
+                state = {"step": int(full["step"])}
+                for key in ("exp_avg", "exp_avg_sq"):
+                    padded = pad_rows(full[key], rows_per_rank * world_size)
+                    state[key] = padded[rank * rows_per_rank:(rank + 1) * rows_per_rank].to(p.device, p.dtype).clone()
+                self.state[p] = state

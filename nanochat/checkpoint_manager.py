@@ -1,109 +1,250 @@
 """
-Saving and loading checkpoints.
+Saving and loading checkpoints, and the checkpoint directory a training run owns.
 
 A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d20/ is:
   model_{N:06d}.pt            the weights (written by rank 0: every rank holds the same full weights)
-  optim_{N:06d}_rank{r}.pt    the optimizer state of rank r, one file per rank: DistMuon / DistAdamW shard
-                              the optimizer state, so each rank owns a different part of it
-  meta_{N:06d}.json           step, model config, training config, world size, dataloader and loop state;
-                              written LAST, by rank 0, after every rank has finished its files. It is the
-                              completion marker: a step without its meta file is incomplete and ignored.
-Every file is written to a temporary name and renamed into place, so a crash never leaves a half-written
-file under a real name, and a crash before the meta file never leaves a checkpoint that looks complete.
+  optim_{N:06d}_rank{r}.pt    the optimizer state rank r held, one file per rank (DistMuon / DistAdamW shard
+                              the optimizer state), in a form any world size can load (nanochat/sharding.py)
+  meta_{N:06d}.json           step, model config, training config, world size, tokenizer fingerprint, data
+                              settings, dataloader and loop state; written LAST, by rank 0, after every rank
+                              has finished its files. It is the completion marker: a step without its meta
+                              file is incomplete and ignored.
+Every file is written through common.atomic_write (a temporary name, then a rename), so a crash never leaves
+a half-written file under a real name, and a crash before the meta file never leaves a checkpoint that looks
+complete. The directory also holds the run's `metrics.jsonl` (one line per step, for the report's curves)
+and `.lock` (see claim_checkpoint_dir).
+
+What a checkpoint must record to be trusted (checked on load):
+  - the tokenizer's fingerprint: token ids only mean something with the tokenizer they were trained with;
+  - the data stream settings (for a resume): what data step N+1 reads depends on them.
 """
 
 import glob
 import json
 import os
 import re
+import socket
 
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, get_base_dir, print0
+from nanochat.common import UserError, atomic_write, get_base_dir, print0
 
 SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
+STAGE_COMMANDS = {"base": "python -m scripts.base_train", "mid": "python -m scripts.mid_train",
+                  "sft": "python -m scripts.chat_sft", "rl": "python -m scripts.chat_rl"}
+CHECKPOINT_FILE = re.compile(r"^(?:model_(\d+)\.pt|optim_(\d+)_rank\d+\.pt|meta_(\d+)\.json)$")
+TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
-def _atomic_torch_save(obj, path):
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _is_distributed():
+    return dist.is_available() and dist.is_initialized()
 
 
-def _atomic_json_save(obj, path):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+# -----------------------------------------------------------------------------
+# Where checkpoints live
 
 
-def save_checkpoint(checkpoint_dir, step, model_state, optimizer_states, meta, rank=0):
+def checkpoint_dir_for(source, model_tag):
+    """<base_dir>/<source's directory>/<model_tag>, after checking that the tag is a plain name."""
+    if source not in SOURCES:
+        raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
+    return os.path.join(get_base_dir(), SOURCES[source], check_model_tag(model_tag))
+
+
+def check_model_tag(model_tag):
     """
-    Save step `step`. Under torchrun EVERY rank must call this (each writes its own optimizer shard, and
-    the completion marker waits for all of them). `optimizer_states`: this rank's list of optimizer
-    state_dicts, or None to save no optimizer state. `model_state` and `meta` are used on rank 0 only.
+    A model tag is a directory NAME under the checkpoint root: letters, digits, '.', '_', '-', not starting
+    with '.' or '-'. Anything with a path separator or '..' could write outside the checkpoint root.
+    """
+    if not TAG.match(model_tag or ""):
+        raise UserError(f"--model_tag={model_tag!r} is not a plain name: use letters, digits, '.', '_' and '-' "
+                        f"(no '/', no leading '.'), e.g. --model_tag=d20-long")
+    return model_tag
+
+
+# -----------------------------------------------------------------------------
+# The run's claim on its directory
+
+
+def claim_checkpoint_dir(checkpoint_dir, resume_from_step=-1, overwrite=False):
+    """
+    Call on every rank at the start of a training stage, before any work. Rank 0 takes an exclusive lock
+    on `checkpoint_dir` for the life of the process (released by the OS when the process ends, however it
+    ends), so two runs can never write into one directory; a second run fails at once naming the holder.
+    Then it checks what the directory holds against what this run is about to do:
+      - a fresh run (resume_from_step < 0) refuses a directory that already holds checkpoints;
+      - a resume from step N refuses a directory that holds steps after N (they would be the earlier run's
+        future, and "the latest step" would later pick one of them as if it were this run's);
+    `overwrite` deletes those checkpoints instead of refusing. Leftover temporary files of saves that were
+    killed are removed. Every rank raises the same UserError if rank 0 refuses.
+    """
+    error = None
+    rank = dist.get_rank() if _is_distributed() else 0
+    if rank == 0:
+        try:
+            _claim(checkpoint_dir, resume_from_step, overwrite)
+        except UserError as e:
+            error = str(e)
+    if _is_distributed():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise UserError(error)
+
+
+_held_locks = {}  # checkpoint_dir -> open file holding the lock (kept open: closing it would release it)
+
+
+def _claim(checkpoint_dir, resume_from_step, overwrite):
+    import fcntl
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    path = os.path.join(checkpoint_dir, ".lock")
+    if checkpoint_dir not in _held_locks:
+        f = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise UserError(f"{checkpoint_dir} is in use by another run ({holder}): wait for it to finish, or "
+                            f"write to another directory with --model_tag=...") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        _held_locks[checkpoint_dir] = f
+    files = os.listdir(checkpoint_dir)
+    for name in files:  # we hold the lock: any temporary file here is from a save that was killed
+        if ".tmp" in name:
+            os.remove(os.path.join(checkpoint_dir, name))
+    steps = sorted({int(next(g for g in m.groups() if g)) for name in files if (m := CHECKPOINT_FILE.match(name))})
+    complete = complete_steps(checkpoint_dir)
+    stale = [s for s in steps if s > resume_from_step]
+    if not stale:
+        return
+    if overwrite:
+        for name in os.listdir(checkpoint_dir):
+            m = CHECKPOINT_FILE.match(name)
+            if m and int(next(g for g in m.groups() if g)) > resume_from_step:
+                os.remove(os.path.join(checkpoint_dir, name))
+        if resume_from_step < 0 and os.path.exists(os.path.join(checkpoint_dir, "metrics.jsonl")):
+            os.remove(os.path.join(checkpoint_dir, "metrics.jsonl"))
+        print0(f"--overwrite: deleted the checkpoints of step(s) {', '.join(map(str, stale))} in {checkpoint_dir}")
+        return
+    shown = ", ".join(map(str, complete[-5:])) or "none complete"
+    if resume_from_step < 0:
+        resume = f"resume with --resume_from_step={complete[-1]}, " if complete else ""
+        raise UserError(f"{checkpoint_dir} already holds checkpoints of an earlier run (steps {shown}): {resume}"
+                        f"pick another --model_tag, or add --overwrite to delete them first")
+    raise UserError(f"{checkpoint_dir} holds checkpoints after step {resume_from_step} (steps {', '.join(map(str, stale))}) "
+                    f"that this resumed run would mix with its own: resume from the latest (--resume_from_step={complete[-1]}) "
+                    f"or add --overwrite to delete the later ones" if complete else
+                    f"{checkpoint_dir} holds incomplete checkpoints after step {resume_from_step}: add --overwrite to delete them")
+
+
+# -----------------------------------------------------------------------------
+# Saving and loading
+
+
+def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, rank=0):
+    """
+    Save step `step`. Under torchrun EVERY rank must call this (each writes its own optimizer file, and
+    the completion marker waits for all of them). `optimizer_shard`: this rank's optimizer state
+    (nanochat.sharding.optimizer_shard), or None to save none. `model_state` and `meta` are used on rank 0.
+    If a write fails (a full disk: "no space left on <dir>"), the files this call wrote are removed.
     """
     os.makedirs(checkpoint_dir, exist_ok=True)
-    distributed = dist.is_available() and dist.is_initialized()
-    world_size = dist.get_world_size() if distributed else 1
-    if optimizer_states is not None:
-        _atomic_torch_save(optimizer_states, os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
-    if rank == 0:
-        _atomic_torch_save(model_state, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
-    if distributed:
-        dist.barrier()  # every rank's files are in place before the marker says "complete"
-    if rank == 0:
-        meta = dict(meta, step=step, world_size=world_size, has_optimizer=optimizer_states is not None)
-        _atomic_json_save(meta, os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
-        print0(f"Saved checkpoint of step {step} to {checkpoint_dir}")
+    world_size = dist.get_world_size() if _is_distributed() else 1
+    written = []
+    try:
+        if optimizer_shard is not None:
+            written.append(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
+            with atomic_write(written[-1]) as f:
+                torch.save(optimizer_shard, f)
+        if rank == 0:
+            written.append(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
+            with atomic_write(written[-1]) as f:
+                torch.save(model_state, f)
+        if _is_distributed():
+            dist.barrier()  # every rank's files are in place before the marker says "complete"
+        if rank == 0:
+            meta = dict(meta, step=step, world_size=world_size, has_optimizer=optimizer_shard is not None)
+            written.append(os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
+            with atomic_write(written[-1], "w") as f:
+                json.dump(meta, f, indent=2)
+    except BaseException:
+        for path in written:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    print0(f"Saved checkpoint of step {step} to {checkpoint_dir}")
 
 
 def _torch_load(path, device):
     if not os.path.exists(path):
         raise UserError(f"checkpoint file missing: {path}")
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        # mmap: tensors are read from the file as they are used, not all at once (the optimizer files of
+        # every rank are opened by every rank when resuming on a different world size)
+        return torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # truncated / corrupt: pickle, zip and EOF errors all land here
         raise UserError(f"checkpoint file {path} is unreadable (truncated or corrupt: {type(e).__name__}: {e}); "
                         f"delete that step's files or pick another step") from None
 
 
-def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False, rank=0):
-    """Returns (model_state, optimizer_states or None, meta). Errors name the missing or broken file."""
+def read_meta(checkpoint_dir, step):
     meta_path = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
     if not os.path.exists(meta_path):
         raise UserError(f"no complete checkpoint of step {step} in {checkpoint_dir} ({os.path.basename(meta_path)} missing)")
     try:
         with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"checkpoint file {meta_path} is unreadable: {e}") from None
+
+
+def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False):
+    """
+    Returns (model_state, optimizer_shards or None, meta). optimizer_shards: what every rank of the saving
+    run saved (a list, one entry per saving rank), for nanochat.sharding.load_optimizer_shards.
+    Errors name the missing or broken file.
+    """
+    meta = read_meta(checkpoint_dir, step)
     model_state = _torch_load(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"), device)
-    optimizer_states = None
+    optimizer_shards = None
     if load_optimizer:
         if not meta.get("has_optimizer", False):
             raise UserError(f"checkpoint of step {step} in {checkpoint_dir} was saved without optimizer state")
-        optimizer_states = _torch_load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"), device)
-    return model_state, optimizer_states, meta
+        optimizer_shards = [_torch_load(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{r}.pt"), "cpu")
+                            for r in range(meta["world_size"])]
+    return model_state, optimizer_shards, meta
+
+
+def complete_steps(checkpoint_dir):
+    """The steps with a complete checkpoint (their meta file exists), in increasing order."""
+    return sorted(int(m.group(1)) for f in glob.glob(os.path.join(checkpoint_dir, "meta_*.json"))
+                  if (m := re.fullmatch(r"meta_(\d+)\.json", os.path.basename(f))))
 
 
 def find_last_step(checkpoint_dir):
     """The largest step with a complete checkpoint (its meta file exists). Incomplete saves are ignored."""
-    steps = [int(m.group(1)) for f in glob.glob(os.path.join(checkpoint_dir, "meta_*.json"))
-             if (m := re.fullmatch(r"meta_(\d+)\.json", os.path.basename(f)))]
+    steps = complete_steps(checkpoint_dir)
     if not steps:
         raise UserError(f"no complete checkpoint in {checkpoint_dir}")
-    return max(steps)
+    return steps[-1]
 
 
-def find_model_tag(checkpoints_dir):
+def find_model_tag(checkpoints_dir, stage_command=None):
     """The single model tag under `checkpoints_dir`. Never guesses between several: asks for --model_tag."""
+    hint = f": run `{stage_command}` first" if stage_command else ": run the stage that writes it first"
     if not os.path.isdir(checkpoints_dir):
-        raise UserError(f"no checkpoints directory {checkpoints_dir}: run the stage that writes it first")
+        raise UserError(f"no checkpoints directory {checkpoints_dir}{hint}")
     tags = sorted(d for d in os.listdir(checkpoints_dir) if os.path.isdir(os.path.join(checkpoints_dir, d)))
     if not tags:
-        raise UserError(f"no model in {checkpoints_dir}: run the stage that writes it first")
+        raise UserError(f"no model in {checkpoints_dir}{hint}")
     if len(tags) > 1:
         raise UserError(f"several models in {checkpoints_dir}: {', '.join(tags)}; choose one with --model_tag=...")
     return tags[0]
@@ -111,43 +252,114 @@ def find_model_tag(checkpoints_dir):
 
 def build_model(checkpoint_dir, step, device, phase):
     """Rebuild the GPT of a checkpoint on `device` (phase "train" or "eval"). Returns (model, meta)."""
-    from nanochat.gpt import GPT, GPTConfig
     if phase not in ("train", "eval"):
         raise ValueError(f"phase must be 'train' or 'eval', got {phase!r}")
     model_state, _, meta = load_checkpoint(checkpoint_dir, step, device)
+    model = model_from_state(model_state, meta, device, where=f"checkpoint of step {step} in {checkpoint_dir}")
+    model.train() if phase == "train" else model.eval()
+    return model, meta
+
+
+def model_from_state(model_state, meta, device, where):
+    """A GPT of the checkpoint's config (meta["model_config"]) holding `model_state`, on `device`."""
+    from nanochat.gpt import GPT, GPTConfig
     # torch.compile wraps the model: its state dict keys carry an "_orig_mod." prefix; accept both
     model_state = {k.removeprefix("_orig_mod."): v for k, v in model_state.items()}
-    config = GPTConfig(**meta["model_config"])
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(GPTConfig(**meta["model_config"]))
     model.to_empty(device=device)
     model.init_rotary()  # rotary tables are not in the checkpoint
     try:
         model.load_state_dict(model_state, strict=True, assign=True)
     except RuntimeError as e:
-        raise UserError(f"checkpoint of step {step} in {checkpoint_dir} does not match its model config: {e}") from None
-    model.train() if phase == "train" else model.eval()
-    return model, meta
+        raise UserError(f"{where} does not match its model config: {e}") from None
+    return model
+
+
+def check_tokenizer(meta, tokenizer, where):
+    """The tokenizer of this run must be the one the checkpoint was trained with (same fingerprint)."""
+    from nanochat.tokenizer import get_tokenizer_dir
+    saved = meta.get("tokenizer") or {}
+    here = tokenizer.fingerprint()
+    if saved.get("fingerprint") not in (None, here) or meta["model_config"]["vocab_size"] != tokenizer.get_vocab_size():
+        raise UserError(f"{where} was trained with tokenizer {saved.get('fingerprint', '?')} (vocab "
+                        f"{meta['model_config']['vocab_size']:,}), but the tokenizer in {get_tokenizer_dir()} is {here} "
+                        f"(vocab {tokenizer.get_vocab_size():,}): token ids would mean other text; put that run's "
+                        f"tokenizer back, or train a new model with this one")
+
+
+def check_data_settings(saved, now, where):
+    """
+    Resuming must continue the same data stream: every setting in `saved` (what the checkpoint's run read its
+    data with) must equal `now`. The first difference is a UserError naming the setting.
+    """
+    for key, value in saved.items():
+        if key in now and now[key] != value:
+            raise UserError(f"{where} was trained with {key}={value!r}, this run has {key}={now[key]!r}: that changes "
+                            f"which data every following step reads, so it would not continue the same run; resume "
+                            f"with --{key}={value} (or start a new run with another --model_tag)")
 
 
 def load_model(source, device, phase, model_tag=None, step=None):
     """
     Load a model saved by a training stage: source "base" | "mid" | "sft" | "rl". model_tag defaults to
     the only tag present (an error lists them if there are several); step defaults to the last complete
-    one. Returns (model, tokenizer, meta).
+    one, or, if its files are unreadable, the one before it (with a warning). Checks that the tokenizer
+    on disk is the one the model was trained with. Returns (model, tokenizer, meta).
     """
+    from nanochat.tokenizer import get_tokenizer
     if source not in SOURCES:
         raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
     checkpoints_dir = os.path.join(get_base_dir(), SOURCES[source])
-    model_tag = model_tag or find_model_tag(checkpoints_dir)
-    checkpoint_dir = os.path.join(checkpoints_dir, model_tag)
-    step = find_last_step(checkpoint_dir) if step is None or step < 0 else step
-    print0(f"Loading {source} model {model_tag} step {step} from {checkpoint_dir}")
-    model, meta = build_model(checkpoint_dir, step, device, phase)
+    model_tag = model_tag or find_model_tag(checkpoints_dir, STAGE_COMMANDS[source])
+    checkpoint_dir = checkpoint_dir_for(source, model_tag)
+    if step is not None and step >= 0:
+        candidates = [step]
+    else:
+        candidates = complete_steps(checkpoint_dir)[::-1]
+        if not candidates:
+            raise UserError(f"no complete checkpoint in {checkpoint_dir}: run `{STAGE_COMMANDS[source]}` first")
+    for i, candidate in enumerate(candidates):
+        try:
+            model, meta = build_model(checkpoint_dir, candidate, device, phase)
+            break
+        except UserError as e:
+            if i == len(candidates) - 1 or "unreadable" not in str(e) and "missing" not in str(e):
+                raise
+            print0(f"WARNING: the latest checkpoint (step {candidate}) of {checkpoint_dir} cannot be loaded ({e}); "
+                   f"using the previous complete one, step {candidates[i + 1]}")
+    print0(f"Loaded {source} model {model_tag} step {meta['step']} from {checkpoint_dir}")
     meta = dict(meta, model_tag=model_tag, checkpoint_dir=checkpoint_dir)
-    from nanochat.tokenizer import get_tokenizer
     tokenizer = get_tokenizer()
-    if tokenizer.get_vocab_size() != model.config.vocab_size:
-        raise UserError(f"tokenizer vocab {tokenizer.get_vocab_size()} != model vocab {model.config.vocab_size}: "
-                        f"the tokenizer in {get_base_dir()}/tokenizer is not the one this model was trained with")
+    check_tokenizer(meta, tokenizer, f"{source} model {model_tag} step {meta['step']}")
     return model, tokenizer, meta
+
+
+def open_metrics(checkpoint_dir, start_step, enabled=True):
+    """
+    The run's per-step metrics, one JSON line per step in <checkpoint_dir>/metrics.jsonl (the report plots
+    them). A fresh run starts the file empty; a resumed run continues its curve: it keeps the train lines of
+    steps up to its start step and the evaluations before it (it evaluates its start step again), dropping
+    what the earlier run logged later. Returns (path, log) with log(**metrics) appending a line (rank 0 only:
+    pass enabled=False elsewhere).
+    """
+    path = os.path.join(checkpoint_dir, "metrics.jsonl")
+    if enabled:
+        kept = []
+        if start_step > 0 and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short when the earlier run was killed
+                        continue
+                    if r["step"] < start_step or (r["step"] == start_step and "val_bpb" not in r):
+                        kept.append(line)
+        with atomic_write(path, "w") as f:
+            f.writelines(kept)
+
+    def log(**metrics):
+        if enabled:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(metrics) + "\n")
+    return path, log

@@ -12,14 +12,21 @@ logger, does not seed RNGs and does not start process groups. Scripts opt in by 
 setup_default_logging() (the configurator does it) and compute_init().
 """
 
+import contextlib
 import difflib
+import errno
 import hashlib
+import json
 import logging
+import math
 import os
 import re
+import signal
 import socket
 import sys
+import tempfile
 import time
+import urllib.parse
 
 import torch
 import torch.distributed as dist
@@ -131,14 +138,65 @@ def print_banner():
 # 2. Files
 
 
+# Exit codes of the training stages (speedrun.sh stops at anything non-zero):
+EXIT_OK = 0
+EXIT_USER_ERROR = 1  # a UserError: bad input, missing data; the one-line message says what to do
+EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C): a checkpoint was saved,
+#                          resume with --resume_from_step (75 = EX_TEMPFAIL of sysexits.h: "try again later")
+
+_checked_base_dirs = set()
+
+
 def get_base_dir():
     """
     The directory for everything nanochat writes: data shards, tokenizer, checkpoints, reports.
-    $NANOCHAT_BASE_DIR if set, else ~/.cache/nanochat. Created on demand.
+    $NANOCHAT_BASE_DIR if set, else ~/.cache/nanochat. Created on demand, and checked once per process to be
+    a writable directory (UserError otherwise: better at start-up than when the first checkpoint is saved).
     """
     base_dir = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
-    os.makedirs(base_dir, exist_ok=True)
+    if base_dir not in _checked_base_dirs:
+        hint = "set NANOCHAT_BASE_DIR to a writable directory"
+        try:
+            os.makedirs(base_dir, exist_ok=True)
+        except FileExistsError:
+            raise UserError(f"NANOCHAT_BASE_DIR {base_dir} is a file, not a directory: {hint}") from None
+        except OSError as e:
+            raise UserError(f"cannot create NANOCHAT_BASE_DIR {base_dir} ({e.strerror}): {hint}") from None
+        try:
+            with tempfile.TemporaryFile(dir=base_dir):
+                pass
+        except OSError as e:
+            raise UserError(f"NANOCHAT_BASE_DIR {base_dir} is not writable ({e.strerror}): {hint}") from None
+        _checked_base_dirs.add(base_dir)
     return base_dir
+
+
+@contextlib.contextmanager
+def atomic_write(path, mode="wb"):
+    """
+    Write `path` all or nothing: yields a file object for a temporary file beside it (`<path>.tmp<pid>`),
+    renamed over `path` when the block ends without an error. os.replace is atomic on one filesystem, so
+    `path` always holds either its old content or the complete new one: a crash or a kill mid-write leaves
+    at most the temporary file, which this removes on any error (a kill -9 leaves it for the next writer
+    of the directory to clean up). A full disk or a read-only directory becomes a one-line UserError.
+
+        with atomic_write(path) as f:
+            torch.save(obj, f)
+    """
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise UserError(f"no space left on {os.path.dirname(os.path.abspath(path))} while writing "
+                            f"{os.path.basename(path)} (nothing partial was kept): free some space and run again") from None
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise UserError(f"cannot write {path}: {e.strerror}") from None
+        raise
 
 
 def _sha256(path):
@@ -150,7 +208,7 @@ def _sha256(path):
 
 
 def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=None,
-                            retries=5, timeout=30, backoff=2.0):
+                            retries=5, timeout=30, backoff=2.0, retry_command=None):
     """
     Download `url` to `<base_dir>/<filename>` once, however many processes ask at the same time, and
     return the local path.
@@ -168,8 +226,12 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
        killed with -9 mid-download leaves only a `.tmp` file (removed by the next downloader, who holds
        the lock) and the OS releases its lock with the process, so the next call simply downloads again.
 
-    Network errors and HTTP 5xx/429 are retried `retries` times with exponential backoff; every request
-    has a `timeout` in seconds. Files above 10 MB log their progress.
+    Failures: a host that cannot be reached at all (name not resolved, connection refused, no route,
+    connect timeout of 5 s) fails at once with a UserError, because waiting will not fix a missing network
+    and a user should not sit through half a minute of retries to learn that; the message names
+    `retry_command` (the command to run again) when the caller gives one. Transient failures (HTTP 5xx/429,
+    a connection dropped mid-transfer, a read timeout of `timeout` s) are retried `retries` times with
+    exponential backoff. HTTP 4xx is permanent: no retries. Files above 10 MB log their progress.
     """
     import requests  # imported here: only code paths that download need it
 
@@ -197,10 +259,15 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
                 os.replace(tmp_path, file_path)
                 return file_path
             except (requests.RequestException, IOError) as e:
+                again = f"; then run `{retry_command}` again" if retry_command else "; then run the same command again"
+                if _unreachable(e):
+                    host = urllib.parse.urlsplit(url).netloc
+                    raise UserError(f"cannot reach {host} to download {url} ({_short_reason(e)}): check the network "
+                                    f"connection (or the mirror URL){again}") from None
                 status = getattr(getattr(e, "response", None), "status_code", None)
                 permanent = status is not None and 400 <= status < 500 and status != 429
                 if permanent or attempt == retries:
-                    raise UserError(f"could not download {url} -> {file_path} after {attempt} attempt(s): {e}") from e
+                    raise UserError(f"could not download {url} -> {file_path} after {attempt} attempt(s): {e}{again}") from None
                 wait = backoff ** attempt
                 logger.warning(f"download of {url} failed ({e}); retry {attempt}/{retries - 1} in {wait:.0f}s")
                 time.sleep(wait)
@@ -209,8 +276,25 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
                     os.remove(tmp_path)
 
 
+def _unreachable(e):
+    """True if the connection could not even be established: DNS failure, refused, no route, connect timeout."""
+    import requests
+    from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
+    if isinstance(e, requests.exceptions.ConnectTimeout):
+        return True
+    reason = getattr(e.args[0], "reason", None) if isinstance(e, requests.ConnectionError) and e.args else None
+    return isinstance(reason, (NewConnectionError, ConnectTimeoutError))
+
+
+def _short_reason(e):
+    reason = getattr(e.args[0], "reason", e) if e.args else e
+    text = str(reason)
+    return text.split(": ", 1)[-1] if ": " in text else text
+
+
 def _stream_to_file(requests, url, path, timeout):
-    with requests.get(url, stream=True, timeout=timeout) as response:
+    # (connect, read) timeouts: connecting takes well under a second on a working network
+    with requests.get(url, stream=True, timeout=(5, timeout)) as response:
         response.raise_for_status()
         total = int(response.headers.get("Content-Length") or 0)
         report_every = max(total // 10, 1)
@@ -350,10 +434,8 @@ def compute_init(device_type="cuda"):
         dist.init_process_group(backend="gloo")
     else:
         device = torch.device(device_type)
-    if ddp:
-        # Nobody leaves init until everybody has arrived: a rank that crashed during start-up shows up here,
-        # not as a hang inside the first training collective, and rank 0 does not race ahead.
-        dist.barrier()
+    # No barrier is needed here: init_process_group returns only when every rank has joined the rendezvous,
+    # and _print_topology's all_gather_object is itself a collective that every rank must reach.
     _print_topology(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device)
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 
@@ -440,9 +522,16 @@ def measure_matmul_flops(device, dtype, n=1024, repeats=5):
 def get_peak_flops(device, dtype):
     """
     The denominator of MFU (model FLOPs utilisation = achieved model FLOP/s / peak FLOP/s), per device.
-    Known CUDA GPUs: the datasheet dense bf16 peak (an H100 SXM: 989 TFLOP/s). Anything else (CPU, MPS,
-    unknown GPUs): measured once here with a matmul in the dtype we compute in (fp32 on CPU), so MFU says
-    how close training gets to what this machine's matmul can actually do. Returns (flops, how it was got).
+    Returns (flops, how it was got).
+
+    - Known CUDA GPUs in bf16: the datasheet dense bf16 peak (an H100 SXM: 989 TFLOP/s).
+    - $NANOCHAT_PEAK_FLOPS (a number, e.g. 1.5e11): use that, for machines where you know better.
+    - Anything else (CPU, MPS, unknown GPUs): measured, as the best FLOP/s of several matmuls in the dtype we
+      compute in (1024^3 and 2048^3: the large one is what a well-fed BLAS reaches). A measurement can only
+      come out too LOW (another program busy at that moment, a CPU still clocking up), never too high, so
+      the best value ever measured on this machine (same CPU/GPU model, thread count and dtype) is kept in
+      <base_dir>/peak_flops.json and a lower reading never replaces it: a loaded moment at start-up cannot
+      inflate the MFU of the run.
     """
     device = torch.device(device)
     if device.type == "cuda" and dtype == torch.bfloat16:
@@ -450,9 +539,91 @@ def get_peak_flops(device, dtype):
         for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
             if key in name:
                 return flops, f"{name} datasheet bf16 peak"
-    n = 2048 if device.type != "cpu" else 1024
-    flops = measure_matmul_flops(device, dtype, n=n)
-    return flops, f"measured {str(dtype).removeprefix('torch.')} {n}x{n} matmul on {device.type}"
+    override = os.environ.get("NANOCHAT_PEAK_FLOPS")
+    if override:
+        try:
+            flops = float(override)
+        except ValueError:
+            flops = 0.0
+        if not (0 < flops < float("inf")):
+            raise UserError(f"NANOCHAT_PEAK_FLOPS={override!r}: need a positive number of FLOP/s, e.g. 1.5e11")
+        return flops, "NANOCHAT_PEAK_FLOPS"
+    dtype_name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = f"{cpu_model_name()}, {torch.get_num_threads()} threads" if device.type == "cpu" else device.type
+    measured = max(measure_matmul_flops(device, dtype, n=1024, repeats=8),
+                   measure_matmul_flops(device, dtype, n=2048, repeats=3))
+    path = os.path.join(get_base_dir(), "peak_flops.json")
+    key = f"{hardware} | {dtype_name}"
+    with FileLock(path + ".lock"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                known = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+        best = max(measured, float(known.get(key, 0.0)))
+        if best > known.get(key, 0.0):
+            known[key] = best
+            with atomic_write(path, "w") as f:
+                json.dump(known, f, indent=2)
+    return best, (f"measured: best {dtype_name} matmul on {hardware} (this run {measured:.3e}; "
+                  f"the best of every run on this machine is kept in {path})")
+
+
+def cpu_model_name():
+    """The CPU's marketing name (for reports and the MFU peak's cache key)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+class StopRequest:
+    """
+    Stop a training stage cleanly on SIGTERM (a scheduler's "your time is up", `kill`) or SIGINT (Ctrl-C):
+    finish the current step, save a checkpoint, exit with EXIT_STOPPED_EARLY. A second signal kills at once.
+
+        stop_request = StopRequest(ddp_rank)
+        ... at the end of each step: share float(stop_request.requested) with the other ranks ...
+
+    The signal may reach the ranks at different moments (or only one of them), so a rank only records it;
+    the training loop shares the flag with the other ranks through its end-of-step all_reduce, and all ranks
+    stop after the same step. Stopping on one rank alone would leave the others waiting forever in the next
+    collective.
+    """
+
+    def __init__(self, rank):
+        self.rank, self.requested = rank, False
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        print(f"[rank {self.rank}] got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              f"(send it again to quit at once)", flush=True)
+        self.requested = True
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def check_finite(step, loss, grad_norm, last_saved_step, lr_keys):
+    """
+    Stop at the first non-finite loss or gradient norm: the weights are about to be (or already are)
+    NaN, and every later step and checkpoint would be garbage. Raised before the next save, so no
+    checkpoint newer than the last finite one is written.
+    """
+    if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
+        return
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+    saved = f"the last checkpoint is step {last_saved_step}" if last_saved_step is not None else "no checkpoint was saved"
+    raise UserError(f"step {step}: {what} is not finite, training diverged ({saved}; nothing newer is saved). The likely "
+                    f"knob is the learning rate: lower {', '.join('--' + k for k in lr_keys)} (or raise --warmup_ratio), "
+                    f"then resume from the last checkpoint or start again")
 
 
 # -----------------------------------------------------------------------------
@@ -470,11 +641,32 @@ class DummyWandb:
 
 
 def init_wandb(run, master_process, config, project="nanochat"):
-    """A real wandb run on the master process unless `run == "dummy"`; DummyWandb otherwise."""
+    """
+    A real wandb run on the master process unless `run == "dummy"`; DummyWandb otherwise. Checked at
+    start-up, before any training: a run name without a way to log (no `wandb login`, no WANDB_API_KEY, and
+    WANDB_MODE not offline/disabled) is a UserError now, not a prompt or a crash hours later.
+    """
     if run == "dummy" or not master_process:
         return DummyWandb()
     import wandb
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode not in ("offline", "disabled", "dryrun") and not _wandb_has_login():
+        raise UserError(f"--run={run} logs to wandb, but wandb has no login on this machine: run `wandb login` "
+                        f"(or set WANDB_API_KEY), set WANDB_MODE=offline to log locally, or leave --run out")
     return wandb.init(project=project, name=run, config=config)
+
+
+def _wandb_has_login():
+    """An API key in the environment or in ~/.netrc (where `wandb login` writes it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    try:
+        hosts = netrc.netrc(os.environ.get("NETRC")).hosts
+    except (OSError, netrc.NetrcParseError):
+        return False
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return urllib.parse.urlsplit(base_url).hostname in hosts
 
 
 def closest(name, candidates, n=3):

@@ -15,11 +15,17 @@ config key. Rules:
 - values are parsed and checked against the type of the default: an int is fine for a float, bools take
   true/false/1/0/yes/no, strings are taken as they are, and values may themselves contain "=";
 - `-` and `_` are interchangeable in key names;
+- a key given twice on the command line is an error (which one was meant?); a `--key` after a config file
+  overrides the file's value;
+- floats must be finite (nan and inf are refused);
 - `--help` lists every key with its type, default and comment, and exits 0;
 - an argument without `--` is a python file of assignments (`depth = 12`), applied in command-line order.
+What a value MEANS is checked by the script right after configure(), with check_config(): positive sizes,
+fractions in [0, 1], choices, ... so that a bad value is refused before any work starts.
 Errors are UserError: the script prints one line and exits with status 1.
 """
 
+import math
 import os
 import re
 import sys
@@ -57,9 +63,12 @@ def parse_value(key, raw, default):
             raise UserError(f"--{key} expects an int, got {raw!r}") from None
     if kind is float:
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
             raise UserError(f"--{key} expects a float, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise UserError(f"--{key} expects a finite number, got {raw!r}")
+        return value
     return raw  # str: as-is
 
 
@@ -107,11 +116,10 @@ def parse_args(argv, keys, script_path=None, doc=None):
     Parse `argv` against `keys` (name -> default). Returns {key: new value} for the overridden keys,
     in the order given. `--help` prints the key listing (rank 0) and exits 0.
     """
-    overrides = {}
+    overrides, given = {}, set()
     for arg in argv:
         if arg in ("-h", "--help"):
-            print0(format_help(keys, script_path, doc))
-            sys.exit(0)
+            _print_help(format_help(keys, script_path, doc))
         if not arg.startswith("--"):
             # a config file of python assignments
             if not os.path.isfile(arg):
@@ -133,6 +141,7 @@ def parse_args(argv, keys, script_path=None, doc=None):
         if "=" not in body:
             key = body.replace("-", "_")
             if key in keys and type(keys[key]) is bool:
+                _once(key, given)
                 overrides[key] = True  # `--flag` alone turns a bool on
                 continue
             raise UserError(f"argument {arg!r} has no value: use --{key}=VALUE" + ("" if key in keys else _suggest(key, keys)))
@@ -140,8 +149,26 @@ def parse_args(argv, keys, script_path=None, doc=None):
         key = key.replace("-", "_")
         if key not in keys:
             raise UserError(f"unknown config key {key!r}" + _suggest(key, keys))
+        _once(key, given)
         overrides[key] = parse_value(key, raw, keys[key])
     return overrides
+
+
+def _once(key, given):
+    if key in given:
+        raise UserError(f"--{key} is given twice on the command line: keep one")
+    given.add(key)
+
+
+def _print_help(text):
+    """Print the help (rank 0) and exit 0, quietly also when the reader went away (`--help | head`)."""
+    try:
+        print0(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader closed the pipe: point stdout at /dev/null so the flush at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0)
 
 
 def _suggest(key, keys):
@@ -163,3 +190,32 @@ def configure(scope, argv=None):
         print0(f"Overriding: {k} = {v!r} (default {keys[k]!r})")
     scope.update(overrides)
     return {k: scope[k] for k in keys}
+
+
+def check_config(config, positive=(), positive_or_unset=(), non_negative=(), fractions=(), choices=None):
+    """
+    Check what the values of `config` (configure()'s dict) mean, and raise a one-line UserError at the first
+    bad one. Call it right after configure(), so nothing runs with a bad value:
+      positive           > 0 (sizes, counts)
+      positive_or_unset  > 0, or exactly -1 meaning "not set" (the script's comment says what happens then);
+                         0 and other negatives are refused rather than silently meaning something
+      non_negative       >= 0 (learning rates, weight decay, clipping; floats are finite already)
+      fractions          in [0, 1]
+      choices            {key: allowed values}
+    """
+    for key in positive:
+        if not config[key] > 0:
+            raise UserError(f"--{key} must be > 0, got {config[key]!r}")
+    for key in positive_or_unset:
+        if not (config[key] > 0 or config[key] == -1):
+            raise UserError(f"--{key} must be > 0, or -1 for 'not set', got {config[key]!r}")
+    for key in non_negative:
+        if not config[key] >= 0:
+            raise UserError(f"--{key} must be >= 0, got {config[key]!r}")
+    for key in fractions:
+        if not 0 <= config[key] <= 1:
+            raise UserError(f"--{key} must be between 0 and 1, got {config[key]!r}")
+    for key, allowed in (choices or {}).items():
+        if config[key] not in allowed:
+            shown = ", ".join(repr(a) if a == "" else str(a) for a in allowed)
+            raise UserError(f"--{key} must be one of {shown}, got {config[key]!r}")

@@ -141,8 +141,8 @@ class _Slot:
 class DistributedTokenLoader:
     """Iterator of (inputs, targets) micro-batches for one rank; see the module docstring."""
 
-    def __init__(self, B, T, split, device, tokenizer, total_batch_size, rank, world_size, seed,
-                 resume_state, bos_aligned, tokenizer_threads, tokenizer_batch_size):
+    def __init__(self, *, B, T, split, device, tokenizer, rank, world_size, total_batch_size=None, seed=0,
+                 resume_state=None, bos_aligned=False, tokenizer_threads=4, tokenizer_batch_size=128):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         self.B, self.T, self.split, self.device, self.bos_aligned = B, T, split, torch.device(device), bos_aligned
@@ -203,7 +203,7 @@ class DistributedTokenLoader:
         return {"slots": states, "micro": micro, "num_slots": self.num_slots, "split": self.split}
 
 
-def tokenizing_distributed_data_loader(B, T, split, device="cpu", tokenizer=None, total_batch_size=None, seed=0,
+def tokenizing_distributed_data_loader(B, T, split, device="cpu", *, tokenizer=None, total_batch_size=None, seed=0,
                                        resume_state=None, bos_aligned=False, tokenizer_threads=4,
                                        tokenizer_batch_size=128):
     """
@@ -214,5 +214,7 @@ def tokenizing_distributed_data_loader(B, T, split, device="cpu", tokenizer=None
     from nanochat.tokenizer import get_tokenizer
     _, rank, _, world_size = get_dist_info()
     tokenizer = tokenizer or get_tokenizer()
-    return DistributedTokenLoader(B, T, split, device, tokenizer, total_batch_size, rank, world_size, seed,
-                                  resume_state, bos_aligned, tokenizer_threads, tokenizer_batch_size)
+    return DistributedTokenLoader(B=B, T=T, split=split, device=device, tokenizer=tokenizer, rank=rank,
+                                  world_size=world_size, total_batch_size=total_batch_size, seed=seed,
+                                  resume_state=resume_state, bos_aligned=bos_aligned,
+                                  tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size)

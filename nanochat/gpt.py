@@ -74,15 +74,41 @@ def apply_rotary_emb(x, cos, sin):
 class KVCache:
     """
     Keys and values of past positions, so generation feeds one new token per step instead of the whole
-    sequence. Layout (n_layer, B, n_kv_head, max_len, head_dim). The model calls insert_kv(layer, k, v)
-    in every layer; the position advances after the last layer.
+    sequence. Layout (n_layer, B, n_kv_head, capacity, head_dim): for each layer and row, a head's keys are
+    one contiguous (positions, head_dim) block, the shape attention multiplies by.
+
+    `max_len` is the most positions the cache may ever hold: inserting past it raises. `capacity` is how
+    many are allocated now (default: max_len); when an insert needs more, the tensors are reallocated at
+    double the size (at most max_len) and the filled positions copied over, so a generation that stops
+    early never pays for the whole context, and growth costs O(1) copies per position on average.
+
+    GPT.forward calls insert_kv(layer, k, v) in every layer (the position advances after the last layer);
+    GPT.decode_step writes one position per layer through k_layers / v_layers and then calls advance().
     """
 
-    def __init__(self, batch_size, n_kv_head, max_len, head_dim, n_layer, device, dtype):
-        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0
+    def __init__(self, batch_size, n_kv_head, max_len, head_dim, n_layer, device, dtype, capacity=None):
+        self.batch_size, self.n_kv_head, self.head_dim, self.n_layer = batch_size, n_kv_head, head_dim, n_layer
+        self.max_len, self.pos = max_len, 0
+        self.k = self.v = None
+        self._allocate(max_len if capacity is None else max(1, min(capacity, max_len)), device, dtype)
+
+    def _allocate(self, capacity, device, dtype):
+        shape = (self.n_layer, self.batch_size, self.n_kv_head, capacity, self.head_dim)
+        k = torch.empty(shape, device=device, dtype=dtype)  # only positions < pos are ever read
+        v = torch.empty(shape, device=device, dtype=dtype)
+        if self.k is not None:
+            k[:, :, :, :self.pos] = self.k[:, :, :, :self.pos]
+            v[:, :, :, :self.pos] = self.v[:, :, :, :self.pos]
+        self.k, self.v, self.capacity = k, v, capacity
+        # per-layer views (B, n_kv_head, capacity, head_dim), made once rather than indexed every step
+        self.k_layers, self.v_layers = [k[i] for i in range(self.n_layer)], [v[i] for i in range(self.n_layer)]
+
+    def reserve(self, t1):
+        """Make room for positions up to t1 (exclusive): grow if needed; ValueError past max_len."""
+        if t1 > self.max_len:
+            raise ValueError(f"KV cache full: {t1} positions > max_len {self.max_len}")
+        if t1 > self.capacity:
+            self._allocate(min(self.max_len, max(t1, 2 * self.capacity)), self.k.device, self.k.dtype)
 
     def get_pos(self):
         return self.pos
@@ -90,15 +116,32 @@ class KVCache:
     def reset(self):
         self.pos = 0
 
+    def advance(self, n=1):
+        self.pos += n
+
     def insert_kv(self, layer_idx, k, v):
+        """Store k, v (B, n_kv_head, T, head_dim) at the next T positions; return all keys/values so far."""
         t0, t1 = self.pos, self.pos + k.size(2)
-        if t1 > self.max_len:
-            raise ValueError(f"KV cache full: {t1} positions > max_len {self.max_len}")
-        self.k[layer_idx, :, :, t0:t1] = k
-        self.v[layer_idx, :, :, t0:t1] = v
+        if layer_idx == 0:
+            self.reserve(t1)
+        self.k_layers[layer_idx][:, :, t0:t1] = k
+        self.v_layers[layer_idx][:, :, t0:t1] = v
         if layer_idx == self.n_layer - 1:
             self.pos = t1
-        return self.k[layer_idx, :, :, :t1], self.v[layer_idx, :, :, :t1]
+        return self.k_layers[layer_idx][:, :, :t1], self.v_layers[layer_idx][:, :, :t1]
+
+    def prefill(self, other):
+        """
+        Copy the filled positions of cache `other` into this one: a batch-1 cache is broadcast to every row
+        (the prompt is run once, then each sample continues from its own copy of it).
+        """
+        if other.batch_size not in (1, self.batch_size) or (other.n_layer, other.n_kv_head, other.head_dim) != (
+                self.n_layer, self.n_kv_head, self.head_dim):
+            raise ValueError("prefill: the caches' shapes do not match")
+        self.reserve(other.pos)
+        self.k[:, :, :, :other.pos] = other.k[:, :, :, :other.pos]
+        self.v[:, :, :, :other.pos] = other.v[:, :, :, :other.pos]
+        self.pos = other.pos
 
 
 class CausalSelfAttention(nn.Module):
@@ -234,21 +277,7 @@ class GPT(nn.Module):
         "sum", or "none" (per position, shape (B*T,), 0 at ignored targets). Without targets: returns
         logits (B, T, vocab) in fp32. With a kv_cache, idx holds only the new tokens.
         """
-        B, T = idx.size()
-        t0 = kv_cache.get_pos() if kv_cache is not None else 0
-        if t0 + T > self.rotary_len:
-            raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
-        x = self.transformer.wte(idx)
-        # Under bf16 autocast the residual stream is kept in bf16 too: the Linear outputs added to it are
-        # bf16 anyway, and an fp32 stream would double the activation memory of every layer (d20 with
-        # 32 x 2048 tokens per GPU would not fit in 80 GB). The rotary tables must match q/k's dtype.
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x = x.to(dtype)
-        cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
-        x = norm(x)
-        for block in self.transformer.h:
-            x = block(x, cos_sin, kv_cache)
-        x = norm(x)
+        x = self._final_hidden(idx, kv_cache)
         if targets is None:
             return self._softcapped_logits(x)
         flat_x, flat_targets = x.view(-1, x.size(-1)), targets.reshape(-1)
@@ -275,6 +304,24 @@ class GPT(nn.Module):
         # "mean" over the targets that count; a batch whose targets are all masked (possible in chat data,
         # where only assistant tokens count) gives 0 instead of 0/0 = NaN
         return per_token.sum() / (flat_targets != -1).sum().clamp(min=1)
+
+    def _final_hidden(self, idx, kv_cache=None):
+        """The transformer without its head: idx (B, T) -> the final normed hidden states (B, T, n_embd)."""
+        B, T = idx.size()
+        t0 = kv_cache.get_pos() if kv_cache is not None else 0
+        if t0 + T > self.rotary_len:
+            raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
+        x = self.transformer.wte(idx)
+        # Under bf16 autocast the residual stream is kept in bf16 too: the Linear outputs added to it are
+        # bf16 anyway, and an fp32 stream would double the activation memory of every layer (d20 with
+        # 32 x 2048 tokens per GPU would not fit in 80 GB). The rotary tables must match q/k's dtype.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dtype)
+        cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
+        x = norm(x)
+        for block in self.transformer.h:
+            x = block(x, cos_sin, kv_cache)
+        return norm(x)
 
     def _softcapped_logits(self, x):
         logits = self.lm_head(x).float()
@@ -362,54 +409,105 @@ class GPT(nn.Module):
         return optimizers
 
     # ------------------------------------------------------------------------------------------
+    # decoding: one new token per row, with a KV cache (the Engine's inner loop)
+
+    @torch.no_grad()
+    def prefill(self, idx, kv_cache):
+        """
+        Run the prompt idx (B, T) into kv_cache and return the logits of its last position, (B, vocab) fp32:
+        forward(idx, kv_cache=kv_cache)[:, -1] without computing the head at the T - 1 positions whose
+        predictions generation never reads (with a long prompt and a large vocabulary, most of the logits).
+        """
+        return self._softcapped_logits(self._final_hidden(idx, kv_cache)[:, -1])
+
+    @torch.no_grad()
+    def decode_weights(self):
+        """
+        The matrices decode_step multiplies by: ([(c_q, c_k, c_v, attn.c_proj, c_fc, mlp.c_proj) per layer],
+        lm_head), each (out, in) as nn.Linear keeps it. On CUDA they are the parameters themselves. On CPU
+        they are copies with the same shape and values stored transposed (column-major): decoding multiplies
+        one row per sample by every matrix, a matrix-vector product whose speed is how fast the matrix
+        streams from memory, and MKL streams a matrix laid out (in, out) about 3x faster than (out, in)
+        (bench/RESULTS.md). Copies go stale when the weights change: make them again after an update (the
+        Engine does, at every generate call).
+        """
+        if self.lm_head.weight.device.type == "cpu":
+            prep = lambda w: w.detach().t().contiguous().t()
+        else:
+            prep = lambda w: w
+        layers = [tuple(prep(lin.weight) for lin in (b.attn.c_q, b.attn.c_k, b.attn.c_v, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
+                  for b in self.transformer.h]
+        return layers, prep(self.lm_head.weight)
+
+    @torch.no_grad()
+    def decode_step(self, idx, kv_cache, weights):
+        """
+        One decoding step. idx (B,) holds the newest token of each row, kv_cache everything before it;
+        returns the next-token logits (B, vocab) in fp32 and advances the cache by one position.
+
+        The same computation as forward(idx[:, None], kv_cache=kv_cache)[:, -1], written for the one-token
+        case that is almost all of generation, where a step's cost is overhead, not arithmetic: matrices
+        from decode_weights() (no nn.Module calls), the new keys/values written in place into the cache,
+        and attention of one query per head over the cached positions with no mask (all are in the past).
+        """
+        B, pos = idx.size(0), kv_cache.pos
+        if pos + 1 > self.rotary_len:
+            raise ValueError(f"sequence of {pos + 1} tokens exceeds the rotary table ({self.rotary_len})")
+        kv_cache.reserve(pos + 1)
+        H, Hkv = self.config.n_head, self.config.n_kv_head
+        D = self.config.n_embd // H
+        x = F.embedding(idx, self.transformer.wte.weight)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = norm(x.to(dtype))  # (B, n_embd)
+        cos, sin = self.cos[:, pos:pos + 1].to(dtype), self.sin[:, pos:pos + 1].to(dtype)
+        layers, lm_head = weights
+        for i, (w_q, w_k, w_v, w_o, w_fc, w_proj) in enumerate(layers):
+            h = norm(x)
+            q = norm(apply_rotary_emb(F.linear(h, w_q).view(B, 1, H, D), cos, sin))
+            k = norm(apply_rotary_emb(F.linear(h, w_k).view(B, 1, Hkv, D), cos, sin))
+            k_cache, v_cache = kv_cache.k_layers[i], kv_cache.v_layers[i]  # (B, Hkv, capacity, D)
+            k_cache[:, :, pos] = k.view(B, Hkv, D)
+            v_cache[:, :, pos] = F.linear(h, w_v).view(B, Hkv, D)
+            y = F.scaled_dot_product_attention(q.view(B, H, 1, D), k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
+                                               enable_gqa=H != Hkv)
+            x = x + F.linear(y.view(B, H * D), w_o)
+            x = x + F.linear(F.relu(F.linear(norm(x), w_fc)).square(), w_proj)
+        kv_cache.advance()
+        logits = F.linear(norm(x), lm_head).float()
+        return self.SOFTCAP * torch.tanh(logits / self.SOFTCAP)
+
+    # ------------------------------------------------------------------------------------------
     # sampling
 
     @torch.no_grad()
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
         """
-        Naive autoregressive sampling for the quick samples printed during training: re-runs the whole
-        sequence each step (no KV cache: simple, and these samples are short). temperature 0 = greedy.
-        Yields one token id at a time.
+        Naive autoregressive sampling: re-runs the whole sequence each step (no KV cache), for the quick
+        samples printed during training, and as the reference the Engine (nanochat/engine.py) is tested
+        against: both pick tokens with sample_next_token, so at temperature 0 they must agree exactly.
+        temperature 0 = greedy; top_k None or 0 = the whole vocabulary. Yields one token id at a time.
         """
         device = self.lm_head.weight.device
-        rng = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        rng = torch.Generator(device=device).manual_seed(seed)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         for _ in range(max_tokens):
             logits = self.forward(ids)[:, -1, :]
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            if temperature > 0:
-                probs = F.softmax(logits / temperature, dim=-1)
-                next_id = torch.multinomial(probs, num_samples=1, generator=rng)
-            else:
-                next_id = torch.argmax(logits, dim=-1, keepdim=True)
-            ids = torch.cat((ids, next_id), dim=1)
+            next_id = sample_next_token(logits, rng, temperature, top_k)
+            ids = torch.cat((ids, next_id[:, None]), dim=1)
             yield next_id.item()
 
 
-def clip_grad_norm_(optimizers, max_norm):
+def sample_next_token(logits, rng, temperature=1.0, top_k=None):
     """
-    Clip the gradient of the whole model to norm `max_norm`; returns the norm before clipping (a tensor).
-
-    The norm that matters is the norm of the gradient the optimizers will use: the average over all ranks.
-    In one process that is simply the .grad of every parameter (torch's clip_grad_norm_). Under torchrun each
-    rank's .grad holds only its own data's gradient, so a norm of it would differ per rank, and the ranks
-    would clip by different factors. Instead the Dist optimizers first average the gradients (their
-    reduce_scatter; each rank then holds the averaged gradient of its own share), each rank sums the squares
-    of its share, one all_reduce adds the shares up: the exact norm of the averaged gradient, the same
-    number on every rank, at the cost of one scalar all_reduce. Every rank then scales its share by the same
-    factor, min(1, max_norm / (norm + 1e-6)), exactly as torch's clip_grad_norm_ does in one process.
+    Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng
+    unused). Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits
+    only when top_k is a positive int (None or 0: the whole vocabulary). All randomness comes from `rng`
+    (a torch.Generator on the logits' device): a seed fixes the result and the global RNG is not touched.
     """
-    if not all(hasattr(opt, "owned_grad_sq_norm") for opt in optimizers):
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    for opt in optimizers:
-        opt.reduce_gradients()  # issue every optimizer's reduce_scatters before waiting on any of them
-    sq_norm = sum(opt.owned_grad_sq_norm() for opt in optimizers)
-    dist.all_reduce(sq_norm)
-    norm = sq_norm.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for opt in optimizers:
-        opt.scale_gradients(scale)
-    return norm
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    if top_k and top_k < logits.size(-1):
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        choice = torch.multinomial(F.softmax(values / temperature, dim=-1), 1, generator=rng)
+        return indices.gather(-1, choice).squeeze(-1)
+    return torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=rng).squeeze(-1)

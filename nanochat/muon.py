@@ -37,8 +37,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.adamw import ShardedGradients
 from nanochat.common import autocast_dtype
+from nanochat.sharding import ShardedGradients
 
 
 def zeropower_via_newtonschulz5(G, steps=5):
@@ -65,13 +65,13 @@ def zeropower_via_newtonschulz5(G, steps=5):
     0.68: a direction with almost no gradient stays small, which is harmless. So the result is
     U S' V^T with S' in about 0.7..1.2, not exactly U V^T: close enough for an update direction (cosine
     with the exact U V^T ~0.98 on random Gaussian matrices, square ones included). The bf16 iteration on
-    a GPU stays in the same band: on an H100, random matrices up to 5120 x 1280 gave 0.680 .. 1.203.
+    a GPU stays in the same band (measured on an H100: bench/RESULTS.md).
 
     The iteration works on the wide side: a tall matrix (rows > cols) is transposed first, so X X^T is
     the smaller (cols x cols) Gram matrix, and transposed back at the end.
 
-    Precision: on CUDA it runs in bf16 (the iteration tolerates the rounding, see above, and it is faster:
-    1.7x against TF32 for a 5120 x 1280 matrix on an H100); on CPU and MPS in fp32, because a CPU without
+    Precision: on CUDA it runs in bf16 (the iteration tolerates the rounding, see above, and it is faster
+    than TF32: bench/RESULTS.md); on CPU and MPS in fp32, because a CPU without
     native bf16 emulates it about 100x slower. The rule is common.autocast_dtype, the same as for the
     model's matmuls ($NANOCHAT_DTYPE overrides it).
     Returns a tensor of G's shape and dtype.
@@ -86,8 +86,8 @@ def zeropower_via_newtonschulz5(G, steps=5):
     # The 1e-7 only guards against division by zero for an all-zero G (the result is then zero).
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     # addmm(C, M1, M2, beta, alpha) = beta * C + alpha * M1 @ M2 in one kernel (baddbmm: batched). The
-    # iteration is launch-bound for small matrices on a GPU: fusing the scaled additions into the
-    # products measured 1.2-1.5x faster than separate ops on an H100 (bench/RESULTS.md).
+    # iteration is launch-bound for small matrices on a GPU, and fusing the scaled additions into the
+    # products is faster than separate ops (bench/RESULTS.md).
     addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for _ in range(steps):
         A = X @ X.mT
@@ -131,6 +131,19 @@ def _muon_update(grad, momentum_buffer, momentum, nesterov, ns_steps):
     return zeropower_via_newtonschulz5(update, steps=ns_steps)
 
 
+def _momentum_state(opt, params, name_of):
+    """Checkpoint entries (nanochat.sharding) of the momentum buffers of `params`: whole matrices, from row 0."""
+    return {name_of[p]: {"row_start": 0, "step": None, "momentum_buffer": opt.state[p]["momentum_buffer"]}
+            for p in params if "momentum_buffer" in opt.state.get(p, {})}
+
+
+def _load_momentum_state(opt, params, name_of, full_state):
+    for p in params:
+        full = full_state(name_of[p])
+        if full is not None:
+            opt.state[p] = {"momentum_buffer": full["momentum_buffer"].to(p.device, p.dtype).clone()}
+
+
 class Muon(torch.optim.Optimizer):
     """
     Single-process Muon for 2-D matrices: Nesterov momentum, then orthogonalisation, then
@@ -166,22 +179,19 @@ class Muon(torch.optim.Optimizer):
                 p.add_(update, alpha=-group["lr"] * _lr_scale(p))
         return loss
 
+    def owned_state(self, name_of):
+        """Every matrix's momentum buffer (one process holds them all); see nanochat.sharding."""
+        return _momentum_state(self, [p for group in self.param_groups for p in group["params"]], name_of)
+
+    def load_owned_state(self, name_of, full_state):
+        _load_momentum_state(self, [p for group in self.param_groups for p in group["params"]], name_of, full_state)
+
 
 class DistMuon(ShardedGradients, torch.optim.Optimizer):
     """
-    Muon for data-parallel training (torchrun), ZeRO-2 style: the optimizer work is divided among the
-    ranks, the model is not.
-
-    What is sharded: the optimizer state (the momentum buffers) and the update computation (momentum +
-    Newton-Schulz). Each matrix has one owner rank; only the owner keeps its momentum buffer and computes
-    its update, so with W ranks each rank holds ~1/W of the momentum buffers and does ~1/W of the
-    Newton-Schulz work.
-    What is not sharded: the weights and the gradients. Every rank loads the whole model and holds every
-    weight in full, runs forward/backward on its own data and so holds a full (local) gradient of every
-    weight; after step() every rank holds the same full, updated weights.
-    Why "ZeRO-2 style": besides the sharded state, the rank-averaged gradient of a matrix ends up only on
-    its owner (a reduce_scatter), not on every rank as with DDP's all_reduce. The traffic is the same as
-    DDP's: reduce_scatter + all_gather move as many bytes as one all_reduce.
+    Muon for data-parallel training (torchrun), ZeRO-2 style (what that means: nanochat/sharding.py). The part
+    of the optimizer a rank owns is a set of WHOLE matrices (Newton-Schulz needs the whole matrix): each
+    matrix has one owner rank, which alone keeps its momentum buffer and computes its update.
 
     How a step works. Matrices are grouped by shape (one param group per shape, so the collectives below
     move equal-sized tensors), and each group is walked in blocks of W: block k holds params
@@ -203,9 +213,8 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
     rank. params is an iterable of 2-D tensors (not param-group dicts: the groups are made by shape).
     lr and momentum are read from the groups at every step: set them on every group.
 
-    state_dict() holds this rank's momentum buffers only (plus the rank and world size it was taken at):
-    save one file per rank and load it back on the same rank with the same world size; anything else
-    raises UserError.
+    Checkpoints: owned_state / load_owned_state, through nanochat.sharding.optimizer_shard and
+    load_optimizer_shards, which work across world sizes (and with Muon in one process).
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
@@ -275,3 +284,15 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
         # 3. Every rank now (after the waits) holds every updated matrix.
         for work in gathers:
             work.wait()
+
+    def _owned(self):
+        """The matrices this rank owns: position j of its shape group, j % world_size == rank."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        return [p for group in self.param_groups for j, p in enumerate(group["params"]) if j % world_size == rank]
+
+    def owned_state(self, name_of):
+        """The momentum buffers of the matrices this rank owns (whole matrices); see nanochat.sharding."""
+        return _momentum_state(self, self._owned(), name_of)
+
+    def load_owned_state(self, name_of, full_state):
+        _load_momentum_state(self, self._owned(), name_of, full_state)

@@ -14,7 +14,6 @@ import inspect
 import logging
 import os
 import random
-import re
 import shutil
 import sys
 import time

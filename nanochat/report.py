@@ -5,8 +5,9 @@ The run report: one markdown file that says what ran, on what, and what came out
     ... every stage appends its own section (get_report().log(section, data)) ...
     python -m nanochat.report generate   # assemble report.md (+ training curves), copy it to the cwd
 
-Everything lives in $NANOCHAT_BASE_DIR/report/: header.md, one <section>.md per stage, the per-step
-metrics the training scripts write (*-metrics.jsonl), and the generated report.md and PNG curves.
+Everything lives in $NANOCHAT_BASE_DIR/report/: header.md, one <section>.md per stage, and the generated
+report.md and PNG curves. The per-step metrics of a training run live with its checkpoints
+(<checkpoint dir>/metrics.jsonl); its report section names that file, and `generate` plots it.
 """
 
 import datetime
@@ -20,7 +21,7 @@ import socket
 import subprocess
 import sys
 
-from nanochat.common import get_base_dir
+from nanochat.common import atomic_write, cpu_model_name, get_base_dir
 
 # stage sections in pipeline order; sections not listed here come after them, alphabetically
 SECTION_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-loss",
@@ -64,13 +65,21 @@ class Report:
                 lines.append(item)
                 continue
             for k, v in item.items():
-                v = f"{v:.4f}" if isinstance(v, float) else v
-                lines.append(f"- {k}: {v}")
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+                lines.append(f"- {k}: {format_value(v)}")
+        with atomic_write(path, "w") as f:
             f.write("\n".join(lines) + "\n\n")
-        os.replace(tmp, path)
         return path
+
+
+def format_value(v):
+    """Floats with the precision a reader can use: 1.2346 (small numbers: losses, bpb), 87.6, 12,345."""
+    if not isinstance(v, float):
+        return v
+    if v != v or v in (float("inf"), float("-inf")):
+        return "n/a"  # never report a non-finite number as a result
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.4f}"
 
 
 class DummyReport:
@@ -100,17 +109,6 @@ def _repo_root():
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _code_size():
     """Characters, lines and files of the project's own code (what a reader has to read)."""
     root = _repo_root()
@@ -136,7 +134,7 @@ def header_text():
         "## Environment", "",
         f"- Git commit: {commit}{' (dirty: uncommitted changes)' if dirty else ''}",
         f"- Host: {socket.gethostname()} ({platform.system()} {platform.release()})",
-        f"- CPU: {_cpu_model()}, {psutil.cpu_count(logical=False)} cores / {psutil.cpu_count()} threads",
+        f"- CPU: {cpu_model_name()}, {psutil.cpu_count(logical=False)} cores / {psutil.cpu_count()} threads",
         f"- Memory: {psutil.virtual_memory().total / 2**30:.1f} GiB",
         f"- GPUs: {len(gpus)} x {gpus[0]}" if gpus else "- GPUs: none",
         f"- GPU count: {len(gpus)}",
@@ -164,16 +162,27 @@ def _timestamps(texts):
     return stamps
 
 
-def plot_curves(directory):
-    """Training curves (loss, val bpb, tokens/s per step) of each *-metrics.jsonl, as PNG files. Returns their names."""
+def plot_curves(directory, sections):
+    """
+    Training curves (loss, val bpb, tokens/s per step) of each training stage, as PNG files in `directory`.
+    A stage's section names its metrics file (`- Metrics file: <path>`, the run's checkpoint directory keeps
+    it). Returns the names of the PNG files.
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     written = []
-    for path in sorted(glob.glob(os.path.join(directory, "*-metrics.jsonl"))):
-        stage = os.path.basename(path).removesuffix("-metrics.jsonl")
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+    for stage, text in sections.items():
+        path = _parse_section(text).get("Metrics file")
+        if not path or not os.path.exists(path):
+            continue
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut short by a kill
+                    pass
         series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key in ("loss", "val_bpb", "tok_per_sec")}
         for key, label in (("loss", "train loss (EMA)"), ("val_bpb", "validation bits per byte"), ("tok_per_sec", "tokens / second")):
             if not series[key]:
@@ -218,14 +227,14 @@ def generate(copy_to=None):
         out.append(f"| Estimated cost | ${wall / 3600 * gpu_count * GPU_HOUR_USD:,.2f} "
                    f"({gpu_count} GPUs x ${GPU_HOUR_USD:.2f}/GPU-hour, NANOCHAT_GPU_HOUR_USD) |")
     out.append("")
-    images = plot_curves(directory)
+    images = plot_curves(directory, {name: sections[name] for name in order})
     if images:
         out += ["## Training curves", ""] + [f"![{name}]({name})" for name in images] + [""]
     for name in order:
         out.append(sections[name].rstrip())
         out.append("")
     report_path = os.path.join(directory, "report.md")
-    with open(report_path, "w", encoding="utf-8") as f:
+    with atomic_write(report_path, "w") as f:
         f.write("\n".join(out) + "\n")
     if copy_to:
         for name in ["report.md"] + images:
@@ -234,12 +243,12 @@ def generate(copy_to=None):
 
 
 def reset():
-    """Start a new report: remove the previous sections, metrics and outputs; write the header."""
+    """Start a new report: remove the previous sections and outputs; write the header."""
     directory = report_dir()
     for path in glob.glob(os.path.join(directory, "*")):
         if os.path.isfile(path):
             os.remove(path)
-    with open(os.path.join(directory, "header.md"), "w", encoding="utf-8") as f:
+    with atomic_write(os.path.join(directory, "header.md"), "w") as f:
         f.write(header_text().replace("Generated: ", "Started: ", 1))
     return directory
 

@@ -42,7 +42,7 @@ import sys
 import tiktoken
 import torch
 
-from nanochat.common import UserError, _use_color, get_base_dir
+from nanochat.common import UserError, _use_color, atomic_write, get_base_dir
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +80,6 @@ META_FILE = "tokenizer.json"
 TOKEN_BYTES_FILE = "token_bytes.pt"
 
 TRAIN_HINT = "train one with `python -m scripts.tok_train`"
-
-
-def _write_atomic(path, data: bytes):
-    """Write to a temp file in the same directory, then rename: the file is either old or complete."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 class Tokenizer:
@@ -148,40 +140,59 @@ class Tokenizer:
         os.makedirs(path, exist_ok=True)
         by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
         ranks_text = "".join(f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in by_rank).encode("ascii")
-        _write_atomic(os.path.join(path, RANKS_FILE), ranks_text)
-        tmp = os.path.join(path, f"{TOKEN_BYTES_FILE}.tmp{os.getpid()}")
-        torch.save(self.compute_token_bytes(), tmp)
-        os.replace(tmp, os.path.join(path, TOKEN_BYTES_FILE))
+        with atomic_write(os.path.join(path, RANKS_FILE)) as f:
+            f.write(ranks_text)
+        with atomic_write(os.path.join(path, TOKEN_BYTES_FILE)) as f:
+            torch.save(self.compute_token_bytes(), f)
         meta = {
             "pattern": self.pattern,
             "special_tokens": SPECIAL_TOKENS,
             "vocab_size": self.get_vocab_size(),
             "ranks_sha256": hashlib.sha256(ranks_text).hexdigest(),
         }
-        _write_atomic(os.path.join(path, META_FILE), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        with atomic_write(os.path.join(path, META_FILE), "w") as f:
+            f.write(json.dumps(meta, indent=2) + "\n")
         logger.info(f"Saved tokenizer (vocab {self.get_vocab_size():,}) to {path}")
 
     @classmethod
     def from_directory(cls, path):
-        """Load a tokenizer written by save(). Missing or inconsistent files raise UserError."""
+        """Load a tokenizer written by save(). Missing, garbage or inconsistent files raise UserError."""
         meta_path, ranks_path = os.path.join(path, META_FILE), os.path.join(path, RANKS_FILE)
         if not os.path.exists(meta_path) or not os.path.exists(ranks_path):
             raise UserError(f"no tokenizer in {path}: {TRAIN_HINT}")
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                meta = json.load(f)
+            ranks_sha256, pattern, special_tokens = meta["ranks_sha256"], meta["pattern"], meta["special_tokens"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{meta_path} is not a tokenizer file written by tok_train ({type(e).__name__}: {e}); "
+                            f"{TRAIN_HINT} to write a new one") from None
         with open(ranks_path, "rb") as f:
             ranks_text = f.read()
-        if hashlib.sha256(ranks_text).hexdigest() != meta["ranks_sha256"]:
+        if hashlib.sha256(ranks_text).hexdigest() != ranks_sha256:
             raise UserError(f"tokenizer files in {path} do not belong together (a save was interrupted?): {TRAIN_HINT}")
-        if meta["special_tokens"] != SPECIAL_TOKENS:
-            raise UserError(f"the tokenizer in {path} has special tokens {meta['special_tokens']}, this code expects "
+        if special_tokens != SPECIAL_TOKENS:
+            raise UserError(f"the tokenizer in {path} has special tokens {special_tokens}, this code expects "
                             f"{SPECIAL_TOKENS}: {TRAIN_HINT}")
         mergeable_ranks = {}
         for line in ranks_text.splitlines():
             token, rank = line.split()
             mergeable_ranks[base64.b64decode(token)] = int(rank)
         # encode with the pattern the merges were learned with (SPLIT_PATTERN for anything tok_train saved)
-        return cls(mergeable_ranks, pattern=meta["pattern"])
+        return cls(mergeable_ranks, pattern=pattern)
+
+    def fingerprint(self):
+        """
+        A short hash of everything that decides which id a text gets: the merges (token bytes and their ranks),
+        the split pattern and the special tokens. Checkpoints record it, so a model is never run with a
+        different tokenizer than it was trained with (same vocab size is not enough: other merges, other ids).
+        """
+        h = hashlib.sha256()
+        for token, rank in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]):
+            h.update(base64.b64encode(token) + b" %d\n" % rank)
+        h.update(self.pattern.encode("utf-8"))
+        h.update(json.dumps(self.special_tokens, sort_keys=True).encode("utf-8"))
+        return h.hexdigest()[:16]
 
     def compute_token_bytes(self):
         """
@@ -438,4 +449,10 @@ def get_token_bytes(device="cpu"):
     path = os.path.join(get_tokenizer_dir(), TOKEN_BYTES_FILE)
     if not os.path.exists(path):
         raise UserError(f"no {path}: {TRAIN_HINT}")
-    return torch.load(path, map_location="cpu", weights_only=True).to(device)
+    try:
+        token_bytes = torch.load(path, map_location="cpu", weights_only=True)
+        if not (isinstance(token_bytes, torch.Tensor) and token_bytes.ndim == 1):
+            raise ValueError(f"expected a 1-D tensor, found {type(token_bytes).__name__}")
+    except Exception as e:
+        raise UserError(f"{path} is unreadable ({type(e).__name__}: {e}); {TRAIN_HINT} to write it again") from None
+    return token_bytes.to(device)

@@ -12,27 +12,29 @@ step + micro-step loop, then logging), 9 report. Every process of a torchrun lau
 rank 0 (the "master process") alone prints, logs to wandb and writes the report.
 """
 
-import json
-import os
-import signal
+import math
+import sys
 import time
 from contextlib import nullcontext
 
+import psutil
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import load_checkpoint, save_checkpoint
-from nanochat.common import (UserError, autocast_dtype, autodetect_device_type, compute_cleanup, compute_init,
-                             get_base_dir, get_peak_flops, grad_accum_steps_for, init_wandb, print0, print_banner)
-from nanochat.configurator import configure
+from nanochat.checkpoint_manager import (check_data_settings, check_model_tag, check_tokenizer, checkpoint_dir_for,
+                                         claim_checkpoint_dir, load_checkpoint, open_metrics, save_checkpoint)
+from nanochat.common import (EXIT_STOPPED_EARLY, StopRequest, UserError, autocast_dtype, autodetect_device_type, check_finite,
+                             compute_cleanup, compute_init, get_peak_flops, grad_accum_steps_for, init_wandb, print0,
+                             print_banner)
+from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
-from nanochat.gpt import GPT, clip_grad_norm_, config_from_depth
+from nanochat.dataset import dataset_name
+from nanochat.gpt import GPT, config_from_depth
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.schedules import lr_multiplier, muon_momentum
+from nanochat.sharding import clip_grad_norm_, load_optimizer_shards, optimizer_shard
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
-
-t_script_start = time.time()
 
 # -----------------------------------------------------------------------------
 # 1. Config: every variable here can be overridden as --key=value (python -m scripts.base_train --help)
@@ -44,7 +46,7 @@ max_seq_len = 2048  # tokens per row (context length)
 # training horizon: the first of these that is > 0 decides the number of optimizer steps
 num_iterations = -1  # explicit number of steps
 target_flops = -1.0  # total training FLOPs to spend (steps = target_flops / (6N+attn) / total_batch_size)
-target_param_data_ratio = 20  # Chinchilla-style tokens:params ratio (20 = compute-optimal)
+target_param_data_ratio = 20.0  # Chinchilla-style tokens:params ratio (20 = compute-optimal), used if neither above is set
 # batch
 device_batch_size = 32  # rows per forward/backward per rank (lower it if you run out of memory)
 total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-steps together
@@ -66,10 +68,23 @@ sample_every = 2000  # steps between printed samples
 save_every = -1  # steps between checkpoints
 resume_from_step = -1  # resume from this step's checkpoint of model_tag (-1 = start fresh)
 model_tag = ""  # checkpoint directory name under base_checkpoints/ (default d<depth>)
+overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 bos_aligned = False  # start every row at a document start (crops documents; reports the tokens dropped)
 config = configure(globals())
+# What each value means, checked before any work (a bad value must not train for hours)
+check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
+             positive_or_unset=["num_iterations", "target_flops", "eval_tokens", "core_metric_max_per_task"],
+             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip"],
+             fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
+             choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false")})
+if warmup_ratio + warmdown_ratio > 1:
+    raise UserError(f"--warmup_ratio + --warmdown_ratio = {warmup_ratio + warmdown_ratio:g} > 1: the warmup and the "
+                    f"warmdown would overlap")
+if resume_from_step < -1:
+    raise UserError(f"--resume_from_step must be a checkpoint's step, or -1 to start fresh, got {resume_from_step}")
+model_tag = check_model_tag(model_tag or f"d{depth}")
 
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
@@ -96,8 +111,6 @@ with torch.device("meta"):  # build without allocating, then materialise on the 
 model.to_empty(device=device)
 model.init_weights()  # identical on every rank: compute_init seeded every rank the same
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
-if compile not in ("auto", "true", "false"):
-    raise UserError(f"--compile must be auto, true or false, got {compile!r}")
 use_compile = compile == "true" or (compile == "auto" and device_type == "cuda")
 if use_compile:
     model = torch.compile(model, dynamic=False)
@@ -112,12 +125,10 @@ if num_iterations > 0:
 elif target_flops > 0:
     num_iterations = round(target_flops / (flops_per_token * total_batch_size))
     horizon = f"target_flops={target_flops:.3e}"
-elif target_param_data_ratio > 0:
-    # Chinchilla: compute-optimal training sees ~20 tokens per parameter
-    num_iterations = (target_param_data_ratio * num_params) // total_batch_size
-    horizon = f"target_param_data_ratio={target_param_data_ratio}"
 else:
-    raise UserError("no training horizon: set one of --num_iterations, --target_flops, --target_param_data_ratio to a value > 0")
+    # Chinchilla: compute-optimal training sees ~20 tokens per parameter
+    num_iterations = int(target_param_data_ratio * num_params) // total_batch_size
+    horizon = f"target_param_data_ratio={target_param_data_ratio}"
 if num_iterations < 1:
     raise UserError(f"{horizon} gives {num_iterations} steps at total_batch_size={total_batch_size:,}: set --num_iterations or a larger target")
 total_tokens = total_batch_size * num_iterations
@@ -141,24 +152,31 @@ print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {
 optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
                                          matrix_lr=matrix_lr, weight_decay=weight_decay)
 adamw_optimizer, muon_optimizer = optimizers
-model_tag = model_tag or f"d{depth}"
-checkpoint_dir = os.path.join(get_base_dir(), "base_checkpoints", model_tag)
 
-# 7. Resume: weights, this rank's optimizer shard, the data position and the loop state of step N
+# 7. The checkpoint directory, and resume. This run owns base_checkpoints/<model_tag> for its whole life (a
+# second run on it is refused), and a fresh run never writes into a directory holding an earlier run's steps.
+checkpoint_dir = checkpoint_dir_for("base", model_tag)
+claim_checkpoint_dir(checkpoint_dir, resume_from_step, overwrite)
+# What decides which data step N reads: resuming with a different value would not continue the same run
+data_settings = dict(corpus=dataset_name(), device_batch_size=device_batch_size, max_seq_len=max_seq_len,
+                     total_batch_size=total_batch_size, data_seed=data_seed, bos_aligned=bos_aligned)
 start_step, loop_state, loader_state = 0, {}, None
 if resume_from_step >= 0:
-    model_state, optim_states, meta = load_checkpoint(checkpoint_dir, resume_from_step, device,
-                                                      load_optimizer=True, rank=ddp_rank)
-    if meta["world_size"] != ddp_world_size:
-        raise UserError(f"checkpoint of step {resume_from_step} was written by {meta['world_size']} process(es), this run has "
-                        f"{ddp_world_size}: optimizer state is sharded per rank, resume with the same --nproc_per_node")
+    # weights, the optimizer state of every rank that saved (re-sharded for this run), data position, loop state
+    model_state, optim_shards, meta = load_checkpoint(checkpoint_dir, resume_from_step, device, load_optimizer=True)
+    where = f"checkpoint of step {resume_from_step} in {checkpoint_dir}"
+    check_tokenizer(meta, tokenizer, where)
     if meta["model_config"] != model_config.to_dict():
-        raise UserError(f"checkpoint model config {meta['model_config']} differs from this run's {model_config.to_dict()}")
+        raise UserError(f"{where} has model config {meta['model_config']}, this run {model_config.to_dict()}: "
+                        f"use the same --depth / --max_seq_len to resume")
+    check_data_settings(meta["data_settings"], data_settings, where)
+    if meta["world_size"] != ddp_world_size:
+        print0(f"Resuming a run of {meta['world_size']} process(es) on {ddp_world_size}: allowed, every step reads the "
+               f"same data (the loader's data slots do not depend on the world size); optimizer state re-sharded")
     orig_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in model_state.items()})
-    for opt, state in zip(optimizers, optim_states):
-        opt.load_state_dict(state)
+    load_optimizer_shards(optimizers, orig_model, optim_shards, where)
     start_step, loop_state, loader_state = resume_from_step, meta["loop_state"], meta["dataloader_state"]
-    del model_state, optim_states
+    del model_state, optim_shards
     print0(f"Resumed from step {start_step} of {checkpoint_dir}")
 
 train_loader = tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "train", device, tokenizer=tokenizer,
@@ -169,56 +187,31 @@ eval_tokens = eval_tokens if eval_tokens > 0 else 20 * total_batch_size
 eval_steps = max(1, eval_tokens // world_tokens_per_fwdbwd)
 x, y = next(train_loader)  # the first micro-batch; from now on the next one is fetched right after each backward
 
-# Stop cleanly on SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit. A second signal kills.
-# The signal may reach the ranks at different moments, so a rank only records it (stop_signal); the ranks
-# agree on stopping through the all_reduce at the end of each step (stop_now), and all stop at the same step.
-stop_signal, stop_now = False, False
-
-
-def request_stop(signum, frame):
-    global stop_signal
-    print(f"[rank {ddp_rank}] got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-          f"(send it again to quit at once)", flush=True)
-    stop_signal = True
-    signal.signal(signum, signal.SIG_DFL)
-
-
-signal.signal(signal.SIGTERM, request_stop)
-signal.signal(signal.SIGINT, request_stop)
-
-# metrics of every step, one JSON line each, for the report's training curves (rank 0 only)
-metrics_path = os.path.join(get_base_dir(), "report", "base-train-metrics.jsonl")
-if master_process:
-    os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
-    kept = []
-    if start_step > 0 and os.path.exists(metrics_path):  # a resumed run continues the curve of its first run
-        with open(metrics_path) as f:  # train rows up to the resumed step; evaluations before it (it re-evaluates)
-            rows = [(line, json.loads(line)) for line in f]
-        kept = [line for line, r in rows if r["step"] < start_step or (r["step"] == start_step and "val_bpb" not in r)]
-    with open(metrics_path, "w") as f:
-        f.writelines(kept)
-
-
-def log_metrics(**metrics):
-    if master_process:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+# Stop cleanly on SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit (see StopRequest).
+stop_request = StopRequest(ddp_rank)
+# The metrics of every step (report curves); they live with the checkpoints and continue on resume
+metrics_path, log_metrics = open_metrics(checkpoint_dir, start_step, enabled=master_process)
+last_saved_step = start_step if resume_from_step >= 0 else None
 
 
 def save(step):
     # every rank saves its optimizer shard; rank 0 the weights; the data position of all ranks goes in the meta
+    global last_saved_step
+    if not all(torch.isfinite(p).all() for p in orig_model.parameters()):  # never save a diverged model
+        raise UserError(f"step {step}: the weights are not finite; nothing saved (the last checkpoint is step {last_saved_step})")
     loader_states = [None] * ddp_world_size
     if ddp:
         dist.all_gather_object(loader_states, train_loader.state_dict())
     else:
         loader_states = [train_loader.state_dict()]
     merged = dict(loader_states[0], slots={k: v for s in loader_states for k, v in s["slots"].items()})
-    save_checkpoint(checkpoint_dir, step, orig_model.state_dict(), [opt.state_dict() for opt in optimizers], dict(
+    save_checkpoint(checkpoint_dir, step, orig_model.state_dict(), optimizer_shard(optimizers, orig_model), dict(
         model_config=model_config.to_dict(), user_config=config, val_bpb=val_bpb, dataloader_state=merged,
-        device_batch_size=device_batch_size, max_seq_len=max_seq_len, total_batch_size=total_batch_size,
+        tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=vocab_size), data_settings=data_settings,
         loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
                         min_val_bpb=min_val_bpb, num_iterations=num_iterations),
     ), rank=ddp_rank)
+    last_saved_step = step
 
 
 # -----------------------------------------------------------------------------
@@ -234,7 +227,7 @@ ema_beta = 0.9
 mfus, step_dt, first_step_time = [], 0.0, None
 sample_prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
                   "The opposite of hot is", "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
-step = start_step
+step, stop_now = start_step, False
 while True:
     last_step = step == num_iterations or stop_now
     flops_so_far = flops_per_token * total_batch_size * step
@@ -283,24 +276,25 @@ while True:
         loss = loss / grad_accum_steps
         loss.backward()
         x, y = next(train_loader)  # fetch the next micro-batch while the device is still busy
-    # Clip the gradient norm of the whole model, computed on the gradient averaged over all ranks, so every
-    # rank scales by the same factor (with DistAdamW/DistMuon the averaging happens inside the optimizers).
+    # Gradients are averaged across ranks here when clipping is on: the clip needs the norm of the averaged
+    # gradient, so clip_grad_norm_ starts the optimizers' reduce_scatters; otherwise inside opt.step() below.
+    # The norm it returns is the one BEFORE clipping, every rank scales its share by the same factor.
     grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lrm
-    momentum = muon_momentum(step)
+    momentum = muon_momentum(step)  # 0.85 -> 0.95 over the first 300 steps (why: nanochat/schedules.py)
     for group in muon_optimizer.param_groups:
         group["momentum"] = momentum
     for opt in optimizers:
-        opt.step()  # under torchrun this is where gradients are averaged across ranks (reduce_scatter)
+        opt.step()  # without clipping, this is where gradients are averaged across ranks (reduce_scatter)
     model.zero_grad(set_to_none=True)
-    # The loss of this step over all ranks: slot r of the vector carries rank r's loss; one all_reduce gives
-    # every rank every loss. The stop flag rides along, so all ranks stop at the same step.
+    # One all_reduce at the end of the step carries the loss of every rank (slot r = rank r's loss, so every
+    # rank gets every loss) and the stop flag, so all ranks stop at the same step.
     shared = torch.zeros(ddp_world_size + 1, device=device)
     shared[ddp_rank] = step_loss
-    shared[-1] = float(stop_signal)
+    shared[-1] = float(stop_request.requested)
     if ddp:
         dist.all_reduce(shared)
     rank_losses = shared[:-1].tolist()
@@ -311,6 +305,8 @@ while True:
 
     # ---- logging ----
     train_loss = sum(rank_losses) / ddp_world_size  # global loss: the mean over ranks
+    grad_norm_value = grad_norm.item() if grad_norm is not None else None
+    check_finite(step, train_loss, grad_norm_value, last_saved_step, ["matrix_lr", "embedding_lr", "unembedding_lr"])
     smooth_train_loss = ema_beta * smooth_train_loss + (1 - ema_beta) * train_loss
     debiased_loss = smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
     tok_per_sec = total_batch_size / dt  # tokens of ALL micro-steps of ALL ranks per second of step time
@@ -318,15 +314,17 @@ while True:
     if step - start_step > 10:  # the first steps include compilation and warm-up: keep them out of the time
         total_training_time += dt
         mfus.append(mfu)
-    if first_step_time is None:
-        first_step_time = time.time() - t_script_start  # start-up, data, compile and the first step
-    grad_norm_value = grad_norm.item() if grad_norm is not None else float("nan")
-    print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) | loss: {debiased_loss:.6f} "
-           f"(step {train_loss:.6f}, mean of {ddp_world_size} rank(s)) | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm: {grad_norm_value:.4f} | "
-           f"dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.2f} | total time: {total_training_time / 60:.2f}m")
+    if first_step_time is None:  # start-up (imports included), data, compile and the first step
+        first_step_time = time.time() - psutil.Process().create_time()
+    grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
+    print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) | loss (EMA): {debiased_loss:.6f} "
+           f"| step loss (mean of {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
+           f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "
+           f"| total time: {total_training_time / 60:.2f}m")
     wandb_run.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
                    "total_training_time": total_training_time, "train/loss": debiased_loss, "train/step_loss": train_loss,
-                   "train/lrm": lrm, "train/grad_norm": grad_norm_value, "train/dt": dt, "train/tok_per_sec": tok_per_sec, "train/mfu": mfu})
+                   "train/lrm": lrm, "train/muon_momentum": momentum, "train/grad_norm": grad_norm_value, "train/dt": dt,
+                   "train/tok_per_sec": tok_per_sec, "train/mfu": mfu})
     log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm,
                 grad_norm=grad_norm_value, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
 
@@ -338,12 +336,9 @@ else:
     import resource
     peak_memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB (process RSS)"
 stopped_early = step < num_iterations
+min_val_text = f"{min_val_bpb:.4f}" if math.isfinite(min_val_bpb) else "n/a (no evaluation ran)"
 print0(f"Peak memory: {peak_memory}")
-print0(f"Total training time: {total_training_time / 60:.2f}m | min val bpb: {min_val_bpb:.4f}")
-if stopped_early:
-    print0(f"Stopped at step {step} on request; continue with --resume_from_step={step} (same other options)")
-else:
-    print0("Next: python -m scripts.base_loss (bpb on train/val and samples), then python -m scripts.mid_train")
+print0(f"Total training time: {total_training_time / 60:.2f}m | min val bpb: {min_val_text}")
 get_report().log(section="Base model training", data=[
     config,
     {"Number of parameters": f"{num_params:,}", "FLOPs per token": f"{flops_per_token:e}",
@@ -355,10 +350,16 @@ get_report().log(section="Base model training", data=[
      "Total training FLOPs": f"{flops_per_token * total_tokens:e}"},
     {"Steps run": step, "Stopped early": stopped_early, "Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb,
      "Final train loss (EMA)": smooth_train_loss / (1 - ema_beta ** max(step, 1)),
-     "Average MFU (%)": sum(mfus) / len(mfus) if mfus else float("nan"), "Peak FLOP/s used for MFU": f"{peak_flops:.3e} ({peak_source})",
+     "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)",
+     "Peak FLOP/s used for MFU": f"{peak_flops:.3e} ({peak_source})",
      "Total training time (min)": total_training_time / 60, "Time to first step (s)": first_step_time,
      "BOS-aligned rows, tokens dropped": f"{100 * train_loader.dropped_fraction():.2f}%" if bos_aligned else "n/a (packed stream)",
-     "Peak memory": peak_memory},
+     "Peak memory": peak_memory, "Metrics file": metrics_path},
 ])
 wandb_run.finish()
 compute_cleanup()
+if stopped_early:
+    print0(f"Stopped at step {step} of {num_iterations} on request. Continue with the same command plus "
+           f"--resume_from_step={step} (exit code {EXIT_STOPPED_EARLY}: not finished)")
+    sys.exit(EXIT_STOPPED_EARLY)
+print0("Next: python -m scripts.base_loss (bpb on train/val and samples), then python -m scripts.mid_train")

@@ -25,7 +25,7 @@ import os
 import random
 import re
 
-from nanochat.common import UserError
+from nanochat.common import UserError, atomic_write
 from tasks.common import Task, check_choice
 
 SPLITS = ("train", "test")
@@ -188,11 +188,9 @@ def write_identity_jsonl(path, n=DEFAULT_JSONL_CONVERSATIONS, seed=0):
     conversations = identity_conversations(n, seed)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path, "w") as f:
         for messages in conversations:
             f.write(json.dumps(messages, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
     return path
 
 

@@ -10,9 +10,10 @@ Every rank writes OUT_DIR/rank{r}.pt with the results of two scenarios; the test
    gradients (every rank can compute every rank's gradients: they come from seeded generators).
    Saved: both final parameter sets, which Muon matrices this rank holds momentum for, and this rank's
    optimizer state next to the reference's.
-2. "resume": 2 steps, state_dict() -> torch.save (one file per rank) -> fresh optimizers ->
-   load_state_dict(torch.load()) -> 2 more steps, next to 4 uninterrupted steps. Also loads another
-   rank's file, which must raise UserError.
+2. "resume": 2 steps, optimizer_shard() -> torch.save (one file per rank) -> fresh optimizers ->
+   load_optimizer_shards(every rank's file) -> 2 more steps, next to 4 uninterrupted steps; the same
+   resumed in one process (Muon + torch AdamW), and from one process's checkpoint into W ranks. A missing
+   rank file must raise UserError.
 """
 
 import os
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from nanochat.adamw import DistAdamW
 from nanochat.common import UserError
 from nanochat.muon import DistMuon, Muon
+from nanochat.sharding import load_optimizer_shards, optimizer_shard
 
 # Muon matrices. Shape groups of 5, 2, 1 and 3 matrices: 5 and 1 divide by neither 2 nor 3, 2 does not
 # divide by 3, 3 does not divide by 2, so the padded last block is exercised for both world sizes.
@@ -96,6 +98,14 @@ def run_steps(opt_muon, opt_adamw, muon, adamw, steps, ranks, world_size):
         opt_adamw.step()
 
 
+def as_module(muon, adamw):
+    """The parameters as a module, so that they have names (optimizer checkpoints key the state by name)."""
+    module = torch.nn.Module()
+    module.muon = torch.nn.ParameterList(muon)
+    module.adamw = torch.nn.ParameterList([p for ps in adamw for p in ps])
+    return module
+
+
 def snapshot(muon, adamw):
     return [p.detach().clone() for p in muon] + [p.detach().clone() for ps in adamw for p in ps]
 
@@ -130,34 +140,50 @@ def main():
     result["adamw_state"] = [{k: v.clone() for k, v in dist_adamw_opt.state[p].items() if isinstance(v, torch.Tensor)} for p in flat_adamw]
     result["ref_adamw_state"] = [{k: ref_adamw_opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")} for p in flat_ref_adamw]
 
-    # 2. state_dict round trip: 2 steps + save/load + 2 steps == 4 steps
+    # 2. checkpoint round trips (nanochat.sharding): 2 steps + save + load + 2 steps == 4 uninterrupted steps,
+    #    resuming on the same world size, in one process (Muon + torch AdamW), and from one process into W ranks
     muon, adamw = make_params()
     opt_m, opt_a = build(muon, adamw, distributed=True)
     run_steps(opt_m, opt_a, muon, adamw, range(2), [rank], world_size)
-    for name, opt in (("muon", opt_m), ("adamw", opt_a)):
-        torch.save(opt.state_dict(), os.path.join(out_dir, f"optim_{name}_rank{rank}.pt"))
+    torch.save(optimizer_shard([opt_m, opt_a], as_module(muon, adamw)), os.path.join(out_dir, f"shard_rank{rank}.pt"))
+    dist.barrier()  # every rank has written its file
+    shards = [torch.load(os.path.join(out_dir, f"shard_rank{r}.pt"), mmap=True) for r in all_ranks]
+
     muon, adamw = clone_params(muon, adamw)  # "load the model checkpoint": same values, new tensors
+    single_muon, single_adamw = clone_params(muon, adamw)
     opt_m, opt_a = build(muon, adamw, distributed=True)
-    for name, opt in (("muon", opt_m), ("adamw", opt_a)):
-        opt.load_state_dict(torch.load(os.path.join(out_dir, f"optim_{name}_rank{rank}.pt")))
+    load_optimizer_shards([opt_m, opt_a], as_module(muon, adamw), shards)
     run_steps(opt_m, opt_a, muon, adamw, range(2, 4), [rank], world_size)
     result["resumed"] = snapshot(muon, adamw)
+
+    opt_m, opt_a = build(single_muon, single_adamw, distributed=False)
+    load_optimizer_shards([opt_m, opt_a], as_module(single_muon, single_adamw), shards)
+    run_steps(opt_m, opt_a, single_muon, single_adamw, range(2, 4), all_ranks, world_size)
+    result["resumed_in_one_process"] = snapshot(single_muon, single_adamw)
+
+    muon, adamw = make_params()  # one process for 2 steps, then W ranks
+    opt_m, opt_a = build(muon, adamw, distributed=False)
+    run_steps(opt_m, opt_a, muon, adamw, range(2), all_ranks, world_size)
+    one_process_shard = optimizer_shard([opt_m, opt_a], as_module(muon, adamw))
+    muon, adamw = clone_params(muon, adamw)
+    opt_m, opt_a = build(muon, adamw, distributed=True)
+    load_optimizer_shards([opt_m, opt_a], as_module(muon, adamw), [one_process_shard])
+    run_steps(opt_m, opt_a, muon, adamw, range(2, 4), [rank], world_size)
+    result["resumed_from_one_process"] = snapshot(muon, adamw)
 
     muon, adamw = make_params()
     opt_m, opt_a = build(muon, adamw, distributed=True)
     run_steps(opt_m, opt_a, muon, adamw, range(4), [rank], world_size)
     result["uninterrupted"] = snapshot(muon, adamw)
 
-    # loading another rank's shard must be refused
-    dist.barrier()  # every rank has written its files
-    other = (rank + 1) % world_size
-    result["wrong_rank_errors"] = []
-    for name, opt in (("muon", opt_m), ("adamw", opt_a)):
-        try:
-            opt.load_state_dict(torch.load(os.path.join(out_dir, f"optim_{name}_rank{other}.pt")))
-            result["wrong_rank_errors"].append(None)
-        except UserError as e:
-            result["wrong_rank_errors"].append(str(e))
+    # a missing rank file is an error, never silently zero state
+    muon, adamw = clone_params(muon, adamw)
+    opt_m, opt_a = build(muon, adamw, distributed=True)
+    try:
+        load_optimizer_shards([opt_m, opt_a], as_module(muon, adamw), shards[:-1])
+        result["missing_shard_error"] = None
+    except UserError as e:
+        result["missing_shard_error"] = str(e)
 
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()

@@ -22,18 +22,24 @@ TINY = ["--depth=1", "--max_seq_len=32", "--device_batch_size=2", "--total_batch
         "--sample_every=-1", "--core_metric_every=-1", "--eval_every=3"]
 
 
+def with_defaults(defaults, args):
+    """defaults + args, an arg replacing the default of the same key (a key given twice is an error)."""
+    given = {a.split("=", 1)[0] for a in args}
+    return [a for a in defaults if a.split("=", 1)[0] not in given] + list(args)
+
+
 def base_train(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "scripts.base_train", *TINY, *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "scripts.base_train", *with_defaults(TINY, args)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def metrics(base_dir):
-    with open(base_dir / "report" / "base-train-metrics.jsonl") as f:
+def metrics(base_dir, tag="d1"):
+    with open(base_dir / "base_checkpoints" / tag / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
 
 
-def train_losses(base_dir):
-    return [m["step_loss"] for m in metrics(base_dir) if "step_loss" in m]
+def train_losses(base_dir, tag="d1"):
+    return [m["step_loss"] for m in metrics(base_dir, tag) if "step_loss" in m]
 
 
 def weights(base_dir, step, tag="d1"):
@@ -89,11 +95,11 @@ def test_help_and_one_line_errors(trained_tokenizer):
 def test_two_ranks_equal_one_rank_with_accumulation(trained_tokenizer, isolated_env, tmp_path):
     single = base_train("--num_iterations=5", "--model_tag=single")
     assert single.returncode == 0, single.stderr
-    single_losses = train_losses(isolated_env)
-    result = run_torchrun(2, ["-m", "scripts.base_train", *TINY, "--num_iterations=5", "--model_tag=ddp"])
+    single_losses = train_losses(isolated_env, "single")
+    result = run_torchrun(2, ["-m", "scripts.base_train", *with_defaults(TINY, ["--num_iterations=5", "--model_tag=ddp"])])
     assert result.returncode == 0, result.stderr
     assert "gradient accumulation steps: 1" in result.stdout
-    rows = [m for m in metrics(isolated_env) if "step_loss" in m]
+    rows = [m for m in metrics(isolated_env, "ddp") if "step_loss" in m]
     for m in rows:  # the logged loss is the mean over ranks, and the ranks saw different data
         assert m["step_loss"] == pytest.approx(sum(m["rank_losses"]) / 2, abs=1e-6)
     assert all(m["rank_losses"][0] != m["rank_losses"][1] for m in rows[1:])  # (step 1: both exactly ln(vocab))
@@ -106,7 +112,7 @@ def test_two_ranks_equal_one_rank_with_accumulation(trained_tokenizer, isolated_
 def test_resume_reproduces_the_uninterrupted_run(trained_tokenizer, isolated_env):
     full = base_train("--num_iterations=6", "--model_tag=full")
     assert full.returncode == 0, full.stderr
-    full_losses = train_losses(isolated_env)
+    full_losses = train_losses(isolated_env, "full")
     first = base_train("--num_iterations=6", "--model_tag=resumed", "--save_every=3")
     assert first.returncode == 0, first.stderr
     # throw away what the first run did after step 3, as if it had died there
@@ -117,22 +123,22 @@ def test_resume_reproduces_the_uninterrupted_run(trained_tokenizer, isolated_env
     second = base_train("--num_iterations=6", "--model_tag=resumed", "--resume_from_step=3")
     assert second.returncode == 0, second.stderr
     assert "Resumed from step 3" in second.stdout
-    assert train_losses(isolated_env) == pytest.approx(full_losses, rel=1e-6)
+    assert train_losses(isolated_env, "resumed") == pytest.approx(full_losses, rel=1e-6)
     assert_same_weights(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "resumed"), rtol=1e-6, atol=0)
 
 
 def test_sigterm_leaves_a_complete_resumable_checkpoint(trained_tokenizer, isolated_env):
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.base_train", *TINY, "--num_iterations=100000", "--eval_every=-1"],
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.base_train", *with_defaults(TINY, ["--num_iterations=100000", "--eval_every=-1"])],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    path = isolated_env / "report" / "base-train-metrics.jsonl"
+    path = isolated_env / "base_checkpoints" / "d1" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= 3):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert "got SIGTERM" in out + err and "continue with --resume_from_step=" in out
+    assert proc.returncode == 75, err  # EXIT_STOPPED_EARLY: not finished, so a pipeline stops here
+    assert "got SIGTERM" in out + err and "--resume_from_step=" in out
     meta_files = [f for f in os.listdir(isolated_env / "base_checkpoints" / "d1") if f.startswith("meta_")]
     assert len(meta_files) == 1
     step = json.load(open(isolated_env / "base_checkpoints" / "d1" / meta_files[0]))["step"]
@@ -185,7 +191,7 @@ def test_readme_quick_start_runs_in_minutes(trained_tokenizer, isolated_env):
     assert result.returncode == 0, result.stderr
     assert time.time() - t0 < 180
     assert "step 00020/00020" in result.stdout and "validation bpb" in result.stdout
-    losses = train_losses(isolated_env)
+    losses = train_losses(isolated_env, "d4")
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5  # it learns
 
 
@@ -207,5 +213,6 @@ def test_base_loss_and_report(trained_tokenizer, isolated_env, tmp_path):
     assert "# nanochat training report" in report and "Git commit" in report
     assert "| Base val bpb (min) |" in report and "| Base val bpb |" in report and "| Total wall time |" in report
     assert report.index("## Base model training") < report.index("## Base model loss")
-    for png in ("report_base-train_loss.png", "report_base-train_val_bpb.png", "report_base-train_tok_per_sec.png"):
+    for png in ("report_base-model-training_loss.png", "report_base-model-training_val_bpb.png",
+                "report_base-model-training_tok_per_sec.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png in report

@@ -43,8 +43,9 @@ def corpus(isolated_env, monkeypatch):
 
 
 def make(tok, rank=0, world_size=1, B=2, T=16, total=None, split="train", state=None, bos_aligned=False):
-    return DistributedTokenLoader(B, T, split, "cpu", tok, total, rank, world_size, seed=0, resume_state=state,
-                                  bos_aligned=bos_aligned, tokenizer_threads=2, tokenizer_batch_size=8)
+    return DistributedTokenLoader(B=B, T=T, split=split, device="cpu", tokenizer=tok, rank=rank, world_size=world_size,
+                                  total_batch_size=total, seed=0, resume_state=state, bos_aligned=bos_aligned,
+                                  tokenizer_threads=2, tokenizer_batch_size=8)
 
 
 def doc_ids(tok, batch):
@@ -146,7 +147,7 @@ def test_val_split_is_read_in_order_by_rank(tok, corpus):
 def test_cuda_path_or_skip(tok, corpus):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA here: the pinned-memory path is checked on a GPU machine")
-    loader = DistributedTokenLoader(2, 16, "train", "cuda", tok, None, 0, 1, 0, None, False, 2, 8)
+    loader = DistributedTokenLoader(B=2, T=16, split="train", device="cuda", tokenizer=tok, rank=0, world_size=1)
     x, y = next(loader)
     assert x.is_cuda and x.dtype == torch.int32 and y.dtype == torch.int64
 

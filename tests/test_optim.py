@@ -156,10 +156,13 @@ def test_dist_state_is_sharded(dist_results):
     assert owners_per_matrix == [1] * len(owners_per_matrix), "every matrix must have exactly one owner"
 
 
-def test_dist_state_dict_round_trip(dist_results):
+def test_optimizer_checkpoint_resumes_on_any_world_size(dist_results):
     world_size, ranks = dist_results
+    straight = ranks[0]["uninterrupted"]
     for rank, res in enumerate(ranks):
-        for i, (resumed, straight) in enumerate(zip(res["resumed"], res["uninterrupted"])):
-            torch.testing.assert_close(resumed, straight, rtol=0, atol=0, msg=lambda m: f"rank {rank} param {i}: {m}")
-        for error in res["wrong_rank_errors"]:
-            assert error is not None and "same number of processes" in error
+        for i, (resumed, ref) in enumerate(zip(res["resumed"], res["uninterrupted"])):  # same world size: bit for bit
+            torch.testing.assert_close(resumed, ref, rtol=0, atol=0, msg=lambda m: f"rank {rank} param {i}: {m}")
+        for key in ("resumed_in_one_process", "resumed_from_one_process"):  # W ranks -> 1 process, 1 -> W ranks
+            for i, (resumed, ref) in enumerate(zip(res[key], straight)):
+                torch.testing.assert_close(resumed, ref, rtol=1e-6, atol=1e-6, msg=lambda m: f"{key}, rank {rank} param {i}: {m}")
+        assert res["missing_shard_error"] is not None and "incomplete" in res["missing_shard_error"]
