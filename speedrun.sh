@@ -9,6 +9,10 @@
 # ~/.cache/nanochat) is where data, tokenizer, checkpoints and the report go; NPROC = processes per node
 # (default: every GPU); NANOCHAT_SKIP_SETUP=1 uses the current python instead of creating .venv;
 # NANOCHAT_SMOKE=1 shrinks the cpu profile to seconds (what the tests run).
+#
+# Every stage must finish: `set -e` stops the pipeline at the first stage that exits non-zero, including a
+# training stage stopped early by Ctrl-C / SIGTERM (it saves a checkpoint and exits 75; resume it with the
+# command it prints, then run the remaining stages by hand).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -51,12 +55,14 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
 else
     export NANOCHAT_DATASET=pydocs
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || sysctl -n hw.ncpu)}"  # one process, every core
+    # Sizes; each can be set from the environment (e.g. BASE_STEPS=240 bash speedrun.sh)
     if [ -n "${NANOCHAT_SMOKE:-}" ]; then
-        VOCAB=512 DEPTH=1 SEQ=64 BASE_STEPS=4 BASE_EVAL=2 MID_STEPS=4 EVAL_TOKENS=1024
+        : "${VOCAB:=512}" "${DEPTH:=1}" "${SEQ:=64}" "${BASE_STEPS:=4}" "${MID_STEPS:=4}" "${EVAL_TOKENS:=1024}"
     else
         # depth 4 (~5M parameters) at ~1,000 tokens/s: 120 steps of 4096 tokens (~8 min), then 60 of midtraining
-        VOCAB=4096 DEPTH=4 SEQ=512 BASE_STEPS=120 BASE_EVAL=40 MID_STEPS=60 EVAL_TOKENS=16384
+        : "${VOCAB:=4096}" "${DEPTH:=4}" "${SEQ:=512}" "${BASE_STEPS:=120}" "${MID_STEPS:=60}" "${EVAL_TOKENS:=16384}"
     fi
+    BASE_EVAL=$(( BASE_STEPS / 3 > 0 ? BASE_STEPS / 3 : 1 ))
     python -m nanochat.dataset
     python -m scripts.tok_train --vocab_size=$VOCAB
     python -m scripts.tok_eval

@@ -191,7 +191,8 @@ def _torch_load(path, device):
         # every rank are opened by every rank when resuming on a different world size)
         return torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # truncated / corrupt: pickle, zip and EOF errors all land here
-        raise UserError(f"checkpoint file {path} is unreadable (truncated or corrupt: {type(e).__name__}: {e}); "
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"checkpoint file {path} is unreadable (truncated or corrupt: {type(e).__name__}: {reason}); "
                         f"delete that step's files or pick another step") from None
 
 

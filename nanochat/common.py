@@ -199,7 +199,8 @@ def atomic_write(path, mode="wb"):
         raise
 
 
-def _sha256(path):
+def file_sha256(path):
+    """The sha256 of a file's bytes, as a hex string."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -252,8 +253,8 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
         for attempt in range(1, retries + 1):
             try:
                 _stream_to_file(requests, url, tmp_path, timeout)
-                if expected_sha256 is not None and _sha256(tmp_path) != expected_sha256:
-                    raise IOError(f"sha256 mismatch for {url}: expected {expected_sha256}, got {_sha256(tmp_path)}")
+                if expected_sha256 is not None and file_sha256(tmp_path) != expected_sha256:
+                    raise IOError(f"sha256 mismatch for {url}: expected {expected_sha256}, got {file_sha256(tmp_path)}")
                 if postprocess_fn is not None:
                     postprocess_fn(tmp_path)
                 os.replace(tmp_path, file_path)

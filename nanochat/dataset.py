@@ -30,12 +30,16 @@ import argparse
 import logging
 import os
 import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from nanochat.common import UserError, closest, download_file_with_lock, get_base_dir, setup_default_logging
+from filelock import FileLock
+
+from nanochat.common import (UserError, atomic_write, closest, download_file_with_lock, file_sha256, get_base_dir,
+                             setup_default_logging)
 
 logger = logging.getLogger("nanochat.dataset")  # not __name__: that is "__main__" under `python -m`
 
@@ -93,6 +97,58 @@ def check_shard(path):
     text_type = schema.field("text").type if "text" in schema.names else None
     if text_type is None or not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
         raise IOError(f"{path} has no string column `text` (columns: {', '.join(schema.names)})")
+
+
+CHECKSUMS = "SHA256SUMS"  # beside the shards: "<sha256>  <shard name>" per line, written when a shard is written
+_verified = set()  # shards whose full content this process has checked
+
+
+def read_checksums(directory):
+    """{shard name: sha256} recorded in <directory>/SHA256SUMS ({} if none)."""
+    try:
+        with open(os.path.join(directory, CHECKSUMS), encoding="utf-8") as f:
+            return {name: digest for digest, name in (line.split() for line in f if line.strip())}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_checksums(directory, digests):
+    """Write <directory>/SHA256SUMS listing {shard name: sha256} (the format of the `sha256sum` tool)."""
+    with atomic_write(os.path.join(directory, CHECKSUMS), "w") as f:
+        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
+
+
+def record_checksums(directory, digests):
+    """Add {shard name: sha256} to <directory>/SHA256SUMS, under a lock (parallel downloads record at once)."""
+    with FileLock(os.path.join(directory, CHECKSUMS + ".lock")):
+        write_checksums(directory, dict(read_checksums(directory), **digests))
+
+
+def verify_shard(path):
+    """
+    Check a shard's whole content once per process, the first time it is used (check_shard reads only the
+    footer, which misses damage in the middle of the file). If its sha256 was recorded when it was written
+    (SHA256SUMS), compare with it; otherwise read every row group (a full decode catches damaged pages) and
+    record the sha256 for next time. UserError naming the file and the command that replaces it.
+    """
+    if path in _verified:
+        return
+    directory, name = os.path.split(path)
+    expected = read_checksums(directory).get(name)
+    if expected is not None:
+        if file_sha256(path) != expected:
+            raise UserError(f"{path} is damaged (its sha256 differs from the one recorded when it was written); "
+                            f"run `{fetch_command()}`: it replaces damaged shards")
+    else:
+        try:
+            pf = pq.ParquetFile(path)
+            for i in range(pf.num_row_groups):
+                pf.read_row_group(i, columns=["text"])
+        except Exception as e:
+            raise UserError(f"{path} is unreadable ({type(e).__name__}: {e}); run `{fetch_command()}`: it replaces "
+                            f"damaged shards") from None
+        record_checksums(directory, {name: file_sha256(path)})
+    _verified.add(path)
 
 
 def _local_shards(directory):
@@ -156,8 +212,13 @@ def list_row_groups(split):
 
 
 def read_row_group(path, index):
-    """The documents (list[str]) in row group `index` of the shard at `path`."""
-    return pq.ParquetFile(path).read_row_group(index, columns=["text"]).column("text").to_pylist()
+    """The documents (list[str]) in row group `index` of the shard at `path` (verified on first use)."""
+    verify_shard(path)
+    try:
+        return pq.ParquetFile(path).read_row_group(index, columns=["text"]).column("text").to_pylist()
+    except Exception as e:  # damaged after it was verified (the disk, another program)
+        raise UserError(f"{path} row group {index} is unreadable ({type(e).__name__}: {e}); run `{fetch_command()}`: "
+                        f"it replaces damaged shards") from None
 
 
 def parquets_iter_batched(split, start=0, step=1):
@@ -168,11 +229,8 @@ def parquets_iter_batched(split, start=0, step=1):
     """
     if start < 0 or step < 1:
         raise ValueError(f"need start >= 0 and step >= 1, got start={start}, step={step}")
-    current_path, current_file = None, None
     for path, index in list_row_groups(split)[start::step]:
-        if path != current_path:  # open each shard once, not once per row group
-            current_path, current_file = path, pq.ParquetFile(path)
-        yield current_file.read_row_group(index, columns=["text"]).column("text").to_pylist()
+        yield read_row_group(path, index)
 
 
 # -----------------------------------------------------------------------------
@@ -219,10 +277,14 @@ def download_fineweb(num_train_shards, workers=4):
     directory = os.path.join(get_base_dir(), "base_data", "fineweb-edu")
     wanted = list(range(num_train_shards)) + [val_index]
     present = _local_shards(directory)
+    recorded = read_checksums(directory)
     for i in wanted:
         if i in present:
             try:
                 check_shard(present[i])
+                name = shard_name(i)
+                if name in recorded and file_sha256(present[i]) != recorded[name]:
+                    raise IOError(f"{present[i]} does not match the sha256 recorded when it was downloaded")
             except IOError as e:
                 logger.warning(f"Shard {i} is damaged ({e}); deleting it and downloading it again")
                 os.remove(present[i])
@@ -234,7 +296,8 @@ def download_fineweb(num_train_shards, workers=4):
     def fetch(i):
         path = download_file_with_lock(f"{fineweb_url()}/{shard_name(i)}",
                                        os.path.join("base_data", "fineweb-edu", shard_name(i)),
-                                       postprocess_fn=check_shard)
+                                       postprocess_fn=check_shard, retry_command=f"python -m nanochat.dataset -n {num_train_shards}")
+        record_checksums(directory, {shard_name(i): file_sha256(path)})  # so later damage is caught (verify_shard)
         return os.path.getsize(path)
 
     done, failed = [], []
@@ -279,9 +342,21 @@ def main(argv=None):
     if name == "pydocs":
         if args.num_files is not None:
             logger.warning("-n is ignored for pydocs: the corpus is built whole")
-        if os.path.isdir(data_dir()):
-            logger.info(f"pydocs is already built in {data_dir()} (delete that directory to rebuild it)")
         from nanochat.pydocs import build_pydocs
+        if os.path.isdir(data_dir()):
+            damaged = []
+            for path in sorted(_local_shards(data_dir()).values()):
+                try:
+                    check_shard(path)
+                    verify_shard(path)
+                except (IOError, UserError) as e:
+                    damaged.append(os.path.basename(path))
+                    logger.warning(f"{e}")
+            if damaged:  # the corpus is built whole and deterministically: rebuild all of it
+                logger.warning(f"pydocs: {', '.join(damaged)} damaged; rebuilding the corpus in {data_dir()}")
+                shutil.rmtree(data_dir())
+            else:
+                logger.info(f"pydocs is already built in {data_dir()} and its shards are intact (delete that directory to rebuild it)")
         build_pydocs()
     else:
         if args.num_files is None:

@@ -446,9 +446,10 @@ class GPT(nn.Module):
         returns the next-token logits (B, vocab) in fp32 and advances the cache by one position.
 
         The same computation as forward(idx[:, None], kv_cache=kv_cache)[:, -1], written for the one-token
-        case that is almost all of generation, where a step's cost is overhead, not arithmetic: matrices
-        from decode_weights() (no nn.Module calls), the new keys/values written in place into the cache,
-        and attention of one query per head over the cached positions with no mask (all are in the past).
+        case that is almost all of generation. A step does little arithmetic (one row per sample), so its
+        cost is reading every weight matrix once plus a fixed overhead per operation; hence matrices from
+        decode_weights() (no nn.Module calls), the new keys/values written in place into the cache, and
+        attention of one query per head over the cached positions with no mask (all are in the past).
         """
         B, pos = idx.size(0), kv_cache.pos
         if pos + 1 > self.rotary_len:

@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.common import get_base_dir
-from nanochat.dataset import ROW_GROUP_SIZE, shard_name
+from nanochat.common import file_sha256, get_base_dir
+from nanochat.dataset import ROW_GROUP_SIZE, shard_name, write_checksums
 
 logger = logging.getLogger("nanochat.pydocs")
 
@@ -332,6 +332,7 @@ def _write_pydocs(directory):
         # pyarrow writes row groups and pages deterministically. row_group_size sets the reading unit.
         pq.write_table(table, os.path.join(directory, shard_name(index)), row_group_size=ROW_GROUP_SIZE,
                        compression="zstd")
+    write_checksums(directory, {shard_name(i): file_sha256(os.path.join(directory, shard_name(i))) for i in range(len(shards))})
     return len(docs), sum(len(d) for d in docs), len(shards)
 
 

@@ -454,5 +454,6 @@ def get_token_bytes(device="cpu"):
         if not (isinstance(token_bytes, torch.Tensor) and token_bytes.ndim == 1):
             raise ValueError(f"expected a 1-D tensor, found {type(token_bytes).__name__}")
     except Exception as e:
-        raise UserError(f"{path} is unreadable ({type(e).__name__}: {e}); {TRAIN_HINT} to write it again") from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"{path} is unreadable ({type(e).__name__}: {reason}); {TRAIN_HINT} to write it again") from None
     return token_bytes.to(device)

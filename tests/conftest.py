@@ -139,7 +139,7 @@ def small_tokenizer_dir(pydocs_dir, tmp_path_factory):
     import pyarrow.parquet as pq
     from nanochat.tokenizer import Tokenizer
     texts = []
-    for name in sorted(os.listdir(pydocs_dir))[:-1]:  # the last shard is validation
+    for name in sorted(n for n in os.listdir(pydocs_dir) if n.startswith("shard_"))[:-1]:  # the last shard is validation
         texts += pq.read_table(os.path.join(pydocs_dir, name), columns=["text"]).column("text").to_pylist()
     out = tmp_path_factory.mktemp("tokenizer") / "tokenizer"
     Tokenizer.train_from_iterator(iter(texts[:2000]), 512).save(str(out))

@@ -62,8 +62,9 @@ def test_pydocs_builds_offline_to_identical_bytes(pydocs_dir, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     other = tmp_path / "other_base" / "base_data" / "pydocs"
-    names = sorted(os.listdir(pydocs_dir))
-    assert names == sorted(os.listdir(other))
+    names = sorted(os.listdir(pydocs_dir))  # the shards and their SHA256SUMS
+    assert names == sorted(os.listdir(other)) and "SHA256SUMS" in names
+    names.remove("SHA256SUMS")
     assert len(names) >= 3 and all(dataset.SHARD_RE.match(n) for n in names)
     for name in names:
         assert _sha(os.path.join(pydocs_dir, name)) == _sha(other / name), name
@@ -73,7 +74,7 @@ def test_pydocs_builds_offline_to_identical_bytes(pydocs_dir, tmp_path):
 
 def test_pydocs_layout_and_content(pydocs_corpus):
     train, val = dataset.list_parquet_files("train"), dataset.list_parquet_files("val")
-    shards = sorted(os.listdir(pydocs_corpus))
+    shards = sorted(n for n in os.listdir(pydocs_corpus) if n.startswith("shard_"))
     assert val == [os.path.join(pydocs_corpus, shards[-1])]  # the last shard, fixed
     assert train == [os.path.join(pydocs_corpus, s) for s in shards[:-1]] and len(train) >= 2
     assert dataset.data_dir() == pydocs_corpus

@@ -1,0 +1,384 @@
+"""
+The training core the way a careless user meets it: two runs on one checkpoint directory, a fresh run into a
+used tag, a swapped tokenizer, changed data settings on resume, kills, NaNs, a full disk, resumes on another
+number of processes, and bad values of every kind. Each test makes the failure happen for real and checks
+the one-line answer and that nothing was lost.
+"""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, run_torchrun
+from test_base_train import TINY, assert_same_weights, base_train, metrics, train_losses, weights, with_defaults
+
+from nanochat.common import UserError
+
+
+def one_line_error(result, *fragments):
+    """The process failed with exactly one line on stderr, `error: ...`, containing every fragment."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def wait_for_steps(path, n, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and sum('"step_loss"' in line for line in path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.1)
+    pytest.fail("the run did not reach its steps in time")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint directories
+
+
+def test_second_run_on_the_same_tag_is_refused_and_the_first_keeps_its_checkpoints(trained_tokenizer, isolated_env):
+    first = subprocess.Popen([sys.executable, "-m", "scripts.base_train",
+                              *with_defaults(TINY, ["--num_iterations=100000", "--eval_every=-1", "--save_every=2"])],
+                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ckpt = isolated_env / "base_checkpoints" / "d1"
+    wait_for_steps(ckpt / "metrics.jsonl", 3, first)
+    second = base_train("--num_iterations=4", "--overwrite")  # not even --overwrite may touch a directory in use
+    line = one_line_error(second, f"{ckpt} is in use by another run", f"pid {first.pid}")
+    assert "--model_tag" in line
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 75, err
+    meta = json.loads(max(ckpt.glob("meta_*.json")).read_text())
+    assert meta["step"] >= 3 and meta["tokenizer"]["fingerprint"] and meta["data_settings"]["device_batch_size"] == 2
+    for step in range(2, meta["step"], 2):  # every checkpoint the first run saved is there and complete
+        assert (ckpt / f"model_{step:06d}.pt").exists() and (ckpt / f"meta_{step:06d}.json").exists()
+
+
+def test_fresh_run_into_a_used_tag_is_refused_unless_overwrite(trained_tokenizer, isolated_env):
+    assert base_train("--num_iterations=4", "--save_every=2").returncode == 0
+    again = base_train("--num_iterations=4")
+    one_line_error(again, "already holds checkpoints of an earlier run (steps 2, 4)", "--resume_from_step=4", "--overwrite")
+    # resuming from step 2 would mix in the earlier run's step 4 later: refused too
+    one_line_error(base_train("--num_iterations=6", "--resume_from_step=2"), "holds checkpoints after step 2 (steps 4)")
+    ckpt = isolated_env / "base_checkpoints" / "d1"
+    (ckpt / "model_000004.pt.tmp123").write_bytes(b"half a save")  # a save that was killed
+    result = base_train("--num_iterations=3", "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert sorted(int(p.name[5:11]) for p in ckpt.glob("meta_*.json")) == [3]  # nothing of the earlier run left
+    assert not list(ckpt.glob("*.tmp*"))
+    assert [m["step"] for m in metrics(isolated_env) if "step_loss" in m] == [1, 2, 3]
+
+
+def test_model_tag_must_be_a_name(trained_tokenizer, isolated_env):
+    for tag in ("../escape", "/tmp/x", ".hidden", "a/b"):
+        one_line_error(base_train("--num_iterations=2", f"--model_tag={tag}"), "is not a plain name")
+    assert not (isolated_env / "escape").exists() and not (isolated_env / "base_checkpoints").exists()
+
+
+def test_tokenizer_swap_and_data_setting_changes_are_refused(trained_tokenizer, isolated_env):
+    assert base_train("--num_iterations=4", "--save_every=2").returncode == 0
+    saved = json.loads((isolated_env / "base_checkpoints" / "d1" / "meta_000004.json").read_text())
+    # a data setting that changes what every following step reads
+    one_line_error(base_train("--num_iterations=6", "--resume_from_step=4", "--data_seed=7"),
+                   "was trained with data_seed=0, this run has data_seed=7", "--data_seed=0")
+    one_line_error(base_train("--num_iterations=6", "--resume_from_step=4", "--device_batch_size=1"),
+                   "was trained with device_batch_size=2")
+    # another tokenizer of the same vocabulary size: other merges, other ids
+    from nanochat import dataset
+    from nanochat.tokenizer import Tokenizer
+    other_texts = [doc[::-1] for docs in dataset.parquets_iter_batched("val") for doc in docs]  # other text, other merges
+    other = Tokenizer.train_from_iterator(iter(other_texts), 512)
+    shutil.rmtree(trained_tokenizer)
+    other.save(str(trained_tokenizer))
+    assert other.fingerprint() != saved["tokenizer"]["fingerprint"] and other.get_vocab_size() == 512
+    line = one_line_error(base_train("--num_iterations=6", "--resume_from_step=4"), saved["tokenizer"]["fingerprint"],
+                          other.fingerprint())
+    assert "was trained with tokenizer" in line
+    loss = subprocess.run([sys.executable, "-m", "scripts.base_loss", "--device_batch_size=2", "--split_tokens=128"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    one_line_error(loss, "was trained with tokenizer", other.fingerprint())
+
+
+def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(trained_tokenizer, isolated_env):
+    assert base_train("--num_iterations=4", "--save_every=2").returncode == 0
+    path = isolated_env / "base_checkpoints" / "d1" / "model_000004.pt"
+    path.write_bytes(path.read_bytes()[:1000])  # truncated, say by a full disk outside our control
+    from nanochat.checkpoint_manager import load_model
+    model, tokenizer, meta = load_model("base", "cpu", phase="eval")
+    assert meta["step"] == 2
+    loss = subprocess.run([sys.executable, "-m", "scripts.base_loss", "--device_batch_size=2", "--split_tokens=128"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert loss.returncode == 0, loss.stderr
+    assert "WARNING: the latest checkpoint (step 4)" in loss.stdout and "step 2" in loss.stdout
+
+
+def test_disk_full_save_leaves_no_partial_file(tmp_path, monkeypatch):
+    from nanochat import checkpoint_manager
+    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.sharding import optimizer_shard
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
+    model.init_weights()
+    optimizers = model.setup_optimizers()
+    real_save = torch.save
+    calls = []
+
+    def save_until_the_disk_is_full(obj, f):
+        calls.append(1)
+        if len(calls) == 2:  # the optimizer file fits, the model file does not
+            f.write(b"x" * 5000)  # some bytes made it to disk before the error
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint_manager.torch, "save", save_until_the_disk_is_full)
+    with pytest.raises(UserError, match=f"no space left on {tmp_path}"):
+        checkpoint_manager.save_checkpoint(str(tmp_path), 7, model.state_dict(), optimizer_shard(optimizers, model), {})
+    assert os.listdir(tmp_path) == []  # neither the partial model file nor the optimizer file of the failed step
+
+
+def test_non_finite_loss_stops_without_saving_anything_newer(trained_tokenizer, isolated_env):
+    result = base_train("--num_iterations=20", "--save_every=1", "--matrix_lr=1e38")
+    line = one_line_error(result, "is not finite, training diverged", "--matrix_lr")
+    failed_step = int(line.split("step ")[1].split(":")[0])
+    ckpt = isolated_env / "base_checkpoints" / "d1"
+    steps = sorted(int(p.name[5:11]) for p in ckpt.glob("meta_*.json"))
+    assert steps and steps[-1] < failed_step
+    for step in steps:  # every checkpoint that exists holds finite weights
+        assert all(torch.isfinite(v).all() for v in weights(isolated_env, step).values())
+
+
+def test_report_figures_have_sensible_precision_and_never_show_inf():
+    from nanochat.report import format_value
+    assert format_value(87.6195) == "87.6" and format_value(1.741234) == "1.7412" and format_value(12345.6) == "12,346"
+    assert format_value(float("inf")) == "n/a" and format_value(float("nan")) == "n/a"
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume on any world size (the optimizer state is re-sharded; the data of a step does not depend on it)
+
+
+def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(trained_tokenizer, isolated_env):
+    args = ["--total_batch_size=384", "--num_iterations=6", "--save_every=3"]  # 6 data slots: 1, 2 or 3 ranks
+    full = base_train(*args, "--model_tag=full")
+    assert full.returncode == 0, full.stderr
+    full_losses = train_losses(isolated_env, "full")
+    ckpts = isolated_env / "base_checkpoints"
+
+    # 2 ranks for 3 steps, then 1 rank
+    two = run_torchrun(2, ["-m", "scripts.base_train", *with_defaults(TINY, args + ["--model_tag=two_then_one"])])
+    assert two.returncode == 0, two.stderr
+    for f in ckpts.glob("two_then_one/*000006*"):
+        f.unlink()
+    one = base_train(*args, "--model_tag=two_then_one", "--resume_from_step=3")
+    assert one.returncode == 0, one.stderr
+    assert "Resuming a run of 2 process(es) on 1" in one.stdout
+    assert train_losses(isolated_env, "two_then_one") == pytest.approx(full_losses, rel=1e-5)
+    assert_same_weights(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "two_then_one"), rtol=1e-4, atol=1e-5)
+
+    # 1 rank for 3 steps (the full run's step-3 checkpoint), then 3 ranks
+    shutil.copytree(ckpts / "full", ckpts / "one_then_three", ignore=shutil.ignore_patterns("*000006*", ".lock"))
+    three = run_torchrun(3, ["-m", "scripts.base_train", *with_defaults(TINY, args + ["--model_tag=one_then_three",
+                                                                                       "--resume_from_step=3"])])
+    assert three.returncode == 0, three.stderr
+    assert "Resuming a run of 1 process(es) on 3" in three.stdout
+    assert train_losses(isolated_env, "one_then_three") == pytest.approx(full_losses, rel=1e-5)
+    assert_same_weights(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "one_then_three"), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad values: refused before any work, with one line
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--depth=0"], "--depth must be > 0"),
+    (["--max_seq_len=-5"], "--max_seq_len must be > 0"),
+    (["--device_batch_size=0"], "--device_batch_size must be > 0"),
+    (["--total_batch_size=-128"], "--total_batch_size must be > 0"),
+    (["--num_iterations=0"], "--num_iterations must be > 0, or -1"),
+    (["--eval_tokens=0"], "--eval_tokens must be > 0, or -1"),
+    (["--matrix_lr=-0.1"], "--matrix_lr must be >= 0"),
+    (["--embedding_lr=inf"], "--embedding_lr expects a finite number"),
+    (["--warmdown_ratio=1.5"], "--warmdown_ratio must be between 0 and 1"),
+    (["--warmup_ratio=0.5", "--warmdown_ratio=0.6"], "warmup and the warmdown would overlap"),
+    (["--compile=yes"], "--compile must be one of auto, true, false"),
+    (["--depth=2", "--depth=3"], "--depth is given twice"),
+    (["--resume_from_step=-3"], "--resume_from_step must be"),
+])
+def test_bad_values_are_refused_with_one_line(trained_tokenizer, isolated_env, args, fragment):
+    one_line_error(base_train(*args), fragment)
+    assert not (isolated_env / "base_checkpoints").exists()  # refused before any work
+
+
+def test_bad_mid_train_values_are_refused_with_one_line(trained_tokenizer, isolated_env):
+    mid = ["-m", "scripts.mid_train"]
+    for args, fragment in ((["--max_conversations=0"], "--max_conversations must be > 0, or -1"),
+                           (["--init_lr_frac=0"], "--init_lr_frac must be > 0"),
+                           (["--num_iterations=0"], "--num_iterations must be > 0, or -1"),
+                           (["--mixture=fineweb"], "--mixture must be one of real, offline")):
+        result = subprocess.run([sys.executable, *mid, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        one_line_error(result, fragment)
+
+
+def test_environment_problems_get_one_line(trained_tokenizer, isolated_env, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    train = [sys.executable, "-m", "scripts.base_train", *with_defaults(TINY, ["--num_iterations=2"])]
+    # NANOCHAT_BASE_DIR is a file / not writable
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    result = subprocess.run(train, cwd=REPO_ROOT, capture_output=True, text=True, env=dict(env, NANOCHAT_BASE_DIR=str(not_a_dir)))
+    one_line_error(result, "is a file, not a directory")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.access(read_only, os.W_OK):  # root writes anywhere: use a directory the kernel refuses writes to
+        read_only = next((d for d in ("/sys/kernel", "/proc/sys") if os.path.isdir(d) and not _writable(d)), None)
+    if read_only is not None:
+        result = subprocess.run(train, cwd=REPO_ROOT, capture_output=True, text=True, env=dict(env, NANOCHAT_BASE_DIR=str(read_only)))
+        one_line_error(result, "is not writable")
+    # --run without a wandb login
+    no_login = dict(env, HOME=str(tmp_path), NETRC=str(tmp_path / "no_netrc"))
+    no_login.pop("WANDB_MODE", None)
+    no_login.pop("WANDB_API_KEY", None)
+    result = subprocess.run(train + ["--run=my-run"], cwd=REPO_ROOT, capture_output=True, text=True, env=no_login)
+    one_line_error(result, "wandb has no login", "wandb login", "WANDB_MODE=offline")
+    # a garbage tokenizer.json, then a garbage token_bytes.pt
+    meta = trained_tokenizer / "tokenizer.json"
+    good = meta.read_bytes()
+    meta.write_text("{ this is not json")
+    one_line_error(subprocess.run(train, cwd=REPO_ROOT, capture_output=True, text=True, env=env), "tokenizer.json",
+                   "python -m scripts.tok_train")
+    meta.write_bytes(good)
+    (trained_tokenizer / "token_bytes.pt").write_bytes(b"garbage")
+    one_line_error(subprocess.run(train, cwd=REPO_ROOT, capture_output=True, text=True, env=env), "token_bytes.pt is unreadable")
+    # --help into a pipe that closes early
+    shell = f"{sys.executable} -m scripts.base_train --help | head -2"
+    result = subprocess.run(["bash", "-c", f"set -o pipefail; {shell}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "" and len(result.stdout.splitlines()) == 2
+
+
+def _writable(directory):
+    import tempfile
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
+def test_unreachable_host_fails_fast_with_the_command_to_retry(isolated_env):
+    from nanochat.common import download_file_with_lock
+    t0 = time.time()
+    with pytest.raises(UserError) as e:
+        download_file_with_lock("http://127.0.0.1:9/shard.parquet", "x/shard.parquet", retry_command="python -m nanochat.dataset -n 8")
+    assert time.time() - t0 < 5
+    assert "cannot reach 127.0.0.1:9" in str(e.value) and "`python -m nanochat.dataset -n 8`" in str(e.value)
+
+
+def test_damaged_middle_of_a_shard_is_caught_and_the_rebuild_replaces_it(pydocs_corpus):
+    from nanochat import dataset
+    path = sorted(p for p in os.listdir(pydocs_corpus) if p.startswith("shard_"))[0]
+    path = os.path.join(pydocs_corpus, path)
+    data = bytearray(open(path, "rb").read())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(64)  # the footer is intact: only a full check sees it
+    open(path, "wb").write(bytes(data))
+    dataset.check_shard(path)  # the cheap footer check passes
+    dataset._verified.clear()
+    with pytest.raises(UserError) as e:
+        dataset.read_row_group(path, 0)
+    assert path in str(e.value) and "NANOCHAT_DATASET=pydocs python -m nanochat.dataset" in str(e.value)
+    rebuild = subprocess.run([sys.executable, "-m", "nanochat.dataset"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert rebuild.returncode == 0, rebuild.stderr
+    assert "damaged; rebuilding" in rebuild.stderr
+    dataset._verified.clear()
+    assert len(dataset.read_row_group(path, 0)) > 0  # the advice worked
+
+
+# ---------------------------------------------------------------------------------------------
+# Midtraining: SIGTERM and resume, and the world size is part of its data stream
+
+MID = ["-m", "scripts.mid_train", "--mixture=offline", "--max_seq_len=64", "--device_batch_size=2", "--eval_tokens=256",
+       "--total_batch_size=256", "--eval_every=-1"]
+
+
+@pytest.fixture
+def base_model(trained_tokenizer, isolated_env):
+    result = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=1", "--max_seq_len=64", "--device_batch_size=4",
+                             "--total_batch_size=256", "--num_iterations=10", "--eval_every=-1", "--eval_tokens=256",
+                             "--sample_every=-1", "--core_metric_every=-1"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    return isolated_env
+
+
+def mid(*args):
+    return subprocess.run([sys.executable, *MID, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def step_losses(checkpoint_dir):
+    rows = [json.loads(line) for line in (checkpoint_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_loss"] for r in rows if "step_loss" in r]
+
+
+def test_mid_train_sigterm_then_resume_equals_the_uninterrupted_run(base_model):
+    ckpt = base_model / "mid_checkpoints" / "d1"
+    steps = 150
+    proc = subprocess.Popen([sys.executable, *MID, f"--num_iterations={steps}"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wait_for_steps(ckpt / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert "got SIGTERM" in out + err and "--resume_from_step=" in out
+    stopped = json.loads(max(ckpt.glob("meta_*.json")).read_text())["step"]
+    assert 3 <= stopped < steps
+    resumed = mid(f"--num_iterations={steps}", f"--resume_from_step={stopped}")
+    assert resumed.returncode == 0, resumed.stderr
+    interrupted_losses = step_losses(ckpt)
+    interrupted_weights = torch.load(ckpt / f"model_{steps:06d}.pt")
+    # a world size other than the checkpoint's changes which conversations each rank reads: refused
+    for f in ckpt.glob(f"*{steps:06d}*"):
+        f.unlink()
+    two = run_torchrun(2, [*MID, f"--num_iterations={steps}", f"--resume_from_step={stopped}"])
+    assert two.returncode != 0 and "was trained with world_size=1, this run has world_size=2" in two.stderr
+    full = mid(f"--num_iterations={steps}", "--overwrite")
+    assert full.returncode == 0, full.stderr
+    full_losses = step_losses(ckpt)
+    assert len(full_losses) == steps and interrupted_losses == pytest.approx(full_losses, rel=1e-6)
+    assert_same_weights(interrupted_weights, torch.load(ckpt / f"model_{steps:06d}.pt"), rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# An interrupted stage stops the speedrun
+
+
+def test_interrupted_stage_exits_non_zero_and_speedrun_stops(isolated_env, tmp_path):
+    env = dict(os.environ, NANOCHAT_PROFILE="cpu", NANOCHAT_SMOKE="1", NANOCHAT_SKIP_SETUP="1", OMP_NUM_THREADS="1",
+               BASE_STEPS="100000", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    proc = subprocess.Popen(["bash", os.path.join(REPO_ROOT, "speedrun.sh")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:  # wait until base training is in its loop, then Ctrl-C the whole pipeline
+        lines.append(line)
+        if line.startswith("step 00002/"):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    lines += proc.stdout.readlines()
+    proc.wait(timeout=300)
+    out = "".join(lines)
+    assert proc.returncode != 0, out[-3000:]
+    assert "got SIGINT" in out and "--resume_from_step=" in out
+    assert "speedrun: done" not in out and not (isolated_env / "mid_checkpoints").exists()  # mid_train never started
