@@ -1,5 +1,25 @@
 """
-Bits per byte: the validation metric of pretraining.
+Losses: the supervised loss of the conversation stages (normalised over a whole step), and bits per byte,
+the validation metric.
+
+The supervised loss (mid_train, chat_sft)
+-----------------------------------------
+In a conversation only some targets are trained on (the assistant's tokens; the rest are -1), and how many
+varies wildly from micro-batch to micro-batch: one may hold a long assistant answer, the next only a user's
+question (0 targets). Averaging each micro-batch's loss over its own targets and then averaging micro-batches
+and ranks with equal weight would count a token of a sparse micro-batch many times more than one of a dense
+micro-batch, and a fully masked micro-batch as a loss of 0 that dilutes the step's gradient. Instead:
+
+    step loss = sum of the per-token losses of every supervised target of the step / their number N,
+
+N counted over all micro-steps and all ranks BEFORE the backward passes (count_step_targets: one all_reduce of
+one number per rank). Each micro-step backpropagates its loss SUM times world_size / N (supervised_loss):
+the gradients add up over micro-steps, the optimizers average them over ranks (hence the world_size), and
+the result is exactly the gradient of the mean over every supervised token of the step, however the step is
+split into micro-batches and ranks.
+
+Bits per byte
+-------------
 
 Mean cross-entropy per token depends on the tokenizer (a bigger vocabulary packs more text into each
 token, so each token is harder to predict). Bits per byte does not: it is the total loss, converted from
@@ -43,3 +63,29 @@ def evaluate_bpb(model, batches, steps, token_bytes):
     if total_bytes == 0:
         return float("inf")
     return total_nats.item() / (math.log(2) * total_bytes)
+
+
+def count_step_targets(batches, ddp_rank, ddp_world_size):
+    """
+    The supervised targets (y != -1) of a step: returns (per_rank, total), per_rank[r] the targets of rank r's
+    micro-batches `batches` (a list of (x, y)), total their sum over all ranks. One all_reduce (of world_size
+    numbers) when distributed; every rank gets the same answer.
+    """
+    y0 = batches[0][1]
+    counts = torch.zeros(ddp_world_size, dtype=torch.float32, device=y0.device)
+    counts[ddp_rank] = sum((y != -1).sum() for _, y in batches).float()
+    if ddp_world_size > 1:
+        dist.all_reduce(counts)
+    per_rank = counts.tolist()
+    return per_rank, sum(per_rank)
+
+
+def supervised_loss(model, x, y, step_targets, ddp_world_size):
+    """
+    This micro-batch's part of the step loss, ready for .backward(): the sum of its per-token losses (ignored
+    targets count 0) times world_size / step_targets (the step's supervised targets over all micro-steps and
+    ranks, from count_step_targets). Also returns the detached loss sum, for logging. A step without any
+    supervised target (step_targets == 0) gives zero loss and zero gradient.
+    """
+    loss_sum = model(x, y, loss_reduction="sum")
+    return loss_sum * (ddp_world_size / max(step_targets, 1)), loss_sum.detach()

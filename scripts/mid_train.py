@@ -32,7 +32,7 @@ from nanochat.common import (EXIT_STOPPED_EARLY, StopRequest, UserError, autocas
                              compute_cleanup, compute_init, get_base_dir, get_peak_flops, grad_accum_steps_for, init_wandb,
                              print0, print_banner)
 from nanochat.configurator import check_config, configure
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.loss_eval import count_step_targets, evaluate_bpb, supervised_loss
 from nanochat.report import get_report
 from nanochat.schedules import mid_lr_multiplier, muon_momentum
 from nanochat.sharding import clip_grad_norm_, load_optimizer_shards, optimizer_shard
@@ -181,7 +181,7 @@ print0(f"Mixture {mixture}: {train_size:,} training conversations (of {len(train
 epoch_done = False  # set when this rank's train generator wraps around (one epoch done); used if num_iterations is -1
 approx_progress = 0.0  # fraction of the epoch this rank has read
 train_stats = {"read": 0, "split": 0, "first": []}  # what this rank read: count, conversations split across rows, first indices
-train_position = None  # [conversation, token offset] where the most recently returned train batch starts (for resume)
+train_position = None  # [conversation, token offset] where the NEXT train batch will start (for resume)
 
 
 def mid_data_generator(split, resume_position=None):
@@ -193,9 +193,10 @@ def mid_data_generator(split, resume_position=None):
     Rank r reads conversations r, r + world_size, r + 2*world_size, ...: ranks never read the same one.
 
     Resuming: what is left in the buffer after a batch is always the tail of ONE conversation (the buffer is
-    refilled one conversation at a time, only until it holds a batch), so the position of a batch is just
-    [conversation index, token offset into it] (train_position, saved in the checkpoint). Starting from that
-    position re-renders that conversation, skips the offset, and reproduces the same batches from there on.
+    refilled one conversation at a time, only until it holds a batch), so where the next batch starts is just
+    [conversation index, token offset into it] (train_position; a checkpoint saves the position of the first
+    batch of the next step). Starting from that position re-renders that conversation, skips the offset, and
+    reproduces the same batches from there on.
     """
     global epoch_done, approx_progress, train_position
     dataset = train_dataset if split == "train" else val_dataset
@@ -228,8 +229,6 @@ def mid_data_generator(split, resume_position=None):
                 cursor -= dataset_size  # wrap around: the next epoch
                 if split == "train":
                     epoch_done = True  # one epoch done: with num_iterations = -1 the training loop stops after this step
-        if split == "train":
-            train_position = [segments[0][0], segments[0][2]]
         if copy_done is not None:
             copy_done.synchronize()
         ids = [ids_buffer.popleft() for _ in range(needed - 1)] + [ids_buffer[0]]  # the last one stays for the next batch
@@ -242,6 +241,8 @@ def mid_data_generator(split, resume_position=None):
             consumed -= take
             if segments[0][1] == 0:
                 segments.popleft()
+        if split == "train":  # the leftover (at least the kept last token) is the tail of segments[0]
+            train_position = [segments[0][0], segments[0][2]]
         scratch.copy_(torch.tensor(ids, dtype=torch.int64))
         mask_scratch.copy_(torch.tensor(mask, dtype=torch.bool))
         inputs = scratch[:-1].view(device_batch_size, max_seq_len).to(device=device, dtype=torch.int32, non_blocking=True)
@@ -260,7 +261,8 @@ def mid_data_generator(split, resume_position=None):
 
 if data_state is not None:  # continue exactly where the checkpoint's run was
     train_stats, epoch_done = data_state["stats"][ddp_rank], data_state["epoch_done"]
-train_loader = mid_data_generator("train", resume_position=data_state["positions"][ddp_rank] if data_state else None)
+train_position = data_state["positions"][ddp_rank] if data_state else [ddp_rank, 0]
+train_loader = mid_data_generator("train", resume_position=train_position)
 eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * total_batch_size) // world_tokens_per_fwdbwd)
 peak_flops, peak_source = get_peak_flops(device, compute_dtype)
 print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
@@ -286,7 +288,8 @@ def save(step):
     global last_saved_step
     if not all(torch.isfinite(p).all() for p in orig_model.parameters()):  # never save a diverged model
         raise UserError(f"step {step}: the weights are not finite; nothing saved (the last checkpoint is step {last_saved_step})")
-    data_state = dict(positions=gather(train_position), stats=gather(train_stats), epoch_done=any_epoch_done)
+    # where the prefetched batches of the next step start, and what had been read before them
+    data_state = dict(positions=gather(next_step_position), stats=gather(next_step_stats), epoch_done=any_epoch_done)
     save_checkpoint(checkpoint_dir, step, orig_model.state_dict(), optimizer_shard(optimizers, orig_model), dict(
         model_config=orig_model.config.to_dict(), user_config=config, val_bpb=val_bpb, base_model=base_model,
         tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()),
@@ -299,7 +302,20 @@ def save(step):
 
 # -----------------------------------------------------------------------------
 # 8. The training loop: the same two-level loop as base_train (steps, and micro-steps inside a step)
-x, y = next(train_loader)  # prefetch the first micro-batch
+
+
+def fetch_step():
+    """
+    The grad_accum_steps micro-batches of the next step, fetched before the step runs: the step's loss is
+    normalised by its number of supervised targets, which must be known before the first backward. Also
+    returns where these batches start and what had been read before them (a checkpoint saves both).
+    """
+    position, stats = list(train_position), dict(train_stats, first=list(train_stats["first"]))
+    return [next(train_loader) for _ in range(grad_accum_steps)], position, stats
+
+
+step_batches, next_step_position, next_step_stats = fetch_step()
+x, y = step_batches[0]
 # Every rank says what it got: (device_batch_size, max_seq_len) of ITS OWN conversations, not x world_size
 masked = 100 * (y == -1).float().mean().item()
 print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
@@ -337,14 +353,18 @@ while True:
     # ---- one optimizer step ----
     synchronize()
     t0 = time.time()
-    step_loss = torch.zeros((), device=device)  # this rank's mean loss over its micro-steps, for logging
+    # The loss of the step is the mean over ALL its supervised targets (all micro-steps, all ranks): count them
+    # first (one all_reduce), then each micro-step backpropagates its loss sum scaled by world_size / that count
+    # (why, and why not a mean per micro-batch: nanochat/loss_eval.py).
+    rank_targets, step_targets = count_step_targets(step_batches, ddp_rank, ddp_world_size)
+    step_loss_sum = torch.zeros((), device=device)  # this rank's summed token losses, for logging
     for micro_step in range(grad_accum_steps):
+        x, y = step_batches[micro_step]
         with autocast_ctx:
-            loss = model(x, y)
-        step_loss += loss.detach() / grad_accum_steps
-        loss = loss / grad_accum_steps  # .backward() sums gradients over micro-steps: this makes it the mean
-        loss.backward()
-        x, y = next(train_loader)  # fetch the next micro-batch while the device is still busy
+            loss, loss_sum = supervised_loss(model, x, y, step_targets, ddp_world_size)
+        step_loss_sum += loss_sum
+        loss.backward()  # .backward() adds into .grad: the micro-steps' parts add up to the step's gradient
+    step_batches, next_step_position, next_step_stats = fetch_step()  # the next step's data, while the device works
     # Gradients are averaged across ranks in clip_grad_norm_ (clipping on) or in opt.step() (off): see base_train
     grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
     progress = step / num_iterations if num_iterations > 0 else approx_progress
@@ -362,19 +382,20 @@ while True:
     model.zero_grad(set_to_none=True)
     # One all_reduce at the end of the step: every rank's loss (slot r = rank r), the stop flag, the epoch flag
     shared = torch.zeros(ddp_world_size + 2, device=device)
-    shared[ddp_rank] = step_loss
+    shared[ddp_rank] = step_loss_sum
     shared[-2] = float(stop_request.requested)
     shared[-1] = float(epoch_done)
     if ddp:
         dist.all_reduce(shared)
-    rank_losses = shared[:-2].tolist()
+    rank_loss_sums = shared[:-2].tolist()
     stop_now, any_epoch_done = shared[-2].item() > 0, shared[-1].item() > 0
     synchronize()
     dt = time.time() - t0
     step += 1
 
     # ---- logging ----
-    train_loss = sum(rank_losses) / ddp_world_size  # global loss: the mean over ranks
+    train_loss = sum(rank_loss_sums) / max(step_targets, 1)  # global loss: the mean over every supervised target of the step
+    rank_losses = [loss_sum / max(n, 1) for loss_sum, n in zip(rank_loss_sums, rank_targets)]
     grad_norm_value = grad_norm.item() if grad_norm is not None else None
     check_finite(step, train_loss, grad_norm_value, last_saved_step, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
     smooth_train_loss = ema_beta * smooth_train_loss + (1 - ema_beta) * train_loss
@@ -385,14 +406,14 @@ while True:
         total_training_time += dt
         mfus.append(mfu)
     grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
-    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss (mean of {ddp_world_size} "
-           f"rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm (before clip): {grad_text} "
+    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
+           f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm (before clip): {grad_text} "
            f"| dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {total_training_time / 60:.2f}m")
     wandb_run.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
                    "total_training_time": total_training_time, "train/loss": debiased_loss, "train/step_loss": train_loss,
                    "train/lrm": lrm, "train/muon_momentum": momentum, "train/grad_norm": grad_norm_value, "train/dt": dt,
                    "train/tok_per_sec": tok_per_sec, "train/mfu": mfu})
-    log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm,
+    log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
                 grad_norm=grad_norm_value, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
 
 # -----------------------------------------------------------------------------

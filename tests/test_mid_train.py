@@ -72,7 +72,10 @@ def test_two_ranks_read_disjoint_conversations_and_stop_together(base_model):
         assert re.search(rf"\[rank {r}\] x, y = next\(train_loader\): x \(2, 64\) torch.int32, y \(2, 64\) torch.int64", out)
     meta_path = next((base_model / "mid_checkpoints" / "d1").glob("meta_*.json"))
     meta = json.loads(meta_path.read_text())
-    data = meta["data_state"]["stats"]
+    # what each rank read, as the end of the run reports it (gathered on rank 0)
+    data = {int(m.group(1)): {"read": int(m.group(2)), "first": json.loads(m.group(3))}
+            for m in re.finditer(r"rank (\d): read (\d+) training conversations \(first: (\[[\d, ]*\])\)", result.stdout)}
+    assert sorted(data) == [0, 1], result.stdout
     for r, share in ((0, [0, 2, 4, 6]), (1, [1, 3, 5])):
         expected = share + [c - 7 for c in (8, 10, 12)] if r == 0 else share + [0, 2, 4, 6]  # after the wrap-around
         assert data[r]["first"] == expected[:len(data[r]["first"])] and data[r]["first"], (r, data[r])
