@@ -39,6 +39,13 @@ SUMMARY_METRICS = [
     ("midtraining", "Validation bpb of the base model", "Chat val bpb, base model"),
     ("midtraining", "Final validation bpb", "Chat val bpb, after midtraining"),
 ]
+# The report card under the summary: each stage's headline evaluations side by side, one column per stage, "-"
+# where a stage was not evaluated. The base column holds the base model's CORE-style score(s) (see
+# _base_scores); the chat stages' columns hold these keys of their "Chat evaluation <stage>" sections:
+REPORT_CARD_STAGES = ("mid", "sft", "rl")
+REPORT_CARD = [("ARC-Easy", "ARC-E"), ("ARC-Challenge", "ARC-C"), ("MMLU", "MMLU"), ("GSM8K", "GSM8K"),
+               ("HumanEval", "HumanEval"), ("SpellingBee", "SpellingBee"), ("ChatCORE", "ChatCORE"),
+               ("Offline ChatCORE", "Offline ChatCORE")]  # (key in the section, label)
 GPU_HOUR_USD = float(os.environ.get("NANOCHAT_GPU_HOUR_USD", "3.0"))  # rough on-demand price of one H100-class GPU hour
 
 
@@ -202,6 +209,31 @@ def plot_curves(directory, sections):
     return written
 
 
+def _base_scores(section):
+    """The base model's score keys of the base-model-evaluation section: "CORE metric" and, for the offline
+    CORE-style score, any key ending in "score" or "CORE metric" (e.g. "pydocs-CORE metric")."""
+    return [k for k in section if k == "CORE metric" or k.endswith("score") or k.endswith("CORE metric")]
+
+
+def report_card(parsed):
+    """
+    The report card as markdown lines ([] when nothing has been evaluated): rows are metrics, columns the
+    base model and the chat stages (REPORT_CARD_STAGES), "-" where a stage lacks the metric. A metric no
+    stage has is left out. `parsed`: {section slug: {key: value}}.
+    """
+    base = parsed.get("base-model-evaluation", {})
+    rows = [(key.removesuffix(" metric"), [base[key]] + ["-"] * len(REPORT_CARD_STAGES)) for key in _base_scores(base)]
+    for key, label in REPORT_CARD:
+        values = [parsed.get(f"chat-evaluation-{stage}", {}).get(key, "-") for stage in REPORT_CARD_STAGES]
+        if any(v != "-" for v in values):
+            rows.append((label, ["-"] + values))
+    if not rows:
+        return []
+    header = ["metric", "base", *REPORT_CARD_STAGES]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + [f"| {label} | {' | '.join(values)} |" for label, values in rows]
+
+
 def generate(copy_to=None):
     """Assemble report.md from the header and the sections; returns its path. Copies report + PNGs to `copy_to`."""
     directory = report_dir()
@@ -227,6 +259,9 @@ def generate(copy_to=None):
         out.append(f"| Estimated cost | ${wall / 3600 * gpu_count * GPU_HOUR_USD:,.2f} "
                    f"({gpu_count} GPUs x ${GPU_HOUR_USD:.2f}/GPU-hour, NANOCHAT_GPU_HOUR_USD) |")
     out.append("")
+    card = report_card(parsed)
+    if card:
+        out += ["### Report card", ""] + card + [""]
     images = plot_curves(directory, {name: sections[name] for name in order})
     if images:
         out += ["## Training curves", ""] + [f"![{name}]({name})" for name in images] + [""]

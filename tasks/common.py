@@ -114,12 +114,26 @@ def check_choice(what, value, allowed):
 
 def render_mc(question, letters, choices):
     """
-    The multiple-choice prompt. Each choice comes first and its letter right after it ("- Paris = A"): a
-    small model then finds the letter next to the content it just read, instead of having to remember which
-    letter came before which choice. The assistant answers with the letter alone.
+    The multiple-choice prompt; the assistant answers with the letter alone ("B").
+
+        Multiple Choice question: What is the capital of France?
+        - Rome (A)
+        - Paris (B)
+
+        Respond only with the letter of the correct answer.
+
+    Two choices, both for a small model:
+    - Each choice comes first and its letter right after it: the model finds the letter next to the content
+      it just read, instead of having to remember which letter came before which choice.
+    - The letter in the prompt is the very token the answer is. A token holds the space before a word: with
+      "- Paris = B" the prompt holds " B" while the answer is "B", two different tokens the model would have
+      to learn as one answer. In "(B)" the letter is its own piece under the tokenizer's split pattern (" ("
+      is a piece of punctuation, then "B" a word with nothing in front of it, then ")"), whatever the
+      choice's text, so it is encoded exactly as the bare answer. tests/test_chat_eval.py checks this at
+      the token level for every letter A-Z and the digit labels some ARC questions use.
     """
     lines = [f"Multiple Choice question: {question}"]
-    lines += [f"- {choice} = {letter}" for letter, choice in zip(letters, choices)]
+    lines += [f"- {choice} ({letter})" for letter, choice in zip(letters, choices)]
     lines.append("\nRespond only with the letter of the correct answer.")
     return "\n".join(lines)
 

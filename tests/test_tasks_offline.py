@@ -98,7 +98,7 @@ def test_task_sequence():
 
 def test_render_mc():
     text = render_mc("What is the capital of France?", ["A", "B", "C"], ["Paris", "Rome", "Oslo"])
-    assert text == ("Multiple Choice question: What is the capital of France?\n- Paris = A\n- Rome = B\n- Oslo = C\n"
+    assert text == ("Multiple Choice question: What is the capital of France?\n- Paris (A)\n- Rome (B)\n- Oslo (C)\n"
                     "\nRespond only with the letter of the correct answer.")
 
 
@@ -254,7 +254,7 @@ def test_pydocs_split_and_mc():
     mc = PydocsMC("test", step=5)
     answers = []
     for x in mc:
-        choices = re.findall(r"^- (.*) = ([A-D])$", x["messages"][0]["content"], re.MULTILINE)
+        choices = re.findall(r"^- (.*) \(([A-D])\)$", x["messages"][0]["content"], re.MULTILINE)
         assert [letter for _, letter in choices] == ["A", "B", "C", "D"] == x["letters"]
         names = [n for n, _ in choices]
         assert len(set(names)) == 4 and set(names) <= test_names  # distractors from the same split

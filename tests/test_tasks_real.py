@@ -112,7 +112,7 @@ def test_loaders_download_once_and_render(hub, trained_tokenizer, isolated_env):
             check_rendering(tok, conversation)
             if task.eval_type == "categorical":
                 answer = conversation["messages"][-1]["content"]
-                assert answer in conversation["letters"] and f"= {answer}\n" in conversation["messages"][0]["content"]
+                assert answer in conversation["letters"] and f"({answer})\n" in conversation["messages"][0]["content"]
         with pytest.raises(IndexError):
             task[len(task)]
 
@@ -235,7 +235,7 @@ def test_arc_labels_as_published(hub):
     three = ARC(subset="ARC-Easy", split="train")[1]
     assert three["letters"] == ["A", "B", "C"] and three["messages"][1]["content"] == "B"
     five = ARC(subset="ARC-Challenge", split="validation")[0]
-    assert five["letters"] == ["A", "B", "C", "D", "E"] and "- clouds = E" in five["messages"][0]["content"]
+    assert five["letters"] == ["A", "B", "C", "D", "E"] and "- clouds (E)" in five["messages"][0]["content"]
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,328 @@
+"""
+Evaluate a chat model on chat tasks, and compute ChatCORE.
+
+    python -m scripts.chat_eval -i sft                            # the six ChatCORE tasks (downloaded once)
+    python -m scripts.chat_eval -i mid -a GSM8K --max_problems=200
+    python -m scripts.chat_eval -i mid -a offline                 # the offline tasks' test splits: no download
+    torchrun --standalone --nproc_per_node=8 -m scripts.chat_eval -i sft
+
+-i picks the model (--source: mid | sft | rl) and -a the tasks (--task_name): ARC-Easy, ARC-Challenge, MMLU,
+GSM8K, HumanEval, SpellingBee, or an offline task (SimpleSpelling, Arithmetic, PydocsChat, PydocsMC,
+Identity), several separated by commas, `all` (the six ChatCORE tasks) or `offline` (the offline tasks of
+tasks/offline.py, as sized there). Every other setting is --key=value; --help lists them.
+
+How a problem is scored (a task's accuracy = problems passed / problems):
+- categorical tasks (ARC, MMLU, PydocsMC: the answer is one of a few letters): no sampling. The prompts of a
+  batch go through the model in one forward, right-padded to the longest (a causal model never looks ahead,
+  so padding changes nothing before it), and the answer is the allowed letter with the largest logit at the
+  prompt's last position, <|assistant_start|>: the letter the model would most likely write first. Only the
+  allowed letters compete, so this measures what the model knows, not whether it keeps to the format.
+- generative tasks (GSM8K, HumanEval, SpellingBee and the other offline tasks): the Engine samples
+  `num_samples` answers (with the calculator tool) of at most `max_new_tokens` tokens or what is left of
+  the context, and the task's evaluate() checks each one (HumanEval runs the code). The problem passes if
+  any sample passes: pass@k with k = num_samples. Problem i is sampled with seed + i.
+
+ChatCORE is the mean over the six ChatCORE tasks of the centered accuracy, (accuracy - baseline) / (1 -
+baseline), where the baseline is what guessing scores: 0.25 for ARC-Easy, ARC-Challenge and MMLU (four
+choices), 0 for GSM8K, HumanEval and SpellingBee. 0 is chance, 1 is perfect. "Offline ChatCORE" is the same
+mean over the offline tasks (baseline 1/number of choices for multiple choice, 0 for generative), to follow
+a small model trained on the offline mixture; it is a different score and never reported as ChatCORE.
+ChatCORE is computed when its six tasks ran (-a all), Offline ChatCORE with -a offline.
+
+Under torchrun, rank r evaluates problems r, r + W, r + 2W, ... (W processes) and the counts are summed over
+the ranks: the scores are those of one process. The report section "Chat evaluation <source>" holds the last
+run's results: evaluate everything you want reported in one run.
+"""
+
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import UserError, print0
+
+# -----------------------------------------------------------------------------
+# Config (override as --key=value; -i and -a are short for --source and --task_name; --help lists them)
+source = "sft"  # which stage's model: mid | sft | rl (-i)
+task_name = "all"  # a task, tasks separated by commas, all (the ChatCORE tasks) or offline (-a)
+model_tag = ""  # which model of that stage (needed only if there are several)
+step = -1  # which checkpoint step (-1 = the last)
+device_type = ""  # cuda | cpu | mps; empty = autodetect
+max_problems = -1  # evaluate only the first N problems of each task (-1 = all)
+batch_size = 8  # categorical tasks: prompts per forward per rank
+num_samples = 1  # generative tasks: answers sampled per problem; a problem passes if any does (pass@k)
+temperature = 0.0  # generative tasks: sampling temperature (0 = greedy)
+top_k = 50  # generative tasks: sample from the k most likely tokens (0 = the whole vocabulary)
+max_new_tokens = 512  # generative tasks: longest answer (fewer when the prompt leaves less room in the context)
+seed = 42  # generative tasks: problem i is sampled with seed + i, whatever the number of ranks
+progress_every = 5.0  # seconds between progress lines of a task (0 = after every batch or problem)
+
+CHATCORE_BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0,
+                      "SpellingBee": 0.0}  # ChatCORE's tasks and the accuracy of guessing on each
+SHORT_FLAGS = {"-i": "source", "-a": "task_name"}
+
+
+def expand_short_flags(argv):
+    """`-i mid` -> `--source=mid`, `-a GSM8K` -> `--task_name=GSM8K`: the configurator takes only --key=value."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in SHORT_FLAGS:
+            if i + 1 == len(argv) or argv[i + 1].startswith("-"):
+                raise UserError(f"{argv[i]} needs a value after it, e.g. -i mid -a GSM8K")
+            out.append(f"--{SHORT_FLAGS[argv[i]]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+# -----------------------------------------------------------------------------
+# The tasks
+
+
+def chatcore_task(name):
+    """The test split of one of the ChatCORE tasks (downloaded once, except SpellingBee, which is generated)."""
+    if name in ("ARC-Easy", "ARC-Challenge"):
+        from tasks.arc import ARC
+        return ARC(subset=name, split="test")
+    if name == "MMLU":
+        from tasks.mmlu import MMLU
+        return MMLU(subset="all", split="test")
+    if name == "GSM8K":
+        from tasks.gsm8k import GSM8K
+        return GSM8K(subset="main", split="test")
+    if name == "HumanEval":
+        from tasks.humaneval import HumanEval
+        return HumanEval()
+    from tasks.spellingbee import SpellingBee
+    return SpellingBee(split="test")
+
+
+def load_tasks(task_name):
+    """{name: task} for --task_name (see the module docstring); UserError for a name that is not a task."""
+    from tasks.offline import offline_tasks
+    if task_name == "offline":
+        return {type(task).__name__: task for task in offline_tasks("test")}
+    names = list(CHATCORE_BASELINES) if task_name == "all" else [n.strip() for n in task_name.split(",") if n.strip()]
+    offline = {}
+    if not names or any(name not in CHATCORE_BASELINES for name in names):  # built only when needed (a few seconds)
+        offline = {type(task).__name__: task for task in offline_tasks("test")}
+        unknown = [name for name in names if name not in CHATCORE_BASELINES and name not in offline]
+        if unknown or not names:
+            raise UserError(f"unknown task {', '.join(map(repr, unknown)) or repr(task_name)}: use "
+                            f"{', '.join(CHATCORE_BASELINES)} or {', '.join(n for n in offline if n not in CHATCORE_BASELINES)}, "
+                            f"several separated by commas, all or offline")
+    # every name is checked before anything is downloaded
+    return {name: chatcore_task(name) if name in CHATCORE_BASELINES else offline[name] for name in names}
+
+
+# -----------------------------------------------------------------------------
+# Scoring
+
+
+def letter_token(tokenizer, letter):
+    """The token id of an answer label ("A", "3"): labels are single characters, hence single tokens."""
+    ids = tokenizer.encode(letter)
+    if len(ids) != 1:
+        raise ValueError(f"answer label {letter!r} is {len(ids)} tokens: a categorical answer must be one token")
+    return ids[0]
+
+
+@torch.inference_mode()
+def score_categorical(model, tokenizer, task, indices, batch_size, device, progress=None):
+    """
+    Problems `indices` of a categorical task, `batch_size` prompts per forward. Returns one (passed, letter
+    chosen) per problem. `model(ids)` must return logits (B, T, vocab), as GPT does. A prompt longer than the
+    model's training context is still read whole (GPT's rotary table reaches 10x further): the answer is one
+    forward, and cutting the prompt would cut the question.
+    """
+    pad = tokenizer.encode_special("<|assistant_end|>")  # any id does: nothing real comes after it
+    outcomes = []
+    for start in range(0, len(indices), batch_size):
+        conversations = [task[i] for i in indices[start:start + batch_size]]
+        prompts = [tokenizer.render_for_completion(c) for c in conversations]  # each ends with <|assistant_start|>
+        ids = torch.full((len(prompts), max(map(len, prompts))), pad, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=device)  # each row's last real position
+        logits = model(ids)[torch.arange(len(prompts), device=device), last]  # (B, vocab)
+        batch = []
+        for row, conversation in enumerate(conversations):
+            letters = conversation["letters"]
+            allowed = torch.tensor([letter_token(tokenizer, letter) for letter in letters], device=device)
+            choice = letters[int(logits[row, allowed].argmax())]
+            batch.append((bool(task.evaluate(conversation, choice)), choice))
+        outcomes += batch
+        if progress:
+            progress.update([passed for passed, _ in batch])
+    return outcomes
+
+
+def score_generative(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature, top_k, seed,
+                     progress=None):
+    """
+    Problems `indices` of a generative task: `num_samples` answers each, a problem passes if any does.
+    Returns one (passed, answers) per problem; answers is None when the prompt fills the model's context
+    (nothing can be generated: the problem fails).
+    """
+    outcomes = []
+    for i in indices:
+        conversation = task[i]
+        prompt = tokenizer.render_for_completion(conversation)
+        room = engine.context_len - len(prompt)
+        if room < 1:
+            outcomes.append((False, None))
+        else:
+            samples, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=min(max_new_tokens, room),
+                                               temperature=temperature, top_k=top_k, seed=seed + i)
+            answers = [tokenizer.decode(sample[len(prompt):]) for sample in samples]
+            outcomes.append((any(task.evaluate(conversation, answer) for answer in answers), answers))
+        if progress:
+            progress.update([outcomes[-1][0]])
+    return outcomes
+
+
+def duration(seconds):
+    """45s, 6m, 1h05m."""
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+class Progress:
+    """
+    A task's progress, printed every `every` seconds while it runs:
+        GSM8K 120/1319 (9%) | 3.2 problems/s | ~6m left | acc so far 12.5%
+    Under torchrun rank 0 prints its own share of the problems (every rank has about as many).
+    """
+
+    clock = time.time  # seconds; a test replaces it
+
+    def __init__(self, name, total, every, enabled=True, share=""):
+        self.name, self.total, self.every, self.enabled, self.share = name, total, every, enabled, share
+        self.done = self.passed = 0
+        self.start = self.last = self.clock()
+
+    def update(self, outcomes):
+        """Count the outcomes (True = passed) of the problems just scored; print the line if it is due."""
+        self.done += len(outcomes)
+        self.passed += sum(outcomes)
+        now = self.clock()
+        if not self.enabled or self.done >= self.total or now - self.last < self.every:
+            return
+        self.last = now
+        rate = self.done / max(now - self.start, 1e-9)
+        print0(f"{self.name} {self.done}/{self.total}{self.share} ({self.done / self.total:.0%}) | {rate:.1f} problems/s | "
+               f"~{duration((self.total - self.done) / rate)} left | acc so far {self.passed / self.done:.1%}")
+
+
+def centered(accuracy, baseline):
+    """Accuracy rescaled so that guessing (baseline) is 0 and perfect is 1."""
+    return (accuracy - baseline) / (1.0 - baseline)
+
+
+def mean_centered(accuracies, baselines):
+    """ChatCORE-style score: the mean centered accuracy over the tasks of `baselines` (all must be in `accuracies`)."""
+    return sum(centered(accuracies[name], baseline) for name, baseline in baselines.items()) / len(baselines)
+
+
+def scores(results, offline):
+    """
+    {score name: value}: ChatCORE when its six tasks ran, Offline ChatCORE when the offline tasks ran
+    (`offline`: this was `-a offline`), else nothing. `results`: {task: {"accuracy", "chance", ...}}.
+    ChatCORE uses its fixed baselines, Offline ChatCORE the chance accuracy measured on each task.
+    """
+    accuracies = {name: r["accuracy"] for name, r in results.items()}
+    if offline:
+        return {"Offline ChatCORE": mean_centered(accuracies, {name: r["chance"] for name, r in results.items()})}
+    if set(CHATCORE_BASELINES) <= set(results):
+        return {"ChatCORE": mean_centered(accuracies, CHATCORE_BASELINES)}
+    return {}
+
+
+# -----------------------------------------------------------------------------
+# The script
+
+
+def main(argv=None):
+    from nanochat.checkpoint_manager import load_model
+    from nanochat.common import autocast_dtype, autodetect_device_type, compute_cleanup, compute_init, setup_default_logging
+    from nanochat.configurator import check_config, configure
+    from nanochat.engine import Engine
+    from nanochat.report import get_report
+
+    setup_default_logging()  # from here on a UserError prints one line, not a traceback
+    config = configure(globals(), expand_short_flags(sys.argv[1:] if argv is None else argv))
+    check_config(config, positive=["batch_size", "num_samples", "max_new_tokens"], positive_or_unset=["max_problems"],
+                 non_negative=["temperature", "top_k", "progress_every"],
+                 choices={"source": ("mid", "sft", "rl"), "device_type": ("", "cuda", "cpu", "mps")})
+
+    device_kind = device_type or autodetect_device_type()
+    ddp, rank, _, world_size, device = compute_init(device_kind)
+    compute_dtype = autocast_dtype(device_kind)
+    autocast = torch.amp.autocast(device_type=device_kind, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    tasks = load_tasks(task_name)  # before the model: a missing download fails fast
+    offline = task_name == "offline"
+    model, tokenizer, meta = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
+    engine = Engine(model, tokenizer)
+    if num_samples > 1 and temperature == 0:
+        print0(f"note: --num_samples={num_samples} with --temperature=0: every sample is the same greedy answer")
+    print0(f"Evaluating {source} model {meta['model_tag']} step {meta['step']} on {', '.join(tasks)} "
+           f"({world_size} rank(s), context {engine.context_len} tokens)")
+
+    results = {}
+    for name, task in tasks.items():
+        count = len(task) if max_problems < 0 else min(max_problems, len(task))
+        indices = list(range(rank, count, world_size))  # this rank's share
+        progress = Progress(name, len(indices), progress_every, enabled=rank == 0, share=" on rank 0" if ddp else "")
+        t0 = time.time()
+        with autocast:
+            if task.eval_type == "categorical":
+                outcomes = score_categorical(model, tokenizer, task, indices, batch_size, device, progress)
+                chance = sum(1.0 / len(task[i]["letters"]) for i in indices)  # guessing's expected number passed
+            else:
+                outcomes = score_generative(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature,
+                                            top_k, seed, progress)
+                chance = 0.0
+        counts = torch.tensor([sum(passed for passed, _ in outcomes), len(outcomes), chance,
+                               sum(detail is None for _, detail in outcomes)], dtype=torch.float64, device=device)
+        if ddp:
+            dist.all_reduce(counts)  # sums over the ranks: every problem was scored by exactly one rank
+        passed, total, too_long = int(counts[0]), int(counts[1]), int(counts[3])
+        chance = counts[2].item() / max(total, 1)
+        accuracy = passed / max(total, 1)
+        baseline = CHATCORE_BASELINES[name] if name in CHATCORE_BASELINES and not offline else chance
+        results[name] = {"type": task.eval_type, "passed": passed, "total": total, "accuracy": accuracy,
+                         "chance": chance, "baseline": baseline}
+        note = f"; {too_long} prompt(s) filled the context and failed" if too_long else ""
+        print0(f"{name}: {accuracy:.2%} ({passed}/{total}) in {duration(time.time() - t0)}{note}")
+
+    table = ["| task | type | problems | passed | accuracy | baseline | centered |", "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        table.append(f"| {name} | {r['type']} | {r['total']} | {r['passed']} | {r['accuracy']:.4f} | {r['baseline']:.4f} "
+                     f"| {centered(r['accuracy'], r['baseline']):.4f} |")
+    final = scores(results, offline)
+    print0("\n" + "\n".join(table))
+    for score_name, value in final.items():
+        print0(f"{score_name}: {value:.4f}")
+    if not final:
+        print0("(ChatCORE needs all of its six tasks, -a all; Offline ChatCORE the offline tasks, -a offline)")
+
+    get_report().log(section=f"Chat evaluation {source}", data=[
+        {"model": f"{source} {meta['model_tag']} step {meta['step']}", "tasks": task_name, "max problems": max_problems,
+         "num samples": num_samples, "temperature": temperature, "top k": top_k, "max new tokens": max_new_tokens,
+         "world size": world_size},
+        {name: r["accuracy"] for name, r in results.items()},
+        final,
+        "", *table,
+    ])
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+"""
+Tests of chat evaluation: scripts/chat_eval.py (categorical scoring, pass@k, ChatCORE, progress, torchrun
+sharding, the report section), tasks/humaneval.py, the multiple-choice prompt format at the token level, and
+the report card of nanochat/report.py.
+
+Scoring is checked on rigged models whose answers are known by hand: a module whose logits count the tokens
+it has read, and a GPT whose weights make it a bigram table. The script runs end to end on a tiny midtrained
+checkpoint (depth 1, trained once per module), offline and with the real tasks served from local fixtures.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO_ROOT, run_torchrun
+from nanochat.common import UserError
+from nanochat.engine import Engine
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.tokenizer import Tokenizer
+from scripts.chat_eval import (CHATCORE_BASELINES, Progress, expand_short_flags, load_tasks, mean_centered,
+                               score_categorical, score_generative, scores)
+from tasks.common import Task, render_mc
+from tasks.humaneval import HumanEval, build_program, extract_code
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tasks")
+REPOS = ("cais/mmlu", "openai/gsm8k", "allenai/ai2_arc", "openai/openai_humaneval")
+CHAT_EVAL = [sys.executable, "-m", "scripts.chat_eval"]
+
+
+@pytest.fixture(scope="module")
+def tok(small_tokenizer_dir):
+    return Tokenizer.from_directory(str(small_tokenizer_dir))
+
+
+@pytest.fixture
+def hub(file_server, monkeypatch):
+    """The task fixtures served at "{url}/datasets/{repo}/resolve/main/{path}", like the Hugging Face hub."""
+    for repo in REPOS:
+        shutil.copytree(os.path.join(FIXTURES, repo), os.path.join(file_server.root, "datasets", repo, "resolve", "main"))
+    monkeypatch.setenv("NANOCHAT_HF_URL", file_server.url)
+    return file_server
+
+
+class FakeTask(Task):
+    """Rows (user text, letters or None, reference answer): categorical when letters are given, else generative."""
+
+    def __init__(self, rows, eval_type):
+        self.rows, self.eval_type = rows, eval_type
+        super().__init__()
+
+    def num_examples(self):
+        return len(self.rows)
+
+    def get_example(self, index):
+        user, letters, answer = self.rows[index]
+        conversation = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+        if letters is not None:
+            conversation["letters"] = list(letters)
+        return conversation
+
+    def evaluate(self, conversation, assistant_response):
+        return assistant_response.strip() == conversation["messages"][-1]["content"]
+
+
+# -----------------------------------------------------------------------------
+# The multiple-choice format: the letter in the prompt is the token of the bare answer
+
+def test_mc_prompt_letters_are_the_answer_tokens(tok):
+    """For every label a task can use (A-Z; ARC also uses 1-9), rendered as the assistant's whole answer, its token
+    ids appear in the rendered prompt exactly where that label is written, right after its choice."""
+    labels = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [str(d) for d in range(1, 10)]
+    # choice texts that end in ways that could stick to what follows: spaces, punctuation, a newline, nothing
+    texts = ["Paris", "the Sun ", "f(x", "it's", "42", "...", "été", "", "two\nlines", "end.", "(", "Oslo,"]
+    choices = [texts[i % len(texts)] for i in range(len(labels))]
+    question = "Which of these is right?"
+    for start in range(0, len(labels), 5):  # questions of 5 labels, as tasks have a few choices each
+        letters, shown = labels[start:start + 5], choices[start:start + 5]
+        for answer in letters:
+            conversation = {"messages": [{"role": "user", "content": render_mc(question, letters, shown)},
+                                         {"role": "assistant", "content": answer}]}
+            ids, mask = tok.render_conversation(conversation)
+            answer_ids = [t for t, m in zip(ids, mask) if m][:-1]  # the trained tokens, without <|assistant_end|>
+            prompt = ids[:mask.index(1)]
+            where = shown[letters.index(answer)] + " ("
+            found = [j for j in range(len(prompt)) if prompt[j:j + len(answer_ids)] == answer_ids
+                     and tok.decode(prompt[:j]).endswith(where) and tok.decode(prompt[j + len(answer_ids):]).startswith(")")]
+            assert len(found) == 1, (answer, where, [tok.decode([t]) for t in prompt])
+
+
+# -----------------------------------------------------------------------------
+# HumanEval
+
+def test_humaneval_loads_the_published_file_and_runs_the_tests(hub):
+    task = HumanEval()
+    served = "/datasets/openai/openai_humaneval/resolve/main/openai_humaneval/test-00000-of-00001.parquet"
+    assert len(task) == 3 and hub.requests == {served: 1}
+    HumanEval()  # downloaded once
+    assert sum(hub.requests.values()) == 1
+    first, helper = task[0], task[1]
+    assert first["entry_point"] == "add_digits" and first["messages"][0]["content"] == first["prompt"]
+    assert first["messages"][0]["content"].startswith("def add_digits(n: int) -> int:")
+    # every canonical solution, as the reference assistant answer (the whole function), passes
+    for i in range(len(task)):
+        conversation = task[i]
+        assert task.evaluate(conversation, conversation["messages"][-1]["content"]), conversation["task_id"]
+    body = "    return sum(int(d) for d in str(n))\n"
+    assert task.evaluate(first, body)  # the body alone continues the prompt
+    assert task.evaluate(first, "Here it is:\n```python\ndef add_digits(n):\n    return sum(map(int, str(n)))\n```\nDone.")
+    assert task.evaluate(first, "```\n" + body + "```")  # a fenced body
+    assert not task.evaluate(first, "    return n % 10\n")  # wrong: 123 -> 3
+    assert not task.evaluate(first, "def add_digits(n):\n    return 6\n")  # passes one assert, not the others
+    assert not task.evaluate(first, "I do not know.")  # not code
+    # the prompt's helper and import stay available when the response rewrites the whole function
+    assert task.evaluate(helper, "def count_even(numbers):\n    return len([x for x in numbers if is_even(x)])\n")
+    assert not task.evaluate(helper, "def count_even(numbers):\n    return len(numbers)\n")
+
+
+def test_humaneval_program_building():
+    assert extract_code("```python\nx = 1\n```\ntext") == "x = 1\n"
+    assert extract_code("no fence") == "no fence"
+    assert extract_code("```py\nunclosed") == "unclosed"
+    prompt = 'def f(x):\n    """doc"""\n'
+    assert build_program(prompt, "    return x\n", "def check(c):\n    assert c(1) == 1", "f") == \
+        'def f(x):\n    """doc"""\n    return x\n\n\ndef check(c):\n    assert c(1) == 1\n\n\ncheck(f)\n'
+    whole = build_program(prompt, "def f(x):\n    return x\n", "def check(c):\n    pass", "f")
+    assert whole.startswith('def f(x):\n    """doc"""\n\n\ndef f(x):\n    return x\n')  # redefines the stub
+    assert "def f(x):" in build_program(prompt, "def fx(x):\n    return x\n", "", "f")  # not the signature: a body
+
+
+# -----------------------------------------------------------------------------
+# Categorical scoring
+
+class TokenCounter(torch.nn.Module):
+    """logits[b, t, v] = how many times token v occurs in ids[b, :t+1]: causal, and a letter's logit at the last
+    position is how often the prompt wrote it."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, ids):
+        return F.one_hot(ids, self.vocab_size).float().cumsum(dim=1)
+
+
+def test_categorical_picks_the_most_likely_allowed_letter(tok):
+    # lines hold one letter each, so each is its own token (as in the prompts of render_mc)
+    task = FakeTask([
+        ("A\nB\nB", "ABCD", "B"),  # B twice: chosen, right
+        ("C\nC\nC\nA", "ABC", "A"),  # C three times: chosen, wrong
+        ("x\nx\nx\nx\nx\nx\nB", "AB", "B"),  # "x" has the largest logit but is not a letter of the question
+        ("3\n3\n2", "123", "3"),  # digit labels, as in some ARC questions
+        ("D\nD\nE\nE\nE", "ABCD", "D"),  # E is the most frequent, but not a choice here
+    ], "categorical")
+    model = TokenCounter(tok.get_vocab_size())
+    for batch_size in (1, 2, 8):
+        outcomes = score_categorical(model, tok, task, list(range(5)), batch_size, torch.device("cpu"))
+        assert outcomes == [(True, "B"), (False, "C"), (True, "B"), (True, "3"), (True, "D")], batch_size
+    assert score_categorical(model, tok, task, [1, 3], 2, torch.device("cpu")) == [(False, "C"), (True, "3")]
+
+
+def random_gpt(tok, seed=0):
+    """A depth-1 GPT with random weights everywhere (init_weights zeroes the output projections and the head,
+    which would make every position predict the same uniform distribution)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    model.init_weights()
+    with torch.no_grad():
+        for w in (model.transformer.h[0].attn.c_proj.weight, model.transformer.h[0].mlp.c_proj.weight, model.lm_head.weight):
+            w.normal_(0, 0.5)
+    return model.eval()
+
+
+def test_batched_categorical_equals_one_prompt_at_a_time(tok):
+    """Rows of different lengths padded into one forward give each prompt the answer of its own forward."""
+    words = ["cat", "dog", "tree", "house", "blue", "seven", "river", "open", "list", "number", "small", "stone"]
+    rows = []
+    for i in range(12):
+        n = 2 + i % 4
+        question = " ".join(words[(i * 5 + k) % len(words)] for k in range(1 + (i * 7) % 9))  # 1 to 9 words
+        rows.append((render_mc(question, "ABCDE"[:n], [words[(i + k) % len(words)] for k in range(n)]), "ABCDE"[:n], "A"))
+    task = FakeTask(rows, "categorical")
+    model = random_gpt(tok)
+    expected = []
+    with torch.no_grad():
+        for i in range(len(task)):
+            conversation = task[i]
+            logits = model(torch.tensor([tok.render_for_completion(conversation)]))[0, -1]
+            letter_ids = [tok.encode(letter)[0] for letter in conversation["letters"]]
+            expected.append(conversation["letters"][int(logits[letter_ids].argmax())])
+    assert len({len(tok.render_for_completion(task[i])) for i in range(len(task))}) > 4  # padding really happens
+    assert len(set(expected)) > 1  # the answers depend on the prompt
+    for batch_size in (1, 5, 12):
+        chosen = [c for _, c in score_categorical(model, tok, task, list(range(len(task))), batch_size, torch.device("cpu"))]
+        assert chosen == expected, batch_size
+
+
+# -----------------------------------------------------------------------------
+# Generative scoring: pass@k
+
+def bigram_gpt(tok, first_logits):
+    """
+    A GPT that is a bigram table: its blocks write nothing into the residual stream (output projections 0), so
+    its next-token logits depend only on the current token, through wte (one "state" dimension per token
+    group) and lm_head (the logits of each state). After <|assistant_start|> it writes one of the tokens of
+    `first_logits` ({token: logit}), after those it ends the turn; it ends the turn after anything else too.
+    """
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
+    model.init_weights()  # output projections and lm_head are zero
+    end = tok.encode_special("<|assistant_end|>")
+    with torch.no_grad():
+        wte, head = model.transformer.wte.weight, model.lm_head.weight
+        wte.zero_()
+        wte[:, 0] = 1.0  # state 0: anything else
+        wte[tok.encode_special("<|assistant_start|>")] = F.one_hot(torch.tensor(1), 16).float()  # state 1
+        for token in first_logits:
+            wte[token] = F.one_hot(torch.tensor(2), 16).float()  # state 2: the answer was written
+        scale = 4.0  # the final hidden state of a one-hot embedding is sqrt(n_embd) = 4 at its dimension
+        head[end, 0] = head[end, 2] = 10.0 / scale
+        for token, logit in first_logits.items():
+            head[token, 1] = logit / scale
+    return model.eval()
+
+
+def test_generative_pass_at_k(tok):
+    one, two = tok.encode("1")[0], tok.encode("2")[0]
+    model = bigram_gpt(tok, {one: 10.5, two: 10.0})  # after <|assistant_start|>: "1" a bit more likely than "2"
+    engine = Engine(model, tok)
+    task = FakeTask([(f"question {i}", None, answer) for i, answer in enumerate("12312")], "generative")
+    indices = list(range(len(task)))
+
+    def run(**kwargs):
+        settings = dict(num_samples=1, max_new_tokens=8, temperature=0.0, top_k=2, seed=42) | kwargs
+        return score_generative(engine, tok, task, indices, **settings)
+
+    greedy = run()  # always "1": the problems whose answer is 1 pass
+    assert [p for p, _ in greedy] == [True, False, False, True, False]
+    assert all(answers == ["1"] for _, answers in greedy)
+    pass16 = run(num_samples=16, temperature=1.0)  # "1" and "2" both sampled: only the "3" problem fails
+    assert [p for p, _ in pass16] == [True, True, False, True, True]
+    assert all(set(answers) == {"1", "2"} for _, answers in pass16)
+    pass1 = run(temperature=1.0)  # one sample: passes exactly when that sample is the answer
+    assert all(p == (answers[0] == answer) for (p, answers), answer in zip(pass1, "12312"))
+    assert pass1 == run(temperature=1.0)  # problem i is sampled with seed + i: the same samples every time
+    # and whatever else is evaluated with it: alone, problem i gets the same samples
+    assert pass1 == [score_generative(engine, tok, task, [i], 1, 8, 1.0, 2, 42)[0] for i in indices]
+    # a prompt that fills the context cannot be answered: the problem fails without generating
+    long_task = FakeTask([("word " * 80, None, "1")], "generative")
+    assert score_generative(engine, tok, long_task, [0], 1, 8, 0.0, 2, 42) == [(False, None)]
+
+
+# -----------------------------------------------------------------------------
+# ChatCORE, progress, arguments
+
+def test_chatcore_arithmetic():
+    accuracy = {"ARC-Easy": 0.5, "ARC-Challenge": 0.25, "MMLU": 0.625, "GSM8K": 0.1, "HumanEval": 0.0, "SpellingBee": 0.4}
+    results = {name: {"accuracy": a, "chance": 0.0} for name, a in accuracy.items()}
+    # centered: (0.5 - 0.25) / 0.75 = 1/3, 0, (0.625 - 0.25) / 0.75 = 1/2, 0.1, 0, 0.4; their mean:
+    expected = (1 / 3 + 0 + 0.5 + 0.1 + 0 + 0.4) / 6
+    assert scores(results, offline=False) == {"ChatCORE": pytest.approx(expected)}
+    assert scores({k: v for k, v in results.items() if k != "MMLU"}, offline=False) == {}  # needs all six
+    assert mean_centered({"a": 1.0, "b": 0.25}, {"a": 0.25, "b": 0.25}) == pytest.approx(0.5)
+    offline = {"PydocsMC": {"accuracy": 0.5, "chance": 0.25}, "Arithmetic": {"accuracy": 0.2, "chance": 0.0}}
+    assert scores(offline, offline=True) == {"Offline ChatCORE": pytest.approx((1 / 3 + 0.2) / 2)}
+    assert set(CHATCORE_BASELINES) == {"ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"}
+
+
+def test_progress_line(capsys):
+    progress = Progress("GSM8K", 1319, every=5)
+    progress.start = progress.last = 100.0
+    progress.clock = iter([110.0, 120.0]).__next__
+    progress.update([True] * 15 + [False] * 105)  # t=110: 120 done in 10 s
+    progress.update([False] * 1199)  # t=120: all done, no line (the task's result line follows)
+    line = capsys.readouterr().out.strip()
+    assert line == "GSM8K 120/1319 (9%) | 12.0 problems/s | ~2m left | acc so far 12.5%"
+
+
+def test_arguments():
+    assert expand_short_flags(["-i", "mid", "--max_problems=3", "-a", "ARC-Easy,GSM8K"]) == \
+        ["--source=mid", "--max_problems=3", "--task_name=ARC-Easy,GSM8K"]
+    with pytest.raises(UserError, match="-a needs a value"):
+        expand_short_flags(["-i", "mid", "-a"])
+    with pytest.raises(UserError, match=r"unknown task 'Nope': use ARC-Easy, .*, PydocsMC, .*all or offline"):
+        load_tasks("ARC-Easy,Nope")
+    with pytest.raises(UserError, match="unknown task ' , '"):
+        load_tasks(" , ")
+    offline = load_tasks("offline")
+    assert list(offline) == ["SpellingBee", "SimpleSpelling", "Arithmetic", "PydocsChat", "PydocsMC", "Identity"]
+    assert len(offline["SpellingBee"]) == 100 and len(load_tasks("SpellingBee")["SpellingBee"]) == 500
+
+
+# -----------------------------------------------------------------------------
+# The report card
+
+def test_report_card(isolated_env):
+    from nanochat import report
+    directory = report.report_dir()
+
+    def section(slug, title, lines):
+        with open(os.path.join(directory, f"{slug}.md"), "w") as f:
+            f.write(f"## {title}\ntimestamp: 2025-01-01 10:00:00\n\n" + "\n".join(lines) + "\n")
+
+    # nothing evaluated: no card, and generate still works
+    text = open(report.generate()).read()
+    assert "Report card" not in text and "| metric | value |" in text
+    section("base-model-evaluation", "Base model evaluation", ["- model: base d1 step 30", "- pydocs-CORE metric: 0.1234"])
+    section("chat-evaluation-mid", "Chat evaluation mid",
+            ["- ARC-Easy: 0.3000", "- GSM8K: 0.0500", "- ChatCORE: 0.0712", "- tasks: all"])
+    section("chat-evaluation-sft", "Chat evaluation sft", ["- ARC-Easy: 0.4000", "- PydocsMC: 0.5000", "- Offline ChatCORE: 0.2000"])
+    text = open(report.generate()).read()
+    card = text[text.index("### Report card"):].split("\n\n")[1]
+    assert card.splitlines() == [
+        "| metric | base | mid | sft | rl |",
+        "| --- | --- | --- | --- | --- |",
+        "| pydocs-CORE | 0.1234 | - | - | - |",
+        "| ARC-E | - | 0.3000 | 0.4000 | - |",
+        "| GSM8K | - | 0.0500 | - | - |",
+        "| ChatCORE | - | 0.0712 | - | - |",
+        "| Offline ChatCORE | - | - | 0.2000 | - |",
+    ]
+    assert text.index("## Summary") < text.index("### Report card") < text.index("## Base model evaluation")
+    os.remove(os.path.join(directory, "base-model-evaluation.md"))
+    section("base-model-evaluation", "Base model evaluation", ["- CORE metric: 0.2200"])
+    assert "| CORE | 0.2200 | - | - | - |" in open(report.generate()).read()
+
+
+# -----------------------------------------------------------------------------
+# The script end to end, on a tiny midtrained model
+
+@pytest.fixture(scope="module")
+def mid_checkpoint_dir(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
+    """A tiny base model (depth 1, 64-token context) midtrained for a few steps on the offline mixture, once per
+    module; tests copy it into their own base dir."""
+    base = tmp_path_factory.mktemp("chat_eval_base")
+    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
+    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    for args in (["scripts.base_train", "--depth=1", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
+                  "--num_iterations=20", "--eval_every=-1", "--eval_tokens=256", "--sample_every=-1", "--core_metric_every=-1"],
+                 ["scripts.mid_train", "--mixture=offline", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
+                  "--num_iterations=10", "--eval_every=-1", "--eval_tokens=256"]):
+        result = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+    return base
+
+
+@pytest.fixture
+def mid_model(mid_checkpoint_dir, isolated_env):
+    shutil.copytree(mid_checkpoint_dir / "tokenizer", isolated_env / "tokenizer")
+    shutil.copytree(mid_checkpoint_dir / "mid_checkpoints", isolated_env / "mid_checkpoints")
+    return isolated_env
+
+
+def chat_eval(*args, timeout=300):
+    return subprocess.run([*CHAT_EVAL, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def task_lines(out):
+    """{task: "12.50% (1/8)"} from the script's result lines."""
+    return dict(re.findall(r"^(\w[\w-]*): ([\d.]+% \(\d+/\d+\)) in ", out, re.MULTILINE))
+
+
+def test_offline_end_to_end_and_two_ranks_score_the_same(mid_model):
+    args = ["-i", "mid", "-a", "offline", "--max_problems=5", "--max_new_tokens=24", "--batch_size=2"]
+    result = chat_eval(*args, "--progress_every=0")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    lines = task_lines(out)
+    assert list(lines) == ["SpellingBee", "SimpleSpelling", "Arithmetic", "PydocsChat", "PydocsMC", "Identity"]
+    assert all(line.endswith("/5)") for line in lines.values()), lines
+    assert re.search(r"^PydocsMC 2/5 \(40%\) \| [\d.]+ problems/s \| ~\d+s left \| acc so far [\d.]+%$", out, re.MULTILINE), out
+    assert re.search(r"^Offline ChatCORE: -?[\d.]+$", out, re.MULTILINE) and not re.search(r"^ChatCORE", out, re.MULTILINE)
+    section = (mid_model / "report" / "chat-evaluation-mid.md").read_text()
+    assert section.startswith("## Chat evaluation mid\n")
+    for name in lines:
+        assert re.search(rf"^- {name}: [\d.]+$", section, re.MULTILINE), section
+    assert re.search(r"^- Offline ChatCORE: -?[\d.]+$", section, re.MULTILINE) and "- ChatCORE:" not in section
+    assert "| PydocsMC | categorical | 5 |" in section and "| 0.2500 |" in section  # 4 choices: chance is 1/4
+
+    two = run_torchrun(2, ["-m", "scripts.chat_eval", *args], timeout=300)
+    assert two.returncode == 0, two.stderr
+    assert task_lines(two.stdout) == lines  # rank r took problems r, r + 2, ...: the counts add up to one process's
+    score = lambda text: re.search(r"^Offline ChatCORE: (.*)$", text, re.MULTILINE).group(1)
+    assert score(two.stdout) == score(out)
+    assert "(2 rank(s)" in two.stdout
+
+
+def test_chatcore_tasks_from_the_hub(mid_model, hub):
+    result = chat_eval("-i", "mid", "--max_problems=2", "--max_new_tokens=16")  # -a all is the default
+    assert result.returncode == 0, result.stderr
+    lines = task_lines(result.stdout)
+    assert list(lines) == list(CHATCORE_BASELINES)
+    assert lines["ARC-Challenge"].endswith("/1)") and lines["HumanEval"].endswith("/2)")  # the fixtures have 1 and 3
+    assert re.search(r"^ChatCORE: -?[\d.]+$", result.stdout, re.MULTILINE)
+    section = (mid_model / "report" / "chat-evaluation-mid.md").read_text()
+    assert re.search(r"^- ChatCORE: -?[\d.]+$", section, re.MULTILINE) and "Offline ChatCORE" not in section
+    assert "| MMLU | categorical | 2 |" in section and "| HumanEval | generative | 2 |" in section
+
+
+def test_missing_model_or_data_is_one_line_naming_the_command(isolated_env, small_tokenizer_dir, hub, tmp_path):
+    shutil.copytree(small_tokenizer_dir, isolated_env / "tokenizer")
+    result = chat_eval("-i", "sft", "-a", "ARC-Easy")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: ")
+    assert "run `python -m scripts.chat_sft` first" in result.stderr
+    shutil.rmtree(os.path.join(hub.root, "datasets", "openai", "gsm8k"))  # a hub without the file
+    result = chat_eval("-i", "mid", "-a", "GSM8K")
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "could not download" in result.stderr and "openai/gsm8k" in result.stderr
+
+
+def test_bad_source_and_help(capsys, monkeypatch):
+    import scripts.chat_eval
+    from scripts.chat_eval import main
+    monkeypatch.setattr(scripts.chat_eval, "source", scripts.chat_eval.source)  # main() sets the module's config: undo it after
+    with pytest.raises(UserError, match="--source must be one of mid, sft, rl, got 'base'"):
+        main(["-i", "base"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["-i", "mid", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--task_name" in out and "-i picks the model" in out
