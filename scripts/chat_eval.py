@@ -135,26 +135,29 @@ def letter_token(tokenizer, letter):
 def score_categorical(model, tokenizer, task, indices, batch_size, device, progress=None):
     """
     Problems `indices` of a categorical task, `batch_size` prompts per forward. Returns one (passed, letter
-    chosen) per problem. `model(ids)` must return logits (B, T, vocab), as GPT does. A prompt longer than the
-    model's training context is still read whole (GPT's rotary table reaches 10x further): the answer is one
-    forward, and cutting the prompt would cut the question.
+    chosen) per problem. `model(ids)` must return logits (B, T, vocab), as GPT does. A prompt longer than the model's training
+    context is still read whole (GPT's rotary table reaches 10x further): the answer is one forward, and
+    cutting the prompt would cut the question. A prompt beyond even that fails (letter None).
     """
     pad = tokenizer.encode_special("<|assistant_end|>")  # any id does: nothing real comes after it
+    limit = getattr(model, "rotary_len", None) or float("inf")  # the model cannot read further (positions)
     outcomes = []
     for start in range(0, len(indices), batch_size):
         conversations = [task[i] for i in indices[start:start + batch_size]]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]  # each ends with <|assistant_start|>
-        ids = torch.full((len(prompts), max(map(len, prompts))), pad, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            ids[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=device)  # each row's last real position
-        logits = model(ids)[torch.arange(len(prompts), device=device), last]  # (B, vocab)
-        batch = []
-        for row, conversation in enumerate(conversations):
-            letters = conversation["letters"]
-            allowed = torch.tensor([letter_token(tokenizer, letter) for letter in letters], device=device)
-            choice = letters[int(logits[row, allowed].argmax())]
-            batch.append((bool(task.evaluate(conversation, choice)), choice))
+        batch = [(False, None)] * len(prompts)  # a prompt too long to read at all fails (letter None)
+        rows = [k for k, p in enumerate(prompts) if len(p) <= limit]
+        if rows:
+            ids = torch.full((len(rows), max(len(prompts[k]) for k in rows)), pad, dtype=torch.long, device=device)
+            for row, k in enumerate(rows):
+                ids[row, :len(prompts[k])] = torch.tensor(prompts[k], dtype=torch.long)
+            last = torch.tensor([len(prompts[k]) - 1 for k in rows], device=device)  # each row's last real position
+            logits = model(ids)[torch.arange(len(rows), device=device), last]  # (rows, vocab)
+            for row, k in enumerate(rows):
+                letters = conversations[k]["letters"]
+                allowed = torch.tensor([letter_token(tokenizer, letter) for letter in letters], device=device)
+                choice = letters[int(logits[row, allowed].argmax())]
+                batch[k] = (bool(task.evaluate(conversations[k], choice)), choice)
         outcomes += batch
         if progress:
             progress.update([passed for passed, _ in batch])
