@@ -18,6 +18,15 @@ the gradients add up over micro-steps, the optimizers average them over ranks (h
 the result is exactly the gradient of the mean over every supervised token of the step, however the step is
 split into micro-batches and ranks.
 
+The policy-gradient loss (chat_rl)
+----------------------------------
+For each prompt the model samples several answers; each gets a reward (1 if the task's check passes). The
+advantage of an answer is its reward minus the mean reward of that prompt's answers (group_advantages): better
+than its siblings > 0, worse < 0, all equal (all right or all wrong) 0, so such a prompt teaches nothing. The
+loss is -sum(advantage * log p(token)) over the tokens the model SAMPLED (not the prompt, not the tool outputs
+the engine forced in), divided by the number of such tokens in the whole step (count_step_targets again), so
+following its gradient makes better-than-average answers more likely and worse ones less likely.
+
 Bits per byte
 -------------
 
@@ -89,3 +98,21 @@ def supervised_loss(model, x, y, step_targets, ddp_world_size):
     """
     loss_sum = model(x, y, loss_reduction="sum")
     return loss_sum * (ddp_world_size / max(step_targets, 1)), loss_sum.detach()
+
+
+def group_advantages(rewards):
+    """Each reward minus the mean reward of its group (the answers to one prompt): a tensor like `rewards`."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    return rewards - rewards.mean()
+
+
+def policy_gradient_loss(model, x, y, advantages, step_tokens, ddp_world_size):
+    """
+    This micro-batch's part of the step's policy-gradient loss, ready for .backward(): rows x (B, T) with
+    targets y (-1 where the token was not sampled: prompt, forced tool output, padding) and one advantage per
+    row; -sum over sampled tokens of advantage * log p(token), times world_size / step_tokens (the sampled
+    tokens of the whole step, all micro-steps and ranks). Also returns the detached sum of log p, for logging.
+    """
+    logp = -model(x, y, loss_reduction="none").view(y.shape)  # log p of each target token, 0 where y == -1
+    objective = (advantages.to(logp.device).view(-1, 1) * logp).sum()
+    return -objective * (ddp_world_size / max(step_tokens, 1)), logp.detach().sum()

@@ -152,3 +152,36 @@ def trained_tokenizer(pydocs_corpus, small_tokenizer_dir, isolated_env):
     import shutil
     shutil.copytree(small_tokenizer_dir, isolated_env / "tokenizer")
     return isolated_env / "tokenizer"
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_base(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
+    """
+    A base dir holding the pydocs corpus, the small tokenizer, a depth-1 base model (context 128, 10 steps) and
+    its midtrained model (offline mixture, 10 steps): built once per session for the chat-stage tests, which
+    copy it (`chat_base`). The models are tiny and barely trained: for testing the machinery, not quality.
+    """
+    import shutil
+    import subprocess
+    base = tmp_path_factory.mktemp("chat_base")
+    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
+    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    common = ["--max_seq_len=128", "--device_batch_size=2", "--total_batch_size=256", "--num_iterations=10",
+              "--eval_every=-1", "--eval_tokens=256"]
+    for stage, args in (("scripts.base_train", ["--depth=1", "--sample_every=-1", "--core_metric_every=-1"]),
+                        ("scripts.mid_train", ["--mixture=offline"])):
+        result = subprocess.run([sys.executable, "-m", stage, *common, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return base
+
+
+@pytest.fixture
+def chat_base(tiny_chat_base, isolated_env, monkeypatch):
+    """This test's own copy of tiny_chat_base as its NANOCHAT_BASE_DIR (with NANOCHAT_DATASET=pydocs)."""
+    import shutil
+    shutil.copytree(tiny_chat_base, isolated_env, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".lock"))
+    monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
+    return isolated_env

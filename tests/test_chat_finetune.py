@@ -1,0 +1,128 @@
+"""
+The chat finetuning stages: scripts/chat_sft.py and scripts/chat_rl.py end to end on a tiny midtrained model
+(offline data), SFT's exact resume, and the RL update on hand-computed numbers and on a trivial task where it
+must raise the reward.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, run_torchrun
+from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
+from test_loss import ToyModel
+
+SFT = ["-m", "scripts.chat_sft", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2", "--examples_per_step=4",
+       "--eval_tokens=1024", "--eval_metrics_max_problems=8"]
+RL = ["-m", "scripts.chat_rl", "--source=mid", "--mixture=offline", "--prompts_per_step=2", "--num_samples=4",
+      "--max_new_tokens=16", "--eval_examples=4", "--device_batch_size=4", "--temperature=1.0"]
+
+
+def run(args, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def step_losses(checkpoint_dir, key="step_loss"):
+    rows = [json.loads(line) for line in (checkpoint_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
+
+
+def test_sft_trains_evaluates_and_resumes_exactly(chat_base):
+    ckpt = chat_base / "chatsft_checkpoints" / "d1"
+    first = run([*SFT, "--num_iterations=6", "--save_every=3", "--eval_every=3"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = first.stdout
+    assert "Examples per step 4 => gradient accumulation steps: 2" in out
+    assert "validation bpb" in out and "PydocsMC accuracy" in out and "(the mid model, before SFT)" in out
+    section = (chat_base / "report" / "chat-sft.md").read_text()
+    assert "- Validation bpb before SFT: " in section and "- PydocsMC accuracy: " in section
+    full_losses = step_losses(ckpt)
+    full_weights = torch.load(ckpt / "model_000006.pt")
+    assert len(full_losses) == 6
+    for f in ckpt.glob("*000006*"):
+        f.unlink()
+    resumed = run([*SFT, "--num_iterations=6", "--resume_from_step=3", "--eval_every=3"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert step_losses(ckpt) == pytest.approx(full_losses, rel=1e-6)
+    for k, v in torch.load(ckpt / "model_000006.pt").items():
+        assert torch.allclose(v, full_weights[k], rtol=1e-6, atol=0), k
+    # the SFT model loads where chat models are loaded
+    from nanochat.checkpoint_manager import load_model
+    model, tokenizer, meta = load_model("sft", "cpu", phase="eval")
+    assert meta["step"] == 6 and meta["parent"]["source"] == "mid"
+
+
+def test_sft_batch_arithmetic_error_is_one_line(chat_base):
+    result = run([a for a in SFT if not a.startswith("--examples_per_step")] + ["--examples_per_step=5", "--num_iterations=2"])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "examples_per_step 5 is not a multiple of device_batch_size x world_size = 2 x 1 = 2" in lines[0]
+
+
+def test_advantages_and_policy_gradient_loss_by_hand():
+    assert group_advantages([1.0, 0.0, 0.0, 1.0]).tolist() == [0.5, -0.5, -0.5, 0.5]
+    assert group_advantages([1.0, 1.0, 1.0]).tolist() == [0.0, 0.0, 0.0]  # all right: nothing to learn
+    # ToyModel: loss of target t is w * t, so log p(t) = -w * t (w = 1). Two answers: tokens 2, 3 (advantage +0.5)
+    # and token 4 (advantage -0.5); -1 marks tokens that were not sampled (prompt, forced tool output).
+    x = torch.zeros(2, 3, dtype=torch.long)
+    y = torch.tensor([[-1, 2, 3], [-1, 4, -1]])
+    advantages = torch.tensor([0.5, -0.5])
+    _, tokens = count_step_targets([(x, y)], 0, 1)
+    assert tokens == 3
+    model = ToyModel()
+    loss, logp_sum = policy_gradient_loss(model, x, y, advantages, tokens, 1)
+    # -(0.5 * (-2 - 3) + (-0.5) * (-4)) / 3 = -(-2.5 + 2) / 3 = 0.5 / 3
+    assert loss.item() == pytest.approx(0.5 / 3) and logp_sum.item() == pytest.approx(-9.0)
+    loss.backward()
+    assert model.w.grad.item() == pytest.approx(0.5 / 3)  # d/dw of (0.5 * 5 - 0.5 * 4) w / 3
+
+
+def test_a_few_policy_gradient_steps_raise_the_reward_on_a_trivial_task(trained_tokenizer):
+    """Reward 1 when the first sampled token has an even id: a random model gets ~0.5; RL must push it up."""
+    from nanochat.engine import Engine
+    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.tokenizer import get_tokenizer
+    torch.manual_seed(0)
+    tokenizer = get_tokenizer()
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=tokenizer.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
+    model.init_weights()
+    optimizers = model.setup_optimizers(unembedding_lr=0.01, embedding_lr=0.01, matrix_lr=0.01)
+    engine = Engine(model, tokenizer)
+    bos = tokenizer.get_bos_token_id()
+    rewards_per_step = []
+    for step in range(12):
+        columns = list(engine.generate([bos], num_samples=32, max_tokens=1, temperature=1.0, seed=step))
+        first = columns[0][0]
+        rewards = [float(t % 2 == 0) for t in first]
+        rewards_per_step.append(sum(rewards) / len(rewards))
+        x = torch.full((32, 1), bos, dtype=torch.long)
+        y = torch.tensor(first, dtype=torch.long).view(32, 1)
+        _, tokens = count_step_targets([(x, y)], 0, 1)
+        loss, _ = policy_gradient_loss(model, x, y, group_advantages(rewards), tokens, 1)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    early, late = sum(rewards_per_step[:2]) / 2, sum(rewards_per_step[-3:]) / 3
+    assert 0.25 < early < 0.75 and late > early + 0.2, rewards_per_step  # starts near chance, ends well above
+
+
+def test_chat_rl_end_to_end_on_two_ranks(chat_base):
+    result = run_torchrun(2, [*RL, "--num_iterations=3", "--save_every=-1", "--eval_every=-1"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "Problems / step: 2 (1 per rank) x 4 sampled answers = 8 answers" in out
+    assert "step 00003/00003 | mean reward:" in out and "pass@4:" in out
+    ckpt = chat_base / "chatrl_checkpoints" / "d1"
+    meta = json.loads((ckpt / "meta_000003.json").read_text())
+    assert meta["world_size"] == 2 and set(meta["pass_at_k"]) == {"1", "2", "3", "4"}
+    assert (ckpt / "optim_000003_rank1.pt").exists()
+    rewards = step_losses(ckpt, "reward")
+    assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards)
+    section = (chat_base / "report" / "chat-rl.md").read_text()
+    assert "- pass@1: " in section and "- pass@1 before RL: " in section
