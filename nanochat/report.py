@@ -36,6 +36,7 @@ SUMMARY_METRICS = [
     ("base-model-training", "Total training time (min)", "Base training time (min)"),
     ("base-model-loss", "val bpb", "Base val bpb"),
     ("base-model-evaluation", "CORE metric", "CORE"),
+    ("base-model-evaluation", "pydocs-CORE metric", "pydocs-CORE (offline, not CORE)"),
     ("midtraining", "Validation bpb of the base model", "Chat val bpb, base model"),
     ("midtraining", "Final validation bpb", "Chat val bpb, after midtraining"),
 ]

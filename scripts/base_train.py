@@ -27,6 +27,7 @@ from nanochat.common import (EXIT_STOPPED_EARLY, StopRequest, UserError, autocas
                              compute_cleanup, compute_init, get_peak_flops, grad_accum_steps_for, init_wandb, print0,
                              print_banner)
 from nanochat.configurator import check_config, configure
+from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
@@ -62,8 +63,9 @@ final_lr_frac = 0.0  # lr multiplier at the very end of the warmdown
 # evaluation and output (every <= 0 turns a periodic action off; the final eval and checkpoint always happen)
 eval_every = 250  # steps between val bits-per-byte evaluations
 eval_tokens = -1  # val tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
-core_metric_every = 2000  # steps between CORE evaluations
-core_metric_max_per_task = 500  # examples per CORE task
+core_metric_every = 2000  # steps between CORE evaluations, and one at the end (<= 0: never)
+core_metric_max_per_task = 500  # examples per CORE task (-1 = all)
+core_bundle = ""  # the CORE tasks: dclm (DCLM's 22, downloaded) | offline (built from pydocs); empty = offline for pydocs, else dclm
 sample_every = 2000  # steps between printed samples
 save_every = -1  # steps between checkpoints
 resume_from_step = -1  # resume from this step's checkpoint of model_tag (-1 = start fresh)
@@ -78,7 +80,8 @@ check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "tot
              positive_or_unset=["num_iterations", "target_flops", "eval_tokens", "core_metric_max_per_task"],
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
-             choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false")})
+             choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
+                      "core_bundle": ("", "dclm", "offline")})
 if warmup_ratio + warmdown_ratio > 1:
     raise UserError(f"--warmup_ratio + --warmdown_ratio = {warmup_ratio + warmdown_ratio:g} > 1: the warmup and the "
                     f"warmdown would overlap")
@@ -96,6 +99,8 @@ compute_dtype = autocast_dtype(device_type)  # bf16 on modern GPUs, fp32 on CPU/
 autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 wandb_run = init_wandb(run, master_process, config)
+# The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
+core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_metric_every > 0 else None
 print0(f"Compute dtype: {str(compute_dtype).removeprefix('torch.')} (weights and optimizer state stay fp32)")
 
 # -----------------------------------------------------------------------------
@@ -222,7 +227,7 @@ print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
 smooth_train_loss = loop_state.get("smooth_train_loss", 0.0)  # EMA of the global train loss
 total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, excluding the first (compile) steps
 min_val_bpb = loop_state.get("min_val_bpb", float("inf"))
-val_bpb = None
+val_bpb, core_metric = None, {}
 ema_beta = 0.9
 mfus, step_dt, first_step_time = [], 0.0, None
 sample_prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
@@ -247,8 +252,16 @@ while True:
         wandb_run.log({"step": step, "total_training_flops": flops_so_far, "total_training_time": total_training_time, "val/bpb": val_bpb})
         log_metrics(step=step, val_bpb=val_bpb)
 
-    if last_step or (core_metric_every > 0 and step % core_metric_every == 0):
-        print0(f"Step {step:05d} | CORE metric: skipped (the CORE evaluation arrives with the evaluation stage)")
+    # CORE: accuracy on in-context-learning tasks (nanochat/core_eval.py), on the uncompiled model (other shapes)
+    if core_metric_every > 0 and (last_step or step % core_metric_every == 0):
+        orig_model.eval()
+        with autocast_ctx:
+            core = evaluate_core(orig_model, tokenizer, device, core_bundle_dir, max_per_task=core_metric_max_per_task)
+        orig_model.train()
+        core_metric = {f"{core['name']} metric": core["score"]}
+        print0(f"Step {step:05d} | {core['name']} metric: {core['score']:.4f}")
+        wandb_run.log({"step": step, "total_training_flops": flops_so_far, f"{core['name']}_metric": core["score"]})
+        log_metrics(step=step, core_metric=core["score"])
 
     # Samples: look at what the model writes, a check no loss number gives (rank 0, uncompiled model)
     if master_process and (last_step or (sample_every > 0 and step > 0 and step % sample_every == 0)):
@@ -349,6 +362,7 @@ get_report().log(section="Base model training", data=[
      "DDP": ddp, "Device": str(device), "Compute dtype": str(compute_dtype), "torch.compile": use_compile,
      "Total training FLOPs": f"{flops_per_token * total_tokens:e}"},
     {"Steps run": step, "Stopped early": stopped_early, "Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb,
+     **core_metric,
      "Final train loss (EMA)": smooth_train_loss / (1 - ema_beta ** max(step, 1)),
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)",
      "Peak FLOP/s used for MFU": f"{peak_flops:.3e} ({peak_source})",

@@ -1,0 +1,228 @@
+"""
+The offline evaluation bundle: CORE-style tasks built from the pydocs records (nanochat.pydocs.pydocs_entries),
+for runs without network, where DCLM's eval_bundle.zip cannot be downloaded, and for models trained on the
+pydocs corpus, which have never read the web text the DCLM tasks are about.
+
+It has the DCLM bundle's format exactly (core.yaml + eval_data/pydocs/*.jsonl + eval_meta_data.csv), so
+nanochat.core_eval reads and scores it with the same code. prepare_bundle("offline") builds it atomically into
+<base_dir>/eval_bundle_pydocs_v<N>/ in a few seconds; the same Python gives the same bytes. Its score is the
+"pydocs-CORE" metric (core.yaml's `score_name`): CORE's method on other tasks, not comparable with CORE.
+
+Every task asks for text the corpus contains verbatim. A corpus document is `<header>\\n\\n<docstring>`, the header
+being `json.dumps(obj, *, skipkeys=False, ...)`, `class json.JSONEncoder(object)` or `module json`
+(pydocs_document). A model that has learned the corpus finds the right answer, so the score rises with training;
+like CORE's world-knowledge tasks it measures what the model absorbed, not reasoning. Most entries are in
+the training shards (the validation shard holds 1,024 of ~8,000 documents).
+
+  task              type               shots  example
+  pydocs_summary    multiple_choice    0      query `json.dumps(obj, *, ...)`, delimiter "\\n\\n", choices: the first
+                                              docstring line of it and of 3 other entries of the same kind
+  pydocs_default    multiple_choice    3      query `json.dumps(obj, *, skipkeys`, delimiter "=", choices None,
+                                              True, False, 0 (shuffled); 1/4 of the items have each answer, so a
+                                              model that always says None is at chance
+  pydocs_header     schema             0      context options: 4 headers of the same kind; shared continuation:
+                                              the first docstring line of one of them (which header does it follow?)
+  pydocs_owner      schema             0      the same with 4 functions/methods of the same short name
+                                              (`io.BufferedReader.read`, `zipfile.ZipFile.read`, ...): which one
+                                              does this line document? Needs the owner, not just the name.
+  pydocs_next_word  language_modeling  0      context: a header, a blank line and the first words of its
+                                              docstring's first line; continuation: the next word
+  pydocs_next_param language_modeling  2      context: a header up to a comma, `compileall.compile_dir(dir,`;
+                                              continuation: the next parameter's name, `maxlevels`
+
+Random baselines: 100/k percent for k options, 0 for language modeling. Items use entries whose header is
+at most 100 characters and docstring lines of 12-100 characters and 3+ words, verbatim (no rewrapping),
+that start the docstring; options of one item are distinct. At most ITEMS_PER_TASK items per task, drawn with
+random.Random(f"pydocs-core-{label}") from the candidates in pydocs_entries() order.
+"""
+
+import collections
+import csv
+import json
+import os
+import random
+import re
+
+from nanochat.pydocs import pydocs_document, pydocs_entries
+
+BUNDLE_VERSION = 1  # bump when the tasks change: the directory name changes, so old builds are not reused
+BUNDLE_DIR = f"eval_bundle_pydocs_v{BUNDLE_VERSION}"
+SCORE_NAME = "pydocs-CORE"
+ITEMS_PER_TASK = 400
+OPTIONS = 4  # choices / context options per multiple choice and schema item
+MAX_HEADER = 100  # characters
+DEFAULTS = ("None", "True", "False", "0")  # pydocs_default's choices: the four most common default values
+
+
+def _docs():
+    """[(record, header, first docstring line or None)] of every non-topic record, in pydocs_entries() order."""
+    out = []
+    for r in pydocs_entries():
+        if r["kind"] == "topic":
+            continue
+        doc = pydocs_document(r)
+        header = doc[:len(doc) - len(r["docstring"]) - 2]  # the document is header + "\n\n" + docstring
+        line = r["docstring"].split("\n", 1)[0]
+        usable = line == line.strip() and 12 <= len(line) <= 100 and len(line.split()) >= 3 and "  " not in line
+        out.append((r, header, line if usable else None))
+    return out
+
+
+def _pick(rng, pool, n, exclude_lines):
+    """n entries of `pool` whose first lines differ from each other and from `exclude_lines` (64 random draws), or None."""
+    picked, lines = [], set(exclude_lines)
+    for _ in range(64):
+        d = rng.choice(pool)
+        if d[2] not in lines:
+            picked.append(d)
+            lines.add(d[2])
+            if len(picked) == n:
+                return picked
+    return None
+
+
+def _options(rng, gold, others):
+    """Shuffle gold in among the others: (options, index of gold)."""
+    options = [gold] + others
+    rng.shuffle(options)
+    return options, options.index(gold)
+
+
+def _summary(docs, rng):
+    usable = [d for d in docs if d[2] and len(d[1]) <= MAX_HEADER]
+    by_kind = collections.defaultdict(list)
+    for d in usable:
+        by_kind[d[0]["kind"]].append(d)
+    items = []
+    for d in rng.sample(usable, len(usable)):
+        others = _pick(rng, by_kind[d[0]["kind"]], OPTIONS - 1, {d[2]})
+        if others:
+            choices, gold = _options(rng, d[2], [o[2] for o in others])
+            items.append({"query": d[1], "choices": choices, "gold": gold})
+        if len(items) == ITEMS_PER_TASK:
+            break
+    return items
+
+
+def _header(docs, rng):
+    usable = [d for d in docs if d[2] and len(d[1]) <= MAX_HEADER]
+    by_kind = collections.defaultdict(list)
+    for d in usable:
+        by_kind[d[0]["kind"]].append(d)
+    items = []
+    for d in rng.sample(usable, len(usable)):
+        others = _pick(rng, by_kind[d[0]["kind"]], OPTIONS - 1, {d[2]})
+        if others:
+            options, gold = _options(rng, d[1], [o[1] for o in others])
+            items.append({"context_options": options, "continuation": d[2], "gold": gold})
+        if len(items) == ITEMS_PER_TASK:
+            break
+    return items
+
+
+def _owner(docs, rng):
+    groups = collections.defaultdict(list)
+    for d in docs:
+        if d[2] and len(d[1]) <= MAX_HEADER and d[0]["kind"] in ("function", "method"):
+            groups[d[0]["name"].rsplit(".", 1)[-1]].append(d)
+    usable = [d for group in groups.values() if len({g[2] for g in group}) >= OPTIONS for d in group]
+    items = []
+    for d in rng.sample(usable, len(usable)):
+        others = _pick(rng, groups[d[0]["name"].rsplit(".", 1)[-1]], OPTIONS - 1, {d[2]})
+        if others:
+            options, gold = _options(rng, d[1], [o[1] for o in others])
+            items.append({"context_options": options, "continuation": d[2], "gold": gold})
+        if len(items) == ITEMS_PER_TASK:
+            break
+    return items
+
+
+def _default(docs, rng):
+    # `name=value` written without spaces: a plain parameter (annotated ones read `name: int = 0`)
+    pattern = re.compile(r"[(, ]([A-Za-z_]\w*)=(" + "|".join(DEFAULTS) + r")(?=[,)])")
+    by_value = collections.defaultdict(list)
+    for r, header, _ in docs:
+        if r["kind"] in ("function", "method"):
+            sites = [m for m in pattern.finditer(header) if m.start() >= len(r["name"]) and m.end(1) <= MAX_HEADER]
+            if sites:
+                m = rng.choice(sites)
+                by_value[m.group(2)].append((header[:m.end(1)], m.group(2)))
+    items = []
+    for value in DEFAULTS:  # the same number of items per answer
+        for query, gold in rng.sample(by_value[value], min(ITEMS_PER_TASK // len(DEFAULTS), len(by_value[value]))):
+            choices = rng.sample(DEFAULTS, len(DEFAULTS))
+            items.append({"query": query, "choices": choices, "gold": choices.index(gold)})
+    return items
+
+
+def _next_word(docs, rng):
+    items = []
+    for r, header, line in rng.sample(docs, len(docs)):
+        if not line or len(header) > MAX_HEADER:
+            continue
+        words = line.split(" ")
+        targets = [j for j in range(2, len(words)) if re.fullmatch(r"[A-Za-z]{2,}", words[j])]
+        if targets:
+            j = rng.choice(targets)
+            items.append({"context": f"{header}\n\n{' '.join(words[:j])}", "continuation": words[j]})
+        if len(items) == ITEMS_PER_TASK:
+            break
+    return items
+
+
+def _next_param(docs, rng):
+    items = []
+    for r, header, _ in rng.sample(docs, len(docs)):
+        if r["kind"] not in ("function", "method"):
+            continue
+        sites = [m for m in re.finditer(r", ([A-Za-z_]\w*)(?=[=,):])", header)
+                 if m.start() > len(r["name"]) and m.start() + 1 <= MAX_HEADER]
+        if sites:
+            m = rng.choice(sites)
+            items.append({"context": header[:m.start() + 1], "continuation": m.group(1)})
+        if len(items) == ITEMS_PER_TASK:
+            break
+    return items
+
+
+# label, icl_task_type, shots, continuation delimiter, builder, options (0 = language modeling), description
+TASKS = [
+    ("pydocs_summary", "multiple_choice", 0, "\n\n", _summary, OPTIONS,
+     "which first docstring line follows this header? (4 entries of the same kind)"),
+    ("pydocs_default", "multiple_choice", 3, "=", _default, len(DEFAULTS),
+     "the default value of this parameter: None, True, False or 0 (balanced answers)"),
+    ("pydocs_header", "schema", 0, "\n\n", _header, OPTIONS,
+     "which of 4 headers of the same kind does this first docstring line follow?"),
+    ("pydocs_owner", "schema", 0, "\n\n", _owner, OPTIONS,
+     "which of 4 functions/methods of the same short name does this first docstring line document?"),
+    ("pydocs_next_word", "language_modeling", 0, " ", _next_word, 0,
+     "the next word of a docstring's first line, after its header"),
+    ("pydocs_next_param", "language_modeling", 2, " ", _next_param, 0,
+     "the next parameter name of a signature, after a comma"),
+]
+
+
+def write_offline_bundle(directory):
+    """Write the bundle's files into the (empty) `directory` and return it (see core_eval.prepare_bundle)."""
+    docs = _docs()
+    os.makedirs(os.path.join(directory, "eval_data", "pydocs"))
+    yaml_lines = ["# CORE-style tasks built offline from the pydocs records by nanochat/core_bundle_offline.py,",
+                  "# in the format of DCLM's eval_bundle. The score is pydocs-CORE, not comparable with CORE.",
+                  f"score_name: {SCORE_NAME}", "icl_tasks:"]
+    meta_rows = []
+    for label, kind, shots, delimiter, build, options, description in TASKS:
+        items = build(docs, random.Random(f"pydocs-core-{label}"))
+        uri = f"pydocs/{label.removeprefix('pydocs_')}.jsonl"
+        with open(os.path.join(directory, "eval_data", uri), "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
+        yaml_lines += [f"# {description} ({len(items)} items)", f"- label: {label}", f"  dataset_uri: {uri}",
+                       f"  num_fewshot: [{shots}]", f"  icl_task_type: {kind}",
+                       f"  continuation_delimiter: {json.dumps(delimiter)}"]
+        meta_rows.append([label, "pydocs", kind, shots, 100 / options if options else 0.0])
+    with open(os.path.join(directory, "core.yaml"), "w", encoding="utf-8", newline="\n") as f:
+        f.write("\n".join(yaml_lines) + "\n")
+    with open(os.path.join(directory, "eval_meta_data.csv"), "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(["Eval Task", "Task Category", "Task Type", "#shots", "Random baseline"])
+        writer.writerows(meta_rows)
+    return directory

@@ -1,0 +1,58 @@
+"""
+Evaluate a model checkpoint on the CORE tasks (DCLM's 22 in-context-learning tasks, nanochat/core_eval.py), or,
+offline, on the CORE-style tasks built from the pydocs corpus (the pydocs-CORE score).
+
+    python -m scripts.base_eval                                    # the last base checkpoint, default bundle
+    python -m scripts.base_eval --max_per_task=100 --bundle=offline
+    torchrun --standalone --nproc_per_node=8 -m scripts.base_eval  # examples sharded over the ranks
+
+The default bundle is `offline` when the corpus is pydocs ($NANOCHAT_DATASET=pydocs) and `dclm` otherwise.
+Prints a table per task (accuracy, centered accuracy) and the score, and writes the report section
+"Base model evaluation" (key "CORE metric" for the dclm bundle, "pydocs-CORE metric" for the offline one).
+"""
+
+from contextlib import nullcontext
+
+import torch
+
+from nanochat.checkpoint_manager import load_model
+from nanochat.common import autocast_dtype, autodetect_device_type, compute_cleanup, compute_init, print_banner
+from nanochat.configurator import check_config, configure
+from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
+from nanochat.report import get_report
+
+device_type = ""  # cuda | cpu | mps; empty = autodetect
+source = "base"  # which checkpoints: base | mid | sft | rl
+model_tag = ""  # which model under the source's checkpoint directory (needed only if there are several)
+step = -1  # which step (-1 = the last complete checkpoint)
+bundle = ""  # dclm | offline; empty = offline for the pydocs corpus, dclm otherwise
+max_per_task = -1  # examples per task, the first N of each task's fixed shuffle (-1 = all)
+device_batch_tokens = 8192  # padded tokens per forward per rank (rows of similar length together; x vocab x 4 bytes of logits)
+config = configure(globals())
+check_config(config, positive=["device_batch_tokens"], positive_or_unset=["max_per_task"],
+             choices={"device_type": ("", "cuda", "cpu", "mps"), "source": ("base", "mid", "sft", "rl"),
+                      "bundle": ("", "dclm", "offline")})
+
+print_banner()
+device_type = device_type or autodetect_device_type()
+ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = compute_init(device_type)
+compute_dtype = autocast_dtype(device_type)
+autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+
+bundle = bundle or default_bundle_kind()
+bundle_dir = prepare_bundle(bundle)  # before loading the model: a missing network fails fast
+model, tokenizer, meta = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
+with autocast_ctx:
+    results = evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=max_per_task, batch_tokens=device_batch_tokens)
+
+table = ["| task | type | shots | examples | accuracy | centered |", "|---|---|---|---|---|---|"]
+for label, r in results["tasks"].items():
+    table.append(f"| {label} | {r['type']} | {r['shots']} | {r['examples']} | {r['accuracy']:.4f} | {r['centered']:.4f} |")
+get_report().log(section="Base model evaluation", data=[
+    {"model": f"{source} {meta['model_tag']} step {meta['step']}",
+     "bundle": bundle,
+     "max per task": max_per_task,
+     f"{results['name']} metric": results["score"]},
+    "", *table,
+])
+compute_cleanup()
