@@ -2,9 +2,10 @@
 # The whole nanochat pipeline, from nothing to a report: bash speedrun.sh
 #
 # Two profiles, picked automatically (override with NANOCHAT_PROFILE=gpu|cpu):
-#   gpu  one node with CUDA GPUs (made for 8xH100): FineWeb-Edu, vocab 65536, a depth-20 model, the real chat mixture
-#   cpu  any machine (made for 2 CPU cores, ~20 min): the embedded pydocs corpus, a small tokenizer and model,
-#        the offline (synthetic) chat tasks
+#   gpu  one node with CUDA GPUs (made for 8xH100): FineWeb-Edu, vocab 65536, a depth-20 model, CORE, the real chat
+#        mixture, SFT, RL on GSM8K, chat evaluations; every download at the start
+#   cpu  any machine (made for 2 CPU cores, ~20 min for everything): the embedded pydocs corpus, a small tokenizer
+#        and a depth-4 model, the offline tasks for midtraining, SFT, RL and the evaluations; no download
 # Options (environment): WANDB_RUN=<name> logs to wandb (needs `wandb login`); NANOCHAT_BASE_DIR (default
 # ~/.cache/nanochat) is where data, tokenizer, checkpoints and the report go; NPROC = processes per node
 # (default: every GPU); NANOCHAT_SKIP_SETUP=1 uses the current python instead of creating .venv;
@@ -27,7 +28,16 @@ echo "speedrun: profile $NANOCHAT_PROFILE, base dir $NANOCHAT_BASE_DIR"
 if [ -z "${NANOCHAT_SKIP_SETUP:-}" ]; then
     [ -d .venv ] || python3 -m venv .venv
     if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-        if [ "$NANOCHAT_PROFILE" = cpu ]; then .venv/bin/pip install torch==2.13.0; else .venv/bin/pip install torch; fi
+        if [ "$NANOCHAT_PROFILE" = cpu ] && [ "$(uname -s)" = Linux ]; then
+            # PyPI's Linux wheel of torch bundles CUDA (~5 GB installed); the CPU-only build is ~0.7 GB. Take it from
+            # NANOCHAT_TORCH_INDEX (default: PyTorch's CPU index), or from the configured package index if that fails.
+            .venv/bin/pip install torch==2.13.0 --index-url "${NANOCHAT_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
+                || .venv/bin/pip install torch==2.13.0
+        elif [ "$NANOCHAT_PROFILE" = cpu ]; then
+            .venv/bin/pip install torch==2.13.0  # macOS: PyPI's wheel is the CPU/MPS build
+        else
+            .venv/bin/pip install torch
+        fi
     fi
     .venv/bin/pip install -e .
     source .venv/bin/activate
@@ -35,44 +45,83 @@ fi
 python -m nanochat.report reset
 
 SECONDS=0
+stage() { echo "speedrun: $1 (at $((SECONDS / 60))m $((SECONDS % 60))s)"; }
 if [ "$NANOCHAT_PROFILE" = gpu ]; then
     NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
     export OMP_NUM_THREADS=1  # one process per GPU: no thread oversubscription of the CPU
     export NANOCHAT_DATASET=fineweb-edu
-    # Data: 8 shards (~2B chars) for the tokenizer now, the ~240 a d20 model needs in the background.
+    RUN="torchrun --standalone --nproc_per_node=$NPROC"
+    # Every download first: 8 shards (~2B chars) for the tokenizer now, the ~240 a d20 model needs in the
+    # background; the chat tasks, the CORE bundle and the identity conversations now.
+    stage "downloads"
     python -m nanochat.dataset -n 8
     python -m nanochat.dataset -n 240 -w 8 &
     DATASET_DOWNLOAD_PID=$!
+    python -m tasks.prefetch
+    stage "tokenizer"
     python -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536
     python -m scripts.tok_eval
     echo "waiting for the dataset download to finish..."
     wait $DATASET_DOWNLOAD_PID
-    # Pretraining: depth 20 (~560M parameters), Chinchilla-optimal 20 tokens per parameter
-    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train --depth=20 --run="$WANDB_RUN"
-    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_loss
-    # Midtraining: the real chat mixture (SmolTalk, MMLU, GSM8K, spelling, identity conversations)
-    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.mid_train --mixture=real --run="$WANDB_RUN"
+    # Pretraining: depth 20 (~560M parameters), Chinchilla-optimal 20 tokens per parameter; then its loss and CORE
+    stage "base model"
+    $RUN -m scripts.base_train --depth=20 --run="$WANDB_RUN"
+    $RUN -m scripts.base_loss
+    $RUN -m scripts.base_eval --bundle=dclm
+    # Midtraining (SmolTalk, MMLU, GSM8K, spelling, identity), SFT, RL on GSM8K; each chat stage evaluated
+    stage "midtraining"
+    $RUN -m scripts.mid_train --mixture=real --run="$WANDB_RUN"
+    $RUN -m scripts.chat_eval -i mid
+    stage "SFT"
+    $RUN -m scripts.chat_sft --mixture=real --run="$WANDB_RUN"
+    $RUN -m scripts.chat_eval -i sft
+    stage "RL"
+    $RUN -m scripts.chat_rl --mixture=real --run="$WANDB_RUN"
+    $RUN -m scripts.chat_eval -i rl -a GSM8K
+    CHAT_SOURCE=rl
 else
     export NANOCHAT_DATASET=pydocs
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || sysctl -n hw.ncpu)}"  # one process, every core
-    # Sizes; each can be set from the environment (e.g. BASE_STEPS=240 bash speedrun.sh)
+    # Sizes; each can be set from the environment (e.g. BASE_STEPS=240 bash speedrun.sh). Measured stage times of
+    # the defaults on a 2-core VM: bench/RESULTS.md ("CPU speedrun").
     if [ -n "${NANOCHAT_SMOKE:-}" ]; then
-        : "${VOCAB:=512}" "${DEPTH:=1}" "${SEQ:=64}" "${BASE_STEPS:=4}" "${MID_STEPS:=4}" "${EVAL_TOKENS:=1024}"
+        : "${VOCAB:=512}" "${DEPTH:=1}" "${SEQ:=128}" "${BASE_STEPS:=4}" "${MID_STEPS:=4}" "${SFT_STEPS:=2}" "${RL_STEPS:=1}"
+        : "${EVAL_TOKENS:=1024}" "${CORE_EXAMPLES:=8}" "${EVAL_PROBLEMS:=4}" "${RL_SAMPLES:=2}"
     else
-        # depth 4 (~5M parameters) at ~1,000 tokens/s: 120 steps of 4096 tokens (~8 min), then 60 of midtraining
-        : "${VOCAB:=4096}" "${DEPTH:=4}" "${SEQ:=512}" "${BASE_STEPS:=120}" "${MID_STEPS:=60}" "${EVAL_TOKENS:=16384}"
+        : "${VOCAB:=4096}" "${DEPTH:=4}" "${SEQ:=512}" "${BASE_STEPS:=100}" "${MID_STEPS:=40}" "${SFT_STEPS:=40}" "${RL_STEPS:=20}"
+        : "${EVAL_TOKENS:=16384}" "${CORE_EXAMPLES:=100}" "${EVAL_PROBLEMS:=60}" "${RL_SAMPLES:=8}"
     fi
-    BASE_EVAL=$(( BASE_STEPS / 3 > 0 ? BASE_STEPS / 3 : 1 ))
+    BATCH="--max_seq_len=$SEQ --device_batch_size=8 --total_batch_size=$((8 * SEQ)) --eval_tokens=$EVAL_TOKENS"
+    CHAT_EVAL="python -m scripts.chat_eval --max_problems=$EVAL_PROBLEMS --max_new_tokens=64"
+    stage "corpus and tokenizer"
     python -m nanochat.dataset
     python -m scripts.tok_train --vocab_size=$VOCAB
     python -m scripts.tok_eval
-    python -m scripts.base_train --depth=$DEPTH --max_seq_len=$SEQ --device_batch_size=8 --total_batch_size=$((8 * SEQ)) \
-        --num_iterations=$BASE_STEPS --eval_every=$BASE_EVAL --eval_tokens=$EVAL_TOKENS --sample_every=$((BASE_STEPS / 2)) \
+    stage "base model"
+    python -m scripts.base_train --depth=$DEPTH $BATCH --num_iterations=$BASE_STEPS \
+        --eval_every=$(( BASE_STEPS / 3 > 0 ? BASE_STEPS / 3 : 1 )) --sample_every=$((BASE_STEPS / 2)) \
         --core_metric_every=-1 --run="$WANDB_RUN"
     python -m scripts.base_loss --device_batch_size=8 --split_tokens=$EVAL_TOKENS
-    python -m scripts.mid_train --mixture=offline --max_seq_len=$SEQ --device_batch_size=8 --total_batch_size=$((8 * SEQ)) \
-        --num_iterations=$MID_STEPS --eval_every=$((MID_STEPS / 2)) --eval_tokens=$EVAL_TOKENS --run="$WANDB_RUN"
+    python -m scripts.base_eval --bundle=offline --max_per_task=$CORE_EXAMPLES
+    stage "midtraining"
+    python -m scripts.mid_train --mixture=offline $BATCH --num_iterations=$MID_STEPS \
+        --eval_every=$(( MID_STEPS / 2 > 0 ? MID_STEPS / 2 : 1 )) --run="$WANDB_RUN"
+    $CHAT_EVAL -i mid -a offline
+    stage "SFT"
+    python -m scripts.chat_sft --mixture=offline --max_seq_len=$SEQ --device_batch_size=8 --examples_per_step=16 \
+        --num_iterations=$SFT_STEPS --eval_every=$(( SFT_STEPS / 2 > 0 ? SFT_STEPS / 2 : 1 )) --eval_tokens=$EVAL_TOKENS \
+        --eval_metrics_every=-1 --eval_metrics_max_problems=$EVAL_PROBLEMS --run="$WANDB_RUN"
+    $CHAT_EVAL -i sft -a offline
+    stage "RL"
+    python -m scripts.chat_rl --mixture=offline --num_iterations=$RL_STEPS --prompts_per_step=4 --num_samples=$RL_SAMPLES \
+        --max_new_tokens=64 --eval_every=-1 --save_every=-1 --eval_examples=$EVAL_PROBLEMS --run="$WANDB_RUN"
+    $CHAT_EVAL -i rl -a offline
+    CHAT_SOURCE=rl
 fi
 
+stage "report"
 python -m nanochat.report generate
 echo "speedrun: done in $((SECONDS / 60))m $((SECONDS % 60))s; report: $(pwd)/report.md"
+echo "Talk to your model:"
+echo "    python -m scripts.chat_cli --source=$CHAT_SOURCE          # in the terminal"
+echo "    python -m scripts.chat_web --source=$CHAT_SOURCE          # in the browser: http://127.0.0.1:8000"

@@ -1,0 +1,508 @@
+"""
+Tests of scripts/chat_web.py and its page (nanochat/ui.html), against a real uvicorn server on 127.0.0.1 serving
+a tiny trained checkpoint: validation (400 naming the field), streaming (the text is exactly what the engine
+generates for the same seed, then the done event), 16 concurrent requests on one worker, a client that leaves
+frees its worker and stops its generation, a failing generation leaves the server serving, the command line,
+and the page in a real browser (headless Chromium driven by Playwright).
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
+HELLO = [{"role": "user", "content": "Hello! What is a list comprehension?"}]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_base(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
+    """A base dir holding the session's tokenizer and a depth-1 model trained for 10 steps (~10 s). Its context
+    is 512 tokens, so that a reply can be long enough to be cut short by a client that leaves."""
+    base = tmp_path_factory.mktemp("chat_web_base")
+    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
+    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=1", "--max_seq_len=512", "--device_batch_size=1",
+                             "--total_batch_size=512", "--num_iterations=10", "--eval_every=-1", "--eval_tokens=512",
+                             "--sample_every=-1", "--core_metric_every=-1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return base
+
+
+class Served:
+    """The running server: its URL, its worker pool and the one worker's engine and tokenizer."""
+
+    def __init__(self, url, pool):
+        self.url, self.pool = url, pool
+        self.engine, self.tokenizer = pool.workers[0].engine, pool.tokenizer
+
+    def stats(self):
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_base):
+    """scripts.chat_web's app with one CPU worker, served by uvicorn in a thread on a free port."""
+    import uvicorn
+
+    import scripts.chat_web as chat_web
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(checkpoint_base))
+        pool = chat_web.WorkerPool(chat_web.load_workers("base", "cpu"))
+    chat_web.app.state.pool = pool
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(chat_web.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield Served(f"http://127.0.0.1:{port}", pool)
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def post_chat(url, body, timeout=120):
+    """POST /chat/completions. Returns (200, [events]) for a stream, or (status, JSON body) for a refusal."""
+    with httpx.Client(timeout=timeout) as client:
+        with client.stream("POST", url + "/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                return response.status_code, response.json()
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    return 200, [json.loads(line[len("data: "):]) for line in lines]
+
+
+def reply_text(events):
+    """The text of a complete stream, after checking its shape: token events, then exactly one done event."""
+    assert events[-1] == {"done": True}, events[-3:]
+    tokens = events[:-1]
+    assert all(set(e) == {"token", "gpu"} and e["token"] for e in tokens), tokens
+    return "".join(e["token"] for e in tokens)
+
+
+def engine_reply(served, messages, max_tokens, temperature, top_k, seed):
+    """What the engine itself generates for this request: (text, number of tokens)."""
+    prompt = served.tokenizer.render_for_completion({"messages": messages})
+    budget = min(max_tokens, served.engine.context_len - len(prompt))
+    results, _ = served.engine.generate_batch(prompt, max_tokens=budget, temperature=temperature, top_k=top_k, seed=seed)
+    return served.tokenizer.decode(results[0][len(prompt):]), len(results[0]) - len(prompt)
+
+
+def wait_idle(served, timeout=10):
+    deadline = time.time() + timeout
+    while (stats := served.stats())["busy"] or stats["queue"]:
+        assert time.time() < deadline, stats
+        time.sleep(0.01)
+    return stats
+
+
+# -----------------------------------------------------------------------------
+# The API
+
+def alternating(n, text="hi"):
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i in range(n)]
+
+
+BAD_REQUESTS = {
+    "no messages": ({"messages": []}, "messages:"),
+    "messages missing": ({"temperature": 1}, "messages:"),
+    "messages not a list": ({"messages": "hi"}, "messages:"),
+    "unknown role": ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role:"),
+    "starts with assistant": ({"messages": [{"role": "assistant", "content": "x"}]}, "messages[0].role:"),
+    "two users in a row": ({"messages": [HELLO[0], HELLO[0]]}, "messages[1].role:"),
+    "ends with assistant": ({"messages": alternating(2)}, "messages[1].role:"),
+    "content not a string": ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content:"),
+    "content missing": ({"messages": [{"role": "user"}]}, "messages[0].content:"),
+    "message too long": ({"messages": [{"role": "user", "content": "x" * 8001}]}, "messages[0].content:"),
+    "conversation too long": ({"messages": alternating(5, "y" * 7000)}, "messages:"),
+    "too many messages": ({"messages": alternating(501)}, "messages:"),
+    "too many tokens for the context": ({"messages": alternating(41, "one two three four five six seven eight nine ten " * 3)}, "messages:"),
+    "temperature too high": ({"messages": HELLO, "temperature": 2.5}, "temperature:"),
+    "temperature negative": ({"messages": HELLO, "temperature": -0.1}, "temperature:"),
+    "temperature not a number": ({"messages": HELLO, "temperature": "hot"}, "temperature:"),
+    "top_k negative": ({"messages": HELLO, "top_k": -1}, "top_k:"),
+    "top_k beyond the vocabulary": ({"messages": HELLO, "top_k": 513}, "top_k:"),
+    "top_k a bool": ({"messages": HELLO, "top_k": True}, "top_k:"),
+    "max_tokens zero": ({"messages": HELLO, "max_tokens": 0}, "max_tokens:"),
+    "max_tokens too large": ({"messages": HELLO, "max_tokens": 4097}, "max_tokens:"),
+    "max_tokens fractional": ({"messages": HELLO, "max_tokens": 1.5}, "max_tokens:"),
+    "seed negative": ({"messages": HELLO, "seed": -1}, "seed:"),
+    "body a list": ([HELLO[0]], "body:"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_a_bad_request_gets_400_naming_the_field(server, name):
+    body, field = BAD_REQUESTS[name]
+    served_before = server.stats()["requests_served"]
+    status, answer = post_chat(server.url, body)
+    assert status == 400, (status, answer)
+    assert answer["detail"].startswith(field), answer
+    assert "Traceback" not in answer["detail"]
+    assert server.stats()["requests_served"] == served_before  # refused before any generation
+
+
+@pytest.mark.parametrize("raw", [b'{"messages": [', b"", b"not json", b'{"messages": [{"role": "user", "content": "hi"}],}'])
+def test_malformed_json_gets_400(server, raw):
+    response = httpx.post(server.url + "/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["detail"].startswith("body:")
+
+
+def test_the_reply_streams_what_the_engine_generates_then_done(server):
+    conversation = [HELLO[0], {"role": "assistant", "content": "A short way to build a list."}, {"role": "user", "content": "Show me one ✨"}]
+    for messages in (HELLO, conversation):
+        # a seed whose reply has a few tokens (the tiny model often ends its turn at once)
+        seed = next(s for s in range(200) if engine_reply(server, messages, 40, 1.0, 50, s)[1] >= 5)
+        expected, n_tokens = engine_reply(server, messages, max_tokens=40, temperature=1.0, top_k=50, seed=seed)
+        status, events = post_chat(server.url, {"messages": messages, "temperature": 1.0, "top_k": 50, "max_tokens": 40, "seed": seed})
+        assert status == 200
+        assert reply_text(events) == expected  # exactly the engine's tokens, streamed in order, end token left out
+        assert 1 <= len(events) - 1 <= n_tokens  # streamed piece by piece (pieces may hold several tokens, never more)
+    # defaults (no temperature/top_k/max_tokens/seed) work too; a random seed per request
+    status, events = post_chat(server.url, {"messages": HELLO})
+    assert status == 200 and events[-1] == {"done": True}
+
+
+def test_health_stats_and_the_page(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "workers": 1}
+    stats = server.stats()
+    for key in ("workers", "busy", "queue", "requests_served", "tokens_generated", "tokens_per_second"):
+        assert key in stats, stats
+    assert stats["workers"] == 1 and stats["context_len"] == 512
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    assert 'fetch("chat/completions"' in html  # relative: works behind a path prefix
+    assert 'fetch("/' not in html and "fetch('/" not in html and "fetch(`/" not in html
+    for external in ('src="http', "src='http", 'href="http', "href='http", "@import", "//cdn"):
+        assert external not in html, external  # self-contained: nothing to fetch from elsewhere
+
+
+def test_sixteen_concurrent_requests_on_one_worker_all_complete(server):
+    requests = [{"messages": [{"role": "user", "content": f"Question number {i}?"}], "temperature": 1.0, "top_k": 0,
+                 "max_tokens": 24, "seed": 100 + i} for i in range(16)]
+    expected = [engine_reply(server, r["messages"], 24, 1.0, 0, r["seed"])[0] for r in requests]
+    before = wait_idle(server)
+    results = [None] * 16
+    peak = {"queue": 0, "busy": 0}
+    done = threading.Event()
+
+    def watch():  # /stats stays responsive while the worker generates, and shows the queue
+        while not done.is_set():
+            stats = server.stats()
+            peak["queue"], peak["busy"] = max(peak["queue"], stats["queue"]), max(peak["busy"], stats["busy"])
+            time.sleep(0.005)
+
+    def client(i):
+        results[i] = post_chat(server.url, requests[i])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(timeout=120)
+    done.set()
+    watcher.join()
+    for i, (status, events) in enumerate(results):
+        assert status == 200
+        assert reply_text(events) == expected[i], i  # each client got its own reply, whole
+    after = wait_idle(server)
+    assert after["requests_served"] - before["requests_served"] == 16
+    assert peak["busy"] == 1 and peak["queue"] >= 1, peak  # one worker: the others waited in the queue
+
+
+@pytest.fixture(scope="module")
+def long_seed(server):
+    """A seed whose reply to HELLO (temperature 2, whole vocabulary) runs at least 300 of its 500 tokens, and that
+    length: most replies of this tiny model end much sooner, and a client that leaves must have something to cut."""
+    for seed in range(200):
+        _, n = engine_reply(server, HELLO, 500, 2.0, 0, seed)
+        if n >= 300:
+            return seed, n
+    pytest.fail("no seed below 200 gives a reply of 300 tokens")
+
+
+def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, long_seed):
+    seed, full = long_seed
+    body = {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 500, "seed": seed}
+    before = wait_idle(server)
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            assert "token" in json.loads(first[6:])
+        # leaving the block closes the connection after one event
+    left = time.time()
+    after = wait_idle(server, timeout=5)
+    assert time.time() - left < 2.0  # freed at once, not when the reply would have ended
+    assert after["requests_cancelled"] == before["requests_cancelled"] + 1
+    generated = after["tokens_generated"] - before["tokens_generated"]
+    assert generated < full // 2, (generated, full)  # the rest of the reply was never computed
+    # and the next request is served
+    status, events = post_chat(server.url, {"messages": HELLO, "max_tokens": 8, "seed": 1})
+    assert status == 200 and events[-1] == {"done": True}
+
+
+def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatch):
+    # the worker is held by a first request, paced: after its first token it waits for `gate`
+    real_generate, gate = server.engine.generate, threading.Event()
+
+    def paced_generate(*args, **kwargs):
+        steps = real_generate(*args, **kwargs)
+
+        def run():
+            for i, column in enumerate(steps):
+                yield column
+                if i == 0:
+                    gate.wait(timeout=30)
+        return run()
+
+    before = wait_idle(server)
+    seed = next(s for s in range(200) if engine_reply(server, HELLO, 8, 1.0, 0, s)[1] >= 3)  # a reply that needs the gate
+    body = {"messages": HELLO, "temperature": 1.0, "top_k": 0, "max_tokens": 8, "seed": seed}
+    monkeypatch.setattr(server.engine, "generate", paced_generate)
+    with httpx.Client(timeout=30) as first, httpx.Client(timeout=30) as second:
+        with first.stream("POST", server.url + "/chat/completions", json=body) as held:
+            lines = held.iter_lines()  # kept: dropping the iterator would close the connection
+            next(lines)  # the worker is generating for `first`, and waits at the gate
+            with second.stream("POST", server.url + "/chat/completions", json=body):
+                deadline = time.time() + 10
+                while server.stats()["queue"] < 1:
+                    assert time.time() < deadline, server.stats()
+                    time.sleep(0.005)
+            # `second` left while waiting: its place in the queue is gone, and no worker ever ran it
+            deadline = time.time() + 10
+            while server.stats()["queue"]:
+                assert time.time() < deadline, server.stats()
+                time.sleep(0.005)
+            assert server.stats()["busy"] == 1
+            gate.set()
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+            assert rest[-1] == {"done": True}  # `first` is answered in full
+    after = wait_idle(server)
+    assert after["requests_served"] == before["requests_served"] + 1
+    assert after["requests_cancelled"] == before["requests_cancelled"]
+
+
+def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server, long_seed, monkeypatch):
+    engine = server.engine
+    real_generate = engine.generate
+
+    def failing_generate(*args, **kwargs):  # fault injection: three real steps, then the device "fails"
+        steps = real_generate(*args, **kwargs)
+
+        def run():
+            for i, column in enumerate(steps):
+                if i == 3:
+                    raise RuntimeError("injected failure")
+                yield column
+        return run()
+
+    before = wait_idle(server)
+    seed, _ = long_seed
+    monkeypatch.setattr(engine, "generate", failing_generate)
+    status, events = post_chat(server.url, {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 50, "seed": seed})
+    assert status == 200
+    assert events[-1] == {"done": True}
+    assert "injected failure" in events[-2]["error"], events[-2:]
+    assert all("token" in e for e in events[:-2])
+    monkeypatch.undo()
+    status, events = post_chat(server.url, {"messages": HELLO, "max_tokens": 8})
+    assert status == 200 and events[-1] == {"done": True}
+    after = wait_idle(server)
+    assert after["requests_failed"] == before["requests_failed"] + 1
+    assert after["requests_served"] == before["requests_served"] + 1
+
+
+# -----------------------------------------------------------------------------
+# The command line
+
+def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(checkpoint_base):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(checkpoint_base), OMP_NUM_THREADS="1")
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
+                                "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            assert time.time() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        status, events = post_chat(f"http://127.0.0.1:{port}", {"messages": HELLO, "max_tokens": 5})
+        assert status == 200 and events[-1] == {"done": True}
+        # the same port again: refused at once, in one line
+        again = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
+                                "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1
+        assert again.stderr.strip().startswith("error: cannot listen on 0.0.0.0:") and "--port" in again.stderr
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            out, _ = process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, _ = process.communicate()
+    assert "WARNING: listening on 0.0.0.0" in out and "no authentication" in out, out
+
+
+def test_a_missing_checkpoint_is_one_line_naming_the_stage(tmp_path):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path / "empty"), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--device_type=cpu", f"--port={free_port()}"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "python -m scripts.chat_sft" in lines[0], result.stderr
+
+
+# -----------------------------------------------------------------------------
+# The page, in a real browser
+
+def events_of(response_body):
+    return [json.loads(line[6:]) for line in response_body.splitlines() if line.startswith("data: ")]
+
+
+def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright pip package: pip install playwright")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"needs Chromium at {CHROMIUM}: apt-get install chromium (the Debian package; Playwright's own "
+                    f"browser download is not used) and pip install playwright")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+            "--disable-component-update", "--no-first-run", "--disable-extensions"])
+        try:
+            page = browser.new_page(viewport={"width": 960, "height": 720})
+            page_errors, sent = [], []
+            page.on("pageerror", lambda e: page_errors.append(str(e)))
+            page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+            page.goto(server.url + "/")
+            assert page.title() == "nanochat"
+            page.click("summary")
+            page.fill("#max-tokens", "300")
+
+            def ask(text):
+                """Type `text`, press Enter, wait for the reply to end; returns the stream as the server sent it."""
+                with page.expect_response(lambda r: r.url.endswith("/chat/completions")) as response:
+                    page.fill("#input", text)
+                    page.press("#input", "Enter")
+                page.wait_for_selector("#send:text('Send')")
+                return events_of(response.value.text())
+
+            def replies():
+                return [b.text_content() for b in page.query_selector_all(".message.assistant .bubble")]
+
+            # 1. a message: the reply shows while it is generated. The engine is paced for this one reply: after its
+            # 5th token it waits for `gate`, so the page can be looked at mid-reply. (The seed makes the reply long.)
+            hello = [{"role": "user", "content": "Hello there"}]
+            seed = next(s for s in range(200) if engine_reply(server, hello, 300, 0.8, 50, s)[1] >= 10)
+            real_generate, gate = server.engine.generate, threading.Event()
+
+            def paced_generate(*args, **kwargs):
+                steps = real_generate(*args, **dict(kwargs, seed=seed))
+
+                def run():
+                    for i, column in enumerate(steps):
+                        yield column
+                        if i == 4:
+                            gate.wait(timeout=30)
+                return run()
+            monkeypatch.setattr(server.engine, "generate", paced_generate)
+            with page.expect_response(lambda r: r.url.endswith("/chat/completions")) as response:
+                page.fill("#input", "Hello there")
+                page.press("#input", "Enter")
+            page.wait_for_function("document.querySelector('.message.assistant.streaming .bubble')?.textContent.length > 0")
+            partial = replies()[0]
+            assert page.text_content("#send") == "Stop"  # still generating, and the first pieces are on the page
+            gate.set()
+            page.wait_for_selector("#send:text('Send')")
+            monkeypatch.setattr(server.engine, "generate", real_generate)
+            events = events_of(response.value.text())
+            assert replies() == [reply_text(events)]
+            assert replies()[0].startswith(partial) and len(replies()[0]) > len(partial)
+            assert sent[-1] == {"messages": hello, "max_tokens": 300}
+            first_reply = replies()[0]
+
+            # 2. the conversation is kept: the second request carries the first exchange
+            events = ask("Tell me more")
+            assert sent[-1]["messages"] == [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first_reply},
+                                            {"role": "user", "content": "Tell me more"}]
+            assert replies() == [first_reply, reply_text(events)]
+
+            # 3. regenerate: the last reply is asked again, without itself, and replaced
+            with page.expect_response(lambda r: r.url.endswith("/chat/completions")) as response:
+                page.click("#regenerate")
+            page.wait_for_selector("#send:text('Send')")
+            assert sent[-1]["messages"] == sent[-2]["messages"]
+            assert replies() == [first_reply, reply_text(events_of(response.value.text()))]
+            assert len(page.query_selector_all(".message")) == 4
+            page.click("summary")  # fold the settings away for the picture
+            page.screenshot(path=str(tmp_path / "chat_web.png"))
+            if os.environ.get("NANOCHAT_SCREENSHOT"):  # the README's picture: NANOCHAT_SCREENSHOT=docs/chat_web.png
+                shutil.copy(tmp_path / "chat_web.png", os.environ["NANOCHAT_SCREENSHOT"])
+            assert (tmp_path / "chat_web.png").stat().st_size > 10_000
+
+            # 4. readable on a phone: nothing wider than the screen
+            page.set_viewport_size({"width": 390, "height": 800})
+            assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+            page.set_viewport_size({"width": 960, "height": 720})
+
+            # 5. a new conversation starts empty
+            page.click("#new-chat")
+            assert page.query_selector_all(".message") == []
+            events = ask("Hi again")
+            assert sent[-1]["messages"] == [{"role": "user", "content": "Hi again"}]
+            assert replies() == [reply_text(events)]
+
+            # 6. a refused request (a message over the server's 8,000 characters) shows the server's error in the page,
+            # and the message goes back into the input box
+            long_message = "word " * 1700
+            page.fill("#input", long_message)
+            page.press("#input", "Enter")
+            error = page.wait_for_selector(".error")
+            assert "messages[2].content" in error.text_content() and "8,000" in error.text_content()
+            assert page.input_value("#input") == long_message.strip()
+            assert len(page.query_selector_all(".message")) == 2
+
+            # 7. an error event during the stream shows too
+            real_generate = server.engine.generate
+
+            def failing_generate(*args, **kwargs):
+                raise RuntimeError("injected failure")
+            monkeypatch.setattr(server.engine, "generate", failing_generate)
+            page.fill("#input", "One more")
+            page.press("#input", "Enter")
+            page.wait_for_selector(".error:has-text('injected failure')")
+            page.wait_for_selector("#send:text('Send')")
+            monkeypatch.setattr(server.engine, "generate", real_generate)
+            assert len(page.query_selector_all(".message")) == 2
+            assert page_errors == []
+        finally:
+            browser.close()
