@@ -1,0 +1,193 @@
+"""
+Decoding benchmark: the Engine (nanochat/engine.py: KV cache, GPT.decode_step) against naive generation
+(GPT.generate, which re-runs the whole sequence at every step), on this machine.
+
+    python bench/engine.py                                  # depth 4, vocab 8192, context 2048, CPU, 1 and 2 threads
+    python bench/engine.py --threads=1 --repeats=5
+    python bench/engine.py --device_type=cuda --depth=20 --vocab_size=65536 --batch_sizes=1,8,32,128 --threads=0
+
+For each thread count, prints:
+- decode tokens/s of the engine at each batch size (tokens/s counts every sample's tokens: B x steps / time),
+  measured from the first token to the last, i.e. the steady decoding rate; also per CPU-second of the process;
+- time to first token (TTFT): from the generate() call to the first token column, i.e. prefill of the
+  prompt + the first sample, for the bench prompt and for a long prompt (`long_prompt_tokens`);
+- naive generation's tokens/s for the same prompt and number of new tokens at batch 1, end to end, and the
+  engine's end-to-end speedup over it (the same work: prompt in, `new_tokens` tokens out);
+and the peak memory (RSS) of the process after the engine runs and at the end. Medians of `repeats` runs.
+Also, greedy at batch 1 without the engine around it: decoding through GPT.forward with the KV cache (the generic
+path), and GPT.decode_step with the weight matrices as nn.Linear stores them (out, in) and with decode_weights()'
+copies (on CPU stored (in, out)), to show what the lean step and the layout are each worth.
+Random weights (the speed does not depend on them) and a random prompt; the tokenizer (needed for its
+special tokens) is the pydocs one of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench
+directory), trained if missing. Under CUDA the engine runs under bf16 autocast, as the chat scripts do.
+"""
+
+import os
+import resource
+import statistics
+import tempfile
+import time
+
+import torch
+
+os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "nanochat_bench"))
+os.environ["NANOCHAT_DATASET"] = "pydocs"
+
+from nanochat.common import autocast_dtype, print0
+from nanochat.configurator import configure
+from nanochat.dataset import parquets_iter_batched
+from nanochat.engine import Engine
+from nanochat.gpt import GPT, KVCache, config_from_depth
+from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
+
+depth = 4  # model depth
+vocab_size = 8192  # tokenizer / model vocabulary
+sequence_len = 2048  # the model's context (Engine.context_len)
+prompt_tokens = 32  # prompt length for the decode and naive measurements
+long_prompt_tokens = 1024  # a second prompt length, for time to first token only
+new_tokens = 256  # tokens generated per sample
+batch_sizes = "1,8"  # comma-separated num_samples values for the engine
+temperature = 1.0  # sampling temperature (0 = greedy)
+threads = "1,2"  # comma-separated torch thread counts to measure with (0 = leave torch's default)
+repeats = 3  # runs per measurement; the median is reported
+naive = True  # also time naive generation (GPT.generate) at batch 1
+device_type = "cpu"  # cpu | cuda
+config = configure(globals())
+
+device = torch.device(device_type)
+tok_dir = get_tokenizer_dir()
+tokenizer = Tokenizer.from_directory(tok_dir) if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else None
+if tokenizer is None or tokenizer.get_vocab_size() != vocab_size:
+    tokenizer = Tokenizer.train_from_iterator((doc for batch in parquets_iter_batched("train") for doc in batch), vocab_size)
+    tokenizer.save(tok_dir)
+
+torch.manual_seed(0)
+model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=sequence_len)).to(device)
+model.init_weights()
+with torch.no_grad():  # init_weights zeroes the output projections and the head: give them weight
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            p.normal_(std=p.size(1) ** -0.5)
+model.eval()
+engine = Engine(model, tokenizer)
+n_special = len(tokenizer.get_special_tokens())
+gen = torch.Generator().manual_seed(0)
+prompt = torch.randint(0, vocab_size - n_special, (prompt_tokens,), generator=gen).tolist()
+long_prompt = torch.randint(0, vocab_size - n_special, (long_prompt_tokens,), generator=gen).tolist()
+dtype = autocast_dtype(device_type)
+autocast = torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+print0(f"device {device}, model depth {depth} ({model.num_params() / 1e6:.1f}M params, {weights_mb:.0f} MiB fp32), "
+       f"vocab {vocab_size}, context {engine.context_len}, matmul dtype {dtype}, prompt {prompt_tokens} tokens, "
+       f"{new_tokens} new tokens, temperature {temperature}, median of {repeats}")
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def run_engine(tokens, num_samples, max_tokens, seed):
+    """(seconds to the first column, seconds from the first column to the last, number of steps, CPU seconds
+    this process used from the first column to the last)."""
+    sync()
+    t0 = time.perf_counter()
+    with autocast:
+        steps = engine.generate(tokens, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        next(steps)
+        t1, cpu1 = time.perf_counter(), time.process_time()
+        n = 1 + sum(1 for _ in steps)
+    sync()
+    return t1 - t0, time.perf_counter() - t1, n, time.process_time() - cpu1
+
+
+def run_naive(seed):
+    sync()
+    t0 = time.perf_counter()
+    with autocast:
+        n = sum(1 for _ in model.generate(prompt, new_tokens, temperature=temperature, seed=seed))
+    sync()
+    return time.perf_counter() - t0, n
+
+
+@torch.inference_mode()
+def decode_step_rate(weights, steps=128):
+    """GPT.decode_step alone at batch 1 (greedy, no engine around it): tokens/s. weights=None: decode through
+    GPT.forward with the KV cache instead (the generic cached path: nn.Modules, one (1, 1) token sequence)."""
+    cfg = model.config
+    cache = KVCache(1, cfg.n_kv_head, prompt_tokens + steps, cfg.n_embd // cfg.n_head, cfg.n_layer, device, model.lm_head.weight.dtype)
+    token = model.prefill(torch.tensor([prompt], device=device), cache).argmax(-1)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        if weights is None:
+            token = model(token[:, None], kv_cache=cache)[:, -1].argmax(-1)
+        else:
+            token = model.decode_step(token, cache, weights).argmax(-1)
+        token.tolist()  # as the engine does
+    sync()
+    return steps / (time.perf_counter() - t0)
+
+
+as_stored = ([tuple(lin.weight for lin in (b.attn.c_q, b.attn.c_k, b.attn.c_v, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
+              for b in model.transformer.h], model.lm_head.weight)
+Bs = [int(b) for b in batch_sizes.split(",")]
+layout_check = device.type == "cpu" and dtype == torch.float32  # decode_weights() copies only on CPU
+if layout_check:
+    with torch.inference_mode():
+        copies = model.decode_weights()
+rows = []
+for n_threads in [int(t) for t in threads.split(",")]:
+    if n_threads > 0:
+        torch.set_num_threads(n_threads)
+    label = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
+    run_engine(prompt, 1, 8, seed=0)  # warm-up
+    runs, layout, long_ttfts, pairs = {B: [] for B in Bs}, [], [], []
+    # one round of every measurement per repeat, so that all of them see the same mix of load on a shared machine
+    for r in range(repeats):
+        for B in Bs:
+            runs[B].append(run_engine(prompt, B, new_tokens, seed=r))
+        if layout_check:
+            layout.append((decode_step_rate(None), decode_step_rate(as_stored), decode_step_rate(copies)))
+        long_ttfts.append(run_engine(long_prompt, 1, 1, seed=r)[0])
+        if naive:  # the engine end to end and naive generation back to back: the same work, the same load
+            t, dt, n, _ = run_engine(prompt, 1, new_tokens, seed=r)
+            naive_dt, naive_n = run_naive(seed=r)
+            pairs.append((n / (t + dt), naive_n / naive_dt))
+    decode = {B: statistics.median((n - 1) * B / dt for _, dt, n, _ in runs[B]) for B in Bs}
+    # tokens per CPU-second of this process: on a busy machine, closer than wall time to what an idle one gives
+    # (it leaves out the time other programs held the cores, not the memory bandwidth they took); with several
+    # threads it counts every thread's time, so it is comparable only at 1 thread
+    decode_cpu = {B: statistics.median((n - 1) * B / cpu for _, _, n, cpu in runs[B]) for B in Bs}
+    ttft = {B: statistics.median(t for t, _, _, _ in runs[B]) for B in Bs}
+    for B in Bs:
+        if any(n != new_tokens for _, _, n, _ in runs[B]):
+            print0(f"  note: at B={B} some runs ended early (every sample ended): steps {[n for _, _, n, _ in runs[B]]}")
+        print0(f"[{label}] engine B={B}: decode {decode[B]:,.0f} tok/s ({1000 * B / decode[B]:.2f} ms/step; "
+               f"{decode_cpu[B]:,.0f} tok/s per CPU-second), TTFT {1000 * ttft[B]:.1f} ms  "
+               f"(runs: {', '.join(f'{(n - 1) * B / dt:,.0f}' for _, dt, n, _ in runs[B])} tok/s)")
+    if layout_check:
+        print0(f"[{label}] greedy B=1 without the engine: GPT.forward with the cache {statistics.median(f for f, _, _ in layout):,.0f} "
+               f"tok/s; decode_step with the weights (out, in) as stored {statistics.median(a for _, a, _ in layout):,.0f} tok/s, "
+               f"with decode_weights() copies (in, out) {statistics.median(b for _, _, b in layout):,.0f} tok/s "
+               f"(runs: {', '.join(f'{f:,.0f}/{a:,.0f}/{b:,.0f}' for f, a, b in layout)})")
+    long_ttft = statistics.median(long_ttfts)
+    print0(f"[{label}] TTFT with a {long_prompt_tokens}-token prompt: {1000 * long_ttft:.0f} ms "
+           f"(runs: {', '.join(f'{1000 * t:.0f}' for t in long_ttfts)} ms); peak RSS so far {peak_rss_mib():.0f} MiB")
+    e2e = naive_rate = speedup = None
+    if naive:
+        e2e, naive_rate = statistics.median(e for e, _ in pairs), statistics.median(nv for _, nv in pairs)
+        speedup = statistics.median(e / nv for e, nv in pairs)
+        print0(f"[{label}] B=1 end to end: engine {e2e:,.0f} tok/s, naive {naive_rate:,.1f} tok/s, speedup {speedup:.1f}x "
+               f"(runs: {', '.join(f'{e:,.0f}/{nv:,.1f}' for e, nv in pairs)})")
+    rows.append((label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup))
+
+gpu_peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if device.type == "cuda" else ""
+print0(f"\npeak RSS at the end: {peak_rss_mib():.0f} MiB{gpu_peak}\n")
+print0("| threads | " + " | ".join(f"decode B={B} (per CPU-s)" for B in Bs) + f" | TTFT ({prompt_tokens} / {long_prompt_tokens}-token prompt) "
+       f"| B=1 end to end: engine | naive | speedup |")
+print0("|---" * (len(Bs) + 5) + "|")
+for label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup in rows:
+    naive_cells = f"{e2e:,.0f} tok/s | {naive_rate:,.1f} tok/s | {speedup:.1f}x" if naive else "- | - | -"
+    print0(f"| {label} | " + " | ".join(f"{decode[B]:,.0f} tok/s ({decode_cpu[B]:,.0f})" for B in Bs) + f" | {1000 * ttft[Bs[0]]:.1f} / "
+           f"{1000 * long_ttft:.0f} ms | {naive_cells} |")

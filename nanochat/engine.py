@@ -1,0 +1,378 @@
+"""
+The inference engine: sampling from a trained GPT fast, with a KV cache, several samples per prompt, and the
+calculator tool. The chat CLI, the web server, chat evaluation and RL all generate through it.
+
+    engine = Engine(model, tokenizer)
+    prompt = tokenizer.render_for_completion(conversation)          # ends with <|assistant_start|>
+    for token_column, token_masks in engine.generate(prompt, num_samples=4, max_tokens=256, temperature=0.8):
+        ...                                                           # one token per sample, per step
+    results, masks = engine.generate_batch(prompt, num_samples=4, max_tokens=256)
+
+How a generation runs:
+1. Prefill: the prompt goes through the model once, at batch 1, filling a KV cache (GPT.prefill).
+2. The cache is replicated for `num_samples` rows (KVCache.prefill) and every sample starts from the same
+   prediction; from then on each row samples its own tokens.
+3. Decode: one token per row per step (GPT.decode_step), its keys/values appended to the cache, which grows
+   as needed up to the context.
+
+What a step yields: `token_column[i]` is sample i's next token and `token_masks[i]` says who chose it:
+1 = sampled from the model, 0 = forced (written into the sample by the calculator tool, not sampled).
+A sample ends at <|assistant_end|> or <|bos|> (that token is yielded, with mask 1); from the next step on,
+its entries only pad the column: its end token again, with mask 0. generate() returns when every sample
+has ended, after `max_tokens` steps, or when the sequence fills the context.
+
+Stopping early: just stop iterating (`break` out of the loop, or call `.close()` on the generator). Nothing
+runs ahead: a step is only computed when the next column is asked for, so an abandoned generation costs
+nothing more and its cache is freed with the generator.
+
+The context: prompt + generated tokens (forced ones included) never exceed `Engine.context_len`, by default
+`model.config.sequence_len`, the length the model was trained on. Positions past it were never trained
+(the rotary tables reach 10x further only so that a caller can choose to go there, with
+`Engine(model, tokenizer, context_len=...)`, up to `model.rotary_len`). A prompt plus `max_tokens` beyond the
+context raises UserError before anything runs; `max_tokens=None` means "until the context is full", a
+documented stop. To ask for "at most N tokens, as many as fit": `max_tokens=min(N, engine.context_len - len(prompt))`.
+
+Sampling: temperature 0 is greedy (argmax), top_k None or 0 samples from the whole vocabulary. The result
+depends only on the arguments and `seed` (a private torch.Generator per call; the global RNG is untouched).
+The cached computation gives the logits of naive generation without a cache (GPT.generate) up to float
+rounding, and both pick tokens with the same function (gpt.sample_next_token): the tests check that greedy
+decoding, and sampling with the same seed, give exactly the same tokens on a trained model. Under bf16 autocast, wrap the whole iteration (not only the call) in the autocast context.
+
+The calculator tool: when a sample writes <|python_start|> expression <|python_end|>, the expression is
+evaluated by use_calculator() (arithmetic and a few string methods, never Python's eval) and
+<|output_start|> result <|output_end|> is forced into that sample, one token per step with mask 0. Each
+sample keeps its own tool state. TextStreamer turns a stream of token ids into text for printing.
+"""
+
+import ast
+import codecs
+import math
+import operator
+import time
+from collections import deque
+
+import torch
+
+from nanochat.common import UserError
+from nanochat.gpt import KVCache, sample_next_token
+
+# -----------------------------------------------------------------------------
+# The calculator tool
+
+MAX_EXPRESSION_CHARS = 1000  # longer expressions are refused before parsing
+MAX_STRING_CHARS = 1000  # longest string any step may produce ("ab" * 10**9 is refused before it is built)
+MAX_INT_BITS = 4000  # largest integer any step may produce (~1200 digits; 9**9**9 is refused before it is computed)
+CALCULATOR_TIME_LIMIT = 0.1  # seconds per expression, checked at every node of the expression
+# str methods the calculator calls: only replace can return a string longer than its inputs (checked before)
+STRING_METHODS = {"count", "upper", "lower", "strip", "lstrip", "rstrip", "replace", "startswith", "endswith",
+                  "find", "title", "capitalize", "swapcase"}
+ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+class _Refused(Exception):
+    """An expression the calculator does not evaluate."""
+
+
+def _is_number(value):
+    return type(value) in (int, float)  # not bool: True + True is not arithmetic anyone means
+
+
+def _checked(value):
+    """A value within the calculator's limits, or _Refused."""
+    if type(value) is int and value.bit_length() > MAX_INT_BITS:
+        raise _Refused("integer too large")
+    if type(value) is float and not math.isfinite(value):
+        raise _Refused("not a finite number")
+    if type(value) is str and len(value) > MAX_STRING_CHARS:
+        raise _Refused("string too long")
+    if type(value) not in (int, float, str, bool):
+        raise _Refused(f"{type(value).__name__} values are not supported")
+    return value
+
+
+def _binary(op, a, b):
+    """a <op> b for numbers (and str + str, str * int), with the size of the result bounded *before* computing it."""
+    if _is_number(a) and _is_number(b):
+        if op is ast.Mult and type(a) is int and type(b) is int and a.bit_length() + b.bit_length() > MAX_INT_BITS:
+            raise _Refused("product too large")
+        if op is ast.Pow and type(b) is int and abs(a) > 1:  # |a| <= 1: the power stays small whatever b is
+            # |a| >= 2**(bit_length - 1), so a**b has at least (bit_length - 1) * b bits
+            if abs(b) > MAX_INT_BITS or (type(a) is int and (a.bit_length() - 1) * b > MAX_INT_BITS):
+                raise _Refused("power too large")
+        return _checked(ARITHMETIC[op](a, b))
+    if op is ast.Add and type(a) is str and type(b) is str:
+        return _checked(a + b)
+    if op is ast.Mult and {type(a), type(b)} == {str, int}:
+        text, count = (a, b) if type(a) is str else (b, a)
+        if len(text) * count > MAX_STRING_CHARS:
+            raise _Refused("string too long")
+        return text * count
+    # everything else, notably str % ...: printf-style formatting ("%*d" % (10**9, 1)) is not arithmetic
+    raise _Refused(f"unsupported operands for {op.__name__}: {type(a).__name__}, {type(b).__name__}")
+
+
+def _call_method(text, name, args):
+    if name == "replace":
+        if len(args) not in (2, 3) or type(args[0]) is not str or type(args[1]) is not str:
+            raise _Refused("replace(old, new[, count]) takes two strings")
+        old, new = args[0], args[1]
+        hits = len(text) + 1 if old == "" else text.count(old)
+        if len(args) == 3 and type(args[2]) is int and args[2] >= 0:
+            hits = min(hits, args[2])
+        if len(text) + hits * (len(new) - len(old)) > MAX_STRING_CHARS:
+            raise _Refused("string too long")
+    return _checked(getattr(text, name)(*args))
+
+
+def _evaluate(node, deadline):
+    """Evaluate one node of the parsed expression; anything not listed here is refused."""
+    if time.monotonic() > deadline:
+        raise _Refused("time limit")
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
+        return _checked(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _evaluate(node.operand, deadline)
+        if not _is_number(value):
+            raise _Refused("unary + and - apply to numbers")
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
+        return _binary(type(node.op), _evaluate(node.left, deadline), _evaluate(node.right, deadline))
+    if isinstance(node, ast.Call) and not node.keywords:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "len" and len(node.args) == 1:
+            value = _evaluate(node.args[0], deadline)
+            if type(value) is str:
+                return len(value)
+        elif isinstance(func, ast.Attribute) and func.attr in STRING_METHODS:
+            text = _evaluate(func.value, deadline)
+            if type(text) is str:
+                return _call_method(text, func.attr, [_evaluate(arg, deadline) for arg in node.args])
+    raise _Refused(f"not allowed: {type(node).__name__}")
+
+
+def use_calculator(expr, time_limit=CALCULATOR_TIME_LIMIT):
+    """
+    The calculator tool: the result of `expr` as Python would print it (str(value)), or None when the
+    expression is not one the calculator evaluates, fails (1/0), or exceeds a limit.
+
+    What it evaluates, by walking the parsed expression itself (never eval/exec): int, float and str
+    literals; + - * / // % ** and unary + -, on numbers (plus str + str and str * int); parentheses;
+    len(str); and the string methods in STRING_METHODS called on a string ('strawberry'.count('r')).
+    Nothing else: no names, attribute access other than those methods, subscripts, comprehensions,
+    lambdas, keyword arguments. Every intermediate value is bounded (MAX_INT_BITS, MAX_STRING_CHARS) before
+    it is computed, so 9**9**9 or 'a' * 10**9 are refused at once, and the walk stops after `time_limit`
+    seconds. Commas are removed from expressions without quotes, as thousands separators ("1,200*3").
+    """
+    if not isinstance(expr, str) or len(expr) > MAX_EXPRESSION_CHARS:
+        return None
+    expr = expr.strip()
+    if "'" not in expr and '"' not in expr:
+        expr = expr.replace(",", "")
+    try:
+        tree = ast.parse(expr, mode="eval")
+        return str(_evaluate(tree.body, time.monotonic() + time_limit))
+    except Exception:  # refused, a syntax error, 1/0, an overflow, nesting too deep for the parser: no result
+        return None
+
+
+# -----------------------------------------------------------------------------
+# Streaming text
+
+
+class TextStreamer:
+    """
+    Token ids in, text out, as the tokens arrive, without ever cutting a character in half. A token holds
+    bytes, not characters: a multi-byte UTF-8 character (é, 中, an emoji) is often split across tokens, and
+    decoding each token on its own would print replacement characters (U+FFFD) mid-stream. The streamer
+    keeps the bytes of an incomplete character until the rest arrives (Python's incremental UTF-8 decoder),
+    so the pieces joined equal tokenizer.decode(all ids), and a U+FFFD appears only where the bytes really
+    are invalid. Special tokens come out as their names, as in tokenizer.decode.
+
+        streamer = TextStreamer(tokenizer)
+        for token_column, _ in engine.generate(prompt, max_tokens=200):
+            print(streamer.put(token_column[0]), end="", flush=True)
+        print(streamer.end())
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def put(self, token_id):
+        """Add one token; return the text it completes (possibly "")."""
+        return self._decoder.decode(self.tokenizer.enc.decode_single_token_bytes(int(token_id)))
+
+    def end(self):
+        """The stream is over: return what is left (U+FFFD for an incomplete trailing character) and reset."""
+        return self._decoder.decode(b"", final=True)
+
+
+# -----------------------------------------------------------------------------
+# The engine
+
+
+class _Sample:
+    """One sample's state: tokens the tool still has to force in, the python expression being written
+    (None outside <|python_start|> ... <|python_end|>), and the token that ended it (None while it runs)."""
+
+    def __init__(self):
+        self.forced = deque()
+        self.expression = None
+        self.end_token = None
+
+
+def _check_int(name, value, minimum, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
+
+
+class Engine:
+    """
+    Generation with a KV cache, several samples per prompt and the calculator tool (see the module docstring).
+    Public attributes, for callers: `context_len` (the longest prompt + generation), `end_tokens` (the ids of
+    <|assistant_end|> and <|bos|>, which end a sample), `vocab_size`, `model`, `tokenizer`.
+    """
+
+    def __init__(self, model, tokenizer, context_len=None):
+        """
+        `context_len`: the longest sequence (prompt + generated) a generation may reach; default
+        model.config.sequence_len, the training length. At most model.rotary_len.
+        """
+        self.model, self.tokenizer = model, tokenizer
+        self.context_len = model.config.sequence_len if context_len is None else context_len
+        if isinstance(context_len, bool) or not isinstance(self.context_len, int) or not 2 <= self.context_len <= model.rotary_len:
+            raise UserError(f"context_len must be an integer in [2, {model.rotary_len}] (the model's rotary table), "
+                            f"got {context_len!r}")
+        self.vocab_size = model.config.vocab_size
+        special = tokenizer.encode_special
+        self.end_tokens = (special("<|assistant_end|>"), special("<|bos|>"))
+        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
+        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
+
+    def _check_arguments(self, tokens, num_samples, max_tokens, temperature, top_k, seed):
+        """The prompt as a list of ints, and the number of steps to run; UserError for a bad argument."""
+        try:
+            tokens = [operator.index(t) for t in tokens]
+        except TypeError:
+            raise UserError("tokens must be a sequence of integer token ids "
+                            "(e.g. tokenizer.encode(text, prepend='<|bos|>'))") from None
+        if not tokens:
+            raise UserError("the prompt is empty: give at least one token (e.g. <|bos|>)")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the model's vocabulary [0, {self.vocab_size})")
+        _check_int("num_samples", num_samples, 1)
+        _check_int("max_tokens", max_tokens, 0, allow_none=True)
+        _check_int("top_k", top_k, 0, allow_none=True)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UserError(f"seed must be an integer, got {seed!r}")
+        number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+        if not number or not math.isfinite(temperature) or temperature < 0:
+            raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        room = self.context_len - len(tokens)
+        if max_tokens is None:
+            if room < 1:
+                raise UserError(f"the prompt ({len(tokens)} tokens) leaves no room in the context of {self.context_len} "
+                                f"tokens: shorten it")
+            return tokens, room
+        if max_tokens > room:
+            raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) = {len(tokens) + max_tokens} "
+                            f"exceeds the context of {self.context_len} tokens (Engine.context_len): lower max_tokens, "
+                            f"shorten the prompt, or pass max_tokens=None to generate until the context is full")
+        return tokens, max_tokens
+
+    def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
+        """
+        Sample `num_samples` continuations of the prompt `tokens` (a list of token ids) together. Yields, per
+        step, (token_column, token_masks): lists of num_samples token ids and masks (1 sampled, 0 forced by
+        the tool or padding after a sample's end). At most `max_tokens` steps (None: until the context is
+        full); returns early when every sample has ended. See the module docstring.
+        Arguments are checked at the call (UserError), before the first step is asked for.
+        """
+        tokens, steps = self._check_arguments(tokens, num_samples, max_tokens, temperature, top_k, seed)
+        return self._generate(tokens, num_samples, steps, temperature, top_k, seed)
+
+    @torch.inference_mode()
+    def _generate(self, tokens, num_samples, steps, temperature, top_k, seed):
+        if steps == 0:
+            return
+        model, cfg = self.model, self.model.config
+        device = model.lm_head.weight.device
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head.weight.dtype  # the cache's dtype
+        head_dim = cfg.n_embd // cfg.n_head
+        rng = torch.Generator(device=device).manual_seed(seed)
+
+        # 1. the prompt, once, at batch 1
+        prompt_cache = KVCache(1, cfg.n_kv_head, len(tokens), head_dim, cfg.n_layer, device, dtype)
+        logits = model.prefill(torch.tensor([tokens], dtype=torch.long, device=device), prompt_cache)  # (1, vocab)
+        # 2. one copy of it per sample. The last token sampled is never fed back, hence the - 1; the cache
+        # starts with room for 256 new positions and doubles when full.
+        max_len = len(tokens) + steps - 1
+        cache = KVCache(num_samples, cfg.n_kv_head, max_len, head_dim, cfg.n_layer, device, dtype,
+                        capacity=len(tokens) + 256)
+        cache.prefill(prompt_cache)
+        del prompt_cache
+        logits = logits.expand(num_samples, -1)
+
+        # 3. decode
+        samples = [_Sample() for _ in range(num_samples)]
+        weights = None
+        for step in range(steps):
+            sampled = sample_next_token(logits, rng, temperature, top_k).tolist()
+            column, masks = [], []
+            for sample, token in zip(samples, sampled):
+                token, mask = self._next_token(sample, token)
+                column.append(token)
+                masks.append(mask)
+            yield column, masks
+            if step == steps - 1 or all(sample.end_token is not None for sample in samples):
+                return
+            if weights is None:  # made after the first token is out, so they do not delay it
+                weights = model.decode_weights()
+            logits = model.decode_step(torch.tensor(column, dtype=torch.long, device=device), cache, weights)
+
+    def _next_token(self, sample, sampled):
+        """The token sample `sample` gets this step, and its mask; runs the tool when an expression closes."""
+        if sample.end_token is not None:
+            return sample.end_token, 0  # padding: the sample has ended
+        if sample.forced:
+            token, mask = sample.forced.popleft(), 0
+        else:
+            token, mask = sampled, 1
+        if token in self.end_tokens:
+            sample.end_token = token
+        elif token == self.python_start:
+            sample.expression = []
+        elif token == self.python_end and sample.expression is not None:
+            result = use_calculator(self.tokenizer.decode(sample.expression))
+            sample.expression = None
+            if result is not None:
+                sample.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
+        elif sample.expression is not None:
+            sample.expression.append(token)
+        return token, mask
+
+    def generate_batch(self, tokens, num_samples=1, **kwargs):
+        """
+        Run generate() to the end. Returns (results, masks): per sample, the prompt followed by its tokens up to
+        but not including the token that ended it (<|assistant_end|> / <|bos|>), and the matching masks (0 for
+        the prompt, then 1 sampled / 0 forced). kwargs: max_tokens, temperature, top_k, seed.
+        """
+        steps = self.generate(tokens, num_samples, **kwargs)  # checks the arguments
+        results = [[int(t) for t in tokens] for _ in range(num_samples)]
+        masks = [[0] * len(tokens) for _ in range(num_samples)]
+        ended = [False] * num_samples
+        for column, column_masks in steps:
+            for i, (token, mask) in enumerate(zip(column, column_masks)):
+                if ended[i]:
+                    continue
+                if token in self.end_tokens:
+                    ended[i] = True
+                else:
+                    results[i].append(token)
+                    masks[i].append(mask)
+        return results, masks

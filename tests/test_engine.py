@@ -1,0 +1,456 @@
+"""
+Tests of nanochat/engine.py: exactness of cached decoding against naive generation on a (briefly) trained
+model, sampling, context limits, the calculator tool and its safety, and streaming text.
+"""
+
+import os
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nanochat.common import UserError
+from nanochat.engine import Engine, TextStreamer, use_calculator
+from nanochat.gpt import GPT, GPTConfig, KVCache, sample_next_token
+from nanochat.tokenizer import Tokenizer
+
+SEQ_LEN = 64
+
+
+def pydocs_texts(pydocs_dir, shard):
+    names = sorted(name for name in os.listdir(pydocs_dir) if name.endswith(".parquet"))  # the last one is validation
+    return pq.read_table(os.path.join(pydocs_dir, names[shard]), columns=["text"]).column("text").to_pylist()
+
+
+@pytest.fixture(scope="module")
+def tiny(small_tokenizer_dir, pydocs_dir):
+    """
+    A depth-2 GPT (4 query heads sharing 2 kv heads, so grouped-query attention is covered) trained for 100
+    AdamW steps (~5 s) on pydocs documents (each after a <|bos|>) with the session's 512-token tokenizer:
+    enough that greedy continuations are varied text-like token sequences, not one token repeated, so
+    "engine == naive" means something. It also learned to end documents, i.e. to emit <|bos|>.
+    Returns (model, tokenizer, held-out prompts as token lists).
+    """
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    bos = tokenizer.get_bos_token_id()
+    data = torch.tensor([t for ids in tokenizer.encode(pydocs_texts(pydocs_dir, 0)[:600], prepend=bos) for t in ids])
+    cfg = GPTConfig(sequence_len=SEQ_LEN, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2, n_embd=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(100):
+        starts = torch.randint(0, len(data) - SEQ_LEN - 1, (16,), generator=gen).tolist()
+        batch = torch.stack([data[s:s + SEQ_LEN + 1] for s in starts])
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    assert losses[-1] < losses[0] - 1.5, losses  # it did learn something
+    held_out = tokenizer.encode(pydocs_texts(pydocs_dir, -1)[:20], prepend=bos)  # validation shard
+    prompts = [ids for ids in held_out if len(ids) > SEQ_LEN]
+    return model, tokenizer, prompts
+
+
+def naive_until_end(model, engine, prompt, max_tokens, **kwargs):
+    """GPT.generate (no cache), cut after the first token that ends a sample, as the engine stops there."""
+    out = []
+    for token in model.generate(prompt, max_tokens, **kwargs):
+        out.append(token)
+        if token in engine.end_tokens:
+            break
+    return out
+
+
+def engine_stream(engine, prompt, num_samples=1, **kwargs):
+    """Each sample's raw token stream from Engine.generate, and its masks."""
+    columns = list(engine.generate(prompt, num_samples, **kwargs))
+    return [[c[0][i] for c in columns] for i in range(num_samples)], [[c[1][i] for c in columns] for i in range(num_samples)]
+
+
+# -----------------------------------------------------------------------------
+# exactness
+
+
+@pytest.mark.parametrize("prompt_len", [1, 6, 23, 50])
+def test_greedy_matches_naive_generation(tiny, prompt_len):
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    generated = []
+    # every prompt starts with <|bos|>: for length 1, also try single tokens from inside the documents
+    candidates = [p[:prompt_len] for p in prompts[:3]] if prompt_len > 1 else [prompts[0][:1]] + [p[1:2] for p in prompts[:3]]
+    for prompt in candidates:
+        max_tokens = min(30, SEQ_LEN - prompt_len)
+        expected = naive_until_end(model, engine, prompt, max_tokens, temperature=0)
+        (tokens,), (masks,) = engine_stream(engine, prompt, max_tokens=max_tokens, temperature=0)
+        assert tokens == expected
+        assert masks == [1] * len(tokens)
+        generated += tokens
+    assert len(set(generated)) >= 10, generated  # varied output: the comparison is not trivial
+
+
+def test_greedy_with_several_samples_matches_naive(tiny):
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    prompt = prompts[3][:12]
+    expected = naive_until_end(model, engine, prompt, 40, temperature=0)
+    streams, masks = engine_stream(engine, prompt, num_samples=4, max_tokens=40, temperature=0)
+    assert streams == [expected] * 4
+    results, result_masks = engine.generate_batch(prompt, num_samples=4, max_tokens=40, temperature=0)
+    body = expected[:-1] if expected[-1] in engine.end_tokens else expected
+    assert results == [prompt + body] * 4
+    assert result_masks == [[0] * len(prompt) + [1] * len(body)] * 4
+
+
+def test_greedy_up_to_the_context_limit(tiny):
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    full = 0
+    for prompt in prompts[:6]:
+        prompt = prompt[:40]
+        expected = naive_until_end(model, engine, prompt, SEQ_LEN - 40, temperature=0)
+        streams, _ = engine_stream(engine, prompt, num_samples=2, max_tokens=None, temperature=0)
+        assert streams == [expected] * 2
+        (tokens,), _ = engine_stream(engine, prompt, max_tokens=SEQ_LEN - 40, temperature=0)
+        assert tokens == expected
+        full += len(prompt) + len(tokens) == SEQ_LEN
+    assert full >= 1  # at least one generation really ran into the context limit
+
+
+def test_generation_past_the_training_length_when_asked(tiny):
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer, context_len=3 * SEQ_LEN)
+    prompt = prompts[0][:SEQ_LEN]  # a prompt as long as the training length, then 100 more tokens
+    expected = naive_until_end(model, engine, prompt, 100, temperature=0)
+    (tokens,), _ = engine_stream(engine, prompt, max_tokens=100, temperature=0)
+    assert tokens == expected
+    with pytest.raises(UserError):
+        Engine(model, tokenizer, context_len=model.rotary_len + 1)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_step_equals_full_forward(tiny, batch):
+    model, _, prompts = tiny
+    cfg = model.config
+    idx = torch.tensor([p[:40] for p in prompts[:batch]])
+    with torch.no_grad():
+        full = model(idx)  # (B, 40, vocab)
+        # capacity 4: the cache has to grow (4 -> 8 -> 16 -> 32 -> 40) while decoding
+        cache = KVCache(batch, cfg.n_kv_head, 40, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.float32, capacity=4)
+        last = model.prefill(idx[:, :3], cache)
+        torch.testing.assert_close(last, full[:, 2], rtol=0, atol=1e-5)
+        weights = model.decode_weights()
+        for t in range(3, 40):
+            logits = model.decode_step(idx[:, t], cache, weights)
+            torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-5)
+    assert cache.get_pos() == 40 and cache.capacity == 40
+    with pytest.raises(ValueError, match="KV cache full"):
+        model.decode_step(idx[:, 0], cache, weights)
+
+
+def test_prefill_is_replicated_for_every_sample(tiny):
+    model, _, prompts = tiny
+    cfg = model.config
+    head_dim = cfg.n_embd // cfg.n_head
+    prompt = torch.tensor([prompts[0][:9]])
+    one = KVCache(1, cfg.n_kv_head, 9, head_dim, cfg.n_layer, "cpu", torch.float32)
+    with torch.no_grad():
+        model.prefill(prompt, one)
+    many = KVCache(3, cfg.n_kv_head, 20, head_dim, cfg.n_layer, "cpu", torch.float32, capacity=2)
+    many.prefill(one)
+    assert many.get_pos() == 9
+    for row in range(3):
+        assert torch.equal(many.k[:, row, :, :9], one.k[:, 0, :, :9])
+        assert torch.equal(many.v[:, row, :, :9], one.v[:, 0, :, :9])
+
+
+# -----------------------------------------------------------------------------
+# sampling
+
+
+def test_sampling_depends_only_on_the_seed(tiny):
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    prompt = prompts[1][:8]
+    rng_state = torch.get_rng_state()
+    a = engine.generate_batch(prompt, num_samples=4, max_tokens=30, temperature=1.0, seed=1)
+    torch.manual_seed(123)  # the global RNG must not matter
+    b = engine.generate_batch(prompt, num_samples=4, max_tokens=30, temperature=1.0, seed=1)
+    torch.set_rng_state(rng_state)
+    c = engine.generate_batch(prompt, num_samples=4, max_tokens=30, temperature=1.0, seed=2)
+    assert torch.equal(torch.get_rng_state(), rng_state)  # generation left the global RNG alone
+    assert a == b
+    assert a[0] != c[0]
+    assert len({tuple(r) for r in a[0]}) > 1  # the samples of one call differ from each other
+
+
+def test_sampling_matches_naive_sampling(tiny):
+    # both pick tokens with the same function and the same seed: one sample follows GPT.generate exactly
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    prompt = prompts[2][:15]
+    for kwargs in (dict(temperature=0.9, seed=5), dict(temperature=1.3, top_k=20, seed=6)):
+        expected = naive_until_end(model, engine, prompt, 40, **kwargs)
+        (tokens,), _ = engine_stream(engine, prompt, max_tokens=40, **kwargs)
+        assert tokens == expected
+
+
+def test_top_k(tiny):
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    prompt = prompts[4][:10]
+    greedy = engine.generate_batch(prompt, max_tokens=25, temperature=0)
+    assert engine.generate_batch(prompt, num_samples=2, max_tokens=25, temperature=1.5, top_k=1)[0] == greedy[0] * 2
+    assert engine.generate_batch(prompt, max_tokens=25, top_k=0, seed=3) == engine.generate_batch(prompt, max_tokens=25, top_k=None, seed=3)
+    (tokens,), _ = engine_stream(engine, prompt, max_tokens=25, temperature=2.0, top_k=3, seed=4)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(t in top3[i].tolist() for i, t in enumerate(tokens))
+
+
+def test_sampler_draws_from_the_softmax():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1e4, 3.0, 2.0]])  # token 3's probability underflows to exactly 0
+    n = 100_000
+    for temperature, top_k in ((1.0, None), (0.5, None), (2.0, 3)):
+        draws = sample_next_token(logits.expand(n, -1), gen, temperature, top_k)
+        freq = torch.bincount(draws, minlength=6).double() / n
+        expected = torch.softmax(logits[0].double() / temperature, dim=-1)
+        if top_k:
+            expected[expected < expected.topk(top_k).values[-1]] = 0
+            expected /= expected.sum()
+        assert freq[3] == 0
+        assert (freq - expected).abs().max() < 0.01, (freq, expected)  # 6 standard deviations
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tokens=[]), "empty"),
+    (dict(tokens=[1, 2, 10**6]), "vocabulary"),
+    (dict(tokens=[1, -1]), "vocabulary"),
+    (dict(tokens=["a"]), "integer token ids"),
+    (dict(num_samples=0), "num_samples"),
+    (dict(num_samples=2.0), "num_samples"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(seed=None), "seed"),
+    (dict(max_tokens=SEQ_LEN), "exceeds the context"),
+    (dict(tokens=[1] * SEQ_LEN, max_tokens=None), "no room"),
+])
+def test_bad_arguments_raise_user_error(tiny, kwargs, message):
+    model, tokenizer, _ = tiny
+    engine = Engine(model, tokenizer)
+    args = dict(tokens=[tokenizer.get_bos_token_id(), 5], num_samples=1, max_tokens=4, temperature=1.0)
+    args.update(kwargs)
+    with pytest.raises(UserError, match=message):
+        engine.generate(**args)  # raised at the call, before the first step
+    with pytest.raises(UserError, match=message):
+        engine.generate_batch(**args)
+
+
+def test_context_edges_and_early_stop(tiny):
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    assert engine.context_len == SEQ_LEN
+    prompt = prompts[0][:SEQ_LEN - 1]
+    assert len(list(engine.generate(prompt, max_tokens=None, temperature=0))) == 1  # exactly one fits
+    assert list(engine.generate(prompt, max_tokens=0)) == []
+    gen = engine.generate(prompts[0][:5], num_samples=2, max_tokens=50, temperature=0)
+    first = [next(gen) for _ in range(3)]
+    gen.close()  # a caller stops whenever it likes
+    assert [c for c, _ in first] == [c for c, _ in list(engine.generate(prompts[0][:5], num_samples=2, max_tokens=3, temperature=0))]
+
+
+# -----------------------------------------------------------------------------
+# end tokens and the calculator tool, on a model whose next token depends only on the current one
+
+
+def bigram_model(tokenizer, transitions, n_embd=128):
+    """
+    A real GPT with hand-set weights that follows `transitions` {token: [next token(s)]}: its blocks add
+    nothing (output projections are zero at init) so the head sees only the current token's embedding; the
+    embeddings of the tokens in `transitions` are orthogonal one-hot vectors, and the head gives each listed
+    next token a logit of +100 and every other token -100 (softcapped to about +-15). One next token:
+    chosen with probability 1 - 1e-10 even at temperature 1; two: a fair coin between them.
+    """
+    cfg = GPTConfig(sequence_len=SEQ_LEN, vocab_size=tokenizer.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=n_embd)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.init_weights()
+    with torch.no_grad():
+        for j, (token, nexts) in enumerate(transitions.items()):
+            model.transformer.wte.weight[token] = 0.0
+            model.transformer.wte.weight[token, j] = 1.0  # normed: sqrt(n_embd) * e_j
+            model.lm_head.weight[:, j] = -100.0 / n_embd ** 0.5
+            for nxt in nexts:
+                model.lm_head.weight[nxt, j] = 100.0 / n_embd ** 0.5
+    model.eval()
+    return model
+
+
+def test_stops_at_assistant_end_and_bos(small_tokenizer_dir):
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    sp = tokenizer.encode_special
+    a, b = tokenizer.encode("ab")[:1] + tokenizer.encode("cd")[:1]
+    for end in ("<|assistant_end|>", "<|bos|>"):
+        model = bigram_model(tokenizer, {sp("<|assistant_start|>"): [a], a: [b], b: [sp(end)], sp(end): [a]})
+        engine = Engine(model, tokenizer)
+        prompt = [sp("<|bos|>"), sp("<|assistant_start|>")]
+        for temperature in (0, 1.0):
+            (tokens,), (masks,) = engine_stream(engine, prompt, max_tokens=20, temperature=temperature)
+            assert tokens == [a, b, sp(end)] and masks == [1, 1, 1]
+            assert engine.generate_batch(prompt, max_tokens=20, temperature=temperature) == ([prompt + [a, b]], [[0, 0, 1, 1]])
+
+
+def tool_model(tokenizer, expression, branch=False):
+    """
+    A bigram model that writes "T", then calls the tool on `expression`, then "!" and ends:
+    assistant_start -> "T" -> python_start -> expression tokens -> python_end; output_end -> "!" -> assistant_end.
+    With branch: assistant_start -> "T" or "x" (a coin flip), and "x" -> assistant_end (no tool call).
+    The expression's tokens must all differ (a bigram model cannot tell two occurrences of a token apart).
+    """
+    sp = tokenizer.encode_special
+    t, x, bang = tokenizer.encode("T")[0], tokenizer.encode("x")[0], tokenizer.encode("!")[0]
+    chain = [sp("<|assistant_start|>"), t, sp("<|python_start|>"), *tokenizer.encode(expression), sp("<|python_end|>")]
+    assert len(set(chain)) == len(chain)
+    transitions = {a: [b] for a, b in zip(chain, chain[1:])}
+    transitions[sp("<|python_end|>")] = [bang]  # taken only if the tool gives no output
+    transitions[sp("<|output_end|>")] = [bang]
+    transitions[bang] = [sp("<|assistant_end|>")]
+    if branch:
+        transitions[sp("<|assistant_start|>")] = [t, x]
+        transitions[x] = [sp("<|assistant_end|>")]
+    return bigram_model(tokenizer, transitions), chain[1:]
+
+
+def test_calculator_output_is_forced_mid_generation(small_tokenizer_dir):
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    sp = tokenizer.encode_special
+    model, written = tool_model(tokenizer, "6*7")
+    engine = Engine(model, tokenizer)
+    prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "what is 6 times 7?"}]})
+    forced = [sp("<|output_start|>"), *tokenizer.encode("42"), sp("<|output_end|>")]
+    bang = tokenizer.encode("!")[0]
+    expected = written + forced + [bang, sp("<|assistant_end|>")]
+    expected_masks = [1] * len(written) + [0] * len(forced) + [1, 1]
+    (tokens,), (masks,) = engine_stream(engine, prompt, max_tokens=40, temperature=0)
+    assert tokens == expected and masks == expected_masks
+    results, result_masks = engine.generate_batch(prompt, num_samples=2, max_tokens=40, temperature=1.0)
+    assert results == [prompt + expected[:-1]] * 2
+    assert result_masks == [[0] * len(prompt) + expected_masks[:-1]] * 2
+    # max_tokens, or the context, running out in the middle of the tool's output just ends the sample there
+    cut = len(written) + 2
+    assert engine.generate_batch(prompt, max_tokens=cut, temperature=0)[0] == [prompt + expected[:cut]]
+    short = Engine(model, tokenizer, context_len=len(prompt) + cut)
+    assert short.generate_batch(prompt, max_tokens=None, temperature=0)[0] == [prompt + expected[:cut]]
+
+
+def test_refused_expression_forces_nothing(small_tokenizer_dir):
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    sp = tokenizer.encode_special
+    model, written = tool_model(tokenizer, "6*")  # a syntax error: no result
+    engine = Engine(model, tokenizer)
+    (tokens,), (masks,) = engine_stream(engine, [sp("<|assistant_start|>")], max_tokens=40, temperature=0)
+    assert tokens == written + [tokenizer.encode("!")[0], sp("<|assistant_end|>")]
+    assert masks == [1] * len(tokens)
+
+
+def test_each_sample_keeps_its_own_tool_state(small_tokenizer_dir):
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    sp = tokenizer.encode_special
+    model, written = tool_model(tokenizer, "3**4", branch=True)
+    engine = Engine(model, tokenizer)
+    prompt = [sp("<|bos|>"), sp("<|assistant_start|>")]
+    forced = [sp("<|output_start|>"), *tokenizer.encode("81"), sp("<|output_end|>")]
+    with_tool = written + forced + [tokenizer.encode("!")[0], sp("<|assistant_end|>")]
+    with_tool_masks = [1] * len(written) + [0] * len(forced) + [1, 1]
+    without_tool = [tokenizer.encode("x")[0], sp("<|assistant_end|>")]
+    for seed in range(20):  # find a seed where the coin flips go both ways among 6 samples
+        streams, masks = engine_stream(engine, prompt, num_samples=6, max_tokens=50, temperature=1.0, seed=seed)
+        if 0 < sum(s[0] == without_tool[0] for s in streams) < 6:
+            break
+    else:
+        pytest.fail("no seed gave both branches")
+    steps = len(with_tool)
+    for stream, mask in zip(streams, masks):
+        assert len(stream) == steps  # every column has a token for every sample
+        if stream[0] == without_tool[0]:
+            # after its end, a sample's entries are padding: its end token again, mask 0
+            assert stream == without_tool + [sp("<|assistant_end|>")] * (steps - 2)
+            assert mask == [1, 1] + [0] * (steps - 2)
+        else:
+            assert stream == with_tool and mask == with_tool_masks
+
+
+# -----------------------------------------------------------------------------
+# the calculator
+
+
+@pytest.mark.parametrize("expr, result", [
+    ("2+3*4", "14"), ("10/4", "2.5"), ("7//2", "3"), ("7 % 3", "1"), ("2**10", "1024"), ("-(3 - 5)", "2"),
+    ("(1.5 + 2) * 2", "7.0"), ("1,200 * 3", "3600"), (" 12 + 12 ", "24"), ("2**-1", "0.5"),
+    ("'strawberry'.count('r')", "3"), ("len('hello')", "5"), ("'Hello'.upper()", "HELLO"),
+    ("'  pad '.strip()", "pad"), ("'a-b-c'.replace('-', '+')", "a+b+c"), ("'ab' * 3", "ababab"),
+    ("'a,b'.count(',')", "1"), ("'abc'.startswith('a')", "True"),
+])
+def test_calculator_evaluates(expr, result):
+    assert use_calculator(expr) == result
+
+
+@pytest.mark.parametrize("expr", [
+    "__import__('os').system('echo pwned')", "__import__('os')", "open('/etc/passwd').read()",
+    "().__class__.__bases__[0].__subclasses__()", "'a'.__class__", "'a'.upper.__self__", "'a'.__len__()",
+    "(lambda: 1)()", "[x for x in range(10)]", "globals()", "x", "eval('1+1')", "exec('x=1')",
+    "getattr('a', 'upper')()", "'{}'.format(1)", "'%s' % 'a'", "'%*d' % (10**9, 1)", "'a'.join(['b'])",
+    "'a'.center(10**9)", "1 if True else 2", "True + 1", "1 < 2", "(1, 2)", "{'a': 1}", "'abc'[0]",
+    "'a'.count(sep='a')", "len(*'a')",
+    "9**9**9", "10**100000", "2**4001", "(2**4000) * (2**4000)", "'a' * 10**9", "10**9 * 'a'",
+    "'a'.replace('', 'b' * 900) * 2", "'ab'.replace('', 'x' * 999)", "1e308 * 10", "(-8) ** 0.5",
+    "1/0", "5 % 0", "", "1 +", "-" * 2000 + "1", "(" * 300 + "1" + ")" * 300,
+])
+def test_calculator_refuses(expr):
+    start = time.perf_counter()
+    assert use_calculator(expr) is None
+    assert time.perf_counter() - start < 0.5  # refused at once, not after computing something huge
+
+
+def test_calculator_limits():
+    assert use_calculator("1 + 1", time_limit=-1) is None  # the deadline is checked at every node
+    assert use_calculator("1 + 1") == "2"
+    assert use_calculator("-" * 900 + "1") in (None, "1")  # deep nesting: an answer or None, never a crash
+    assert use_calculator("2**3999") == str(2**3999)  # the limits are about size, not a blanket refusal
+
+
+# -----------------------------------------------------------------------------
+# streaming text
+
+
+def test_text_streamer_never_splits_a_character(small_tokenizer_dir):
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    text = "naïve café — 中文 and 🙂 emoji, ok"
+    ids = tokenizer.encode(text, prepend="<|bos|>")
+    streamer = TextStreamer(tokenizer)
+    pieces = [streamer.put(t) for t in ids]
+    assert streamer.end() == ""
+    assert "".join(pieces) == "<|bos|>" + text
+    assert all("\ufffd" not in p for p in pieces)
+    # the small tokenizer splits multi-byte characters across tokens, so some tokens completed nothing yet
+    assert "" in pieces and any(ord(ch) > 0xFFFF for p in pieces for ch in p)
+    # decoding token by token, the naive way, would have shown replacement characters
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+
+
+def test_text_streamer_matches_decode_on_invalid_bytes(small_tokenizer_dir):
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    lead, cont = 0xE4, 0xB8  # token ids 0..255 are the single bytes: two bytes of a 3-byte character
+    for ids in ([lead, cont, ord("a")], [ord("a"), lead], [cont, cont, ord("b")], [lead, tokenizer.get_bos_token_id()]):
+        streamer = TextStreamer(tokenizer)
+        assert "".join(streamer.put(t) for t in ids) + streamer.end() == tokenizer.decode(ids)
