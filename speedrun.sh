@@ -88,7 +88,7 @@ else
         : "${VOCAB:=512}" "${DEPTH:=1}" "${SEQ:=128}" "${BASE_STEPS:=4}" "${MID_STEPS:=4}" "${SFT_STEPS:=2}" "${RL_STEPS:=1}"
         : "${EVAL_TOKENS:=1024}" "${CORE_EXAMPLES:=8}" "${EVAL_PROBLEMS:=4}" "${RL_SAMPLES:=2}"
     else
-        : "${VOCAB:=4096}" "${DEPTH:=4}" "${SEQ:=512}" "${BASE_STEPS:=100}" "${MID_STEPS:=40}" "${SFT_STEPS:=40}" "${RL_STEPS:=20}"
+        : "${VOCAB:=4096}" "${DEPTH:=4}" "${SEQ:=512}" "${BASE_STEPS:=200}" "${MID_STEPS:=120}" "${SFT_STEPS:=60}" "${RL_STEPS:=20}"
         : "${EVAL_TOKENS:=16384}" "${CORE_EXAMPLES:=100}" "${EVAL_PROBLEMS:=60}" "${RL_SAMPLES:=8}"
     fi
     BATCH="--max_seq_len=$SEQ --device_batch_size=8 --total_batch_size=$((8 * SEQ)) --eval_tokens=$EVAL_TOKENS"

@@ -441,13 +441,20 @@ def compute_init(device_type="cuda"):
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 
 
+def gather_from_ranks(obj):
+    """
+    [obj of rank 0, obj of rank 1, ...], on every rank (dist.all_gather_object: any picklable object); [obj]
+    in a single process. For small things each rank holds on its own: its data position, what it read.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _print_topology(ddp, rank, local_rank, world_size, device):
-    row = (rank, local_rank, world_size, str(device), socket.gethostname())
-    rows = [None] * world_size
-    if ddp:
-        dist.all_gather_object(rows, row)
-    else:
-        rows = [row]
+    rows = gather_from_ranks((rank, local_rank, world_size, str(device), socket.gethostname()))
     header = ("rank", "local_rank", "world_size", "device", "host")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join("{:<%d}" % w for w in widths)

@@ -9,8 +9,8 @@ A script declares its settings as plain module-level variables, then calls confi
 
     $ python -m scripts.base_train --depth=12 --device-batch-size=4
 
-Every int / float / bool / str global that does not start with "_" and is defined before the call is a
-config key. Rules:
+Every int / float / bool / str global that does not start with "_", is not an ALL_CAPS constant and is
+defined before the call is a config key. Rules:
 - only declared keys are accepted; a typo gets an error naming the closest valid keys;
 - values are parsed and checked against the type of the default: an int is fine for a float, bools take
   true/false/1/0/yes/no, strings are taken as they are, and values may themselves contain "=";
@@ -36,7 +36,8 @@ SIMPLE_TYPES = (bool, int, float, str)
 
 
 def _config_keys(scope):
-    return {k: v for k, v in scope.items() if not k.startswith("_") and type(v) in SIMPLE_TYPES}
+    # ALL_CAPS names are constants (often imported, like EXIT_STOPPED_EARLY), never settings
+    return {k: v for k, v in scope.items() if not k.startswith("_") and not k.isupper() and type(v) in SIMPLE_TYPES}
 
 
 def parse_value(key, raw, default):

@@ -251,6 +251,19 @@ class Engine:
         self.end_tokens = (special("<|assistant_end|>"), special("<|bos|>"))
         self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
         self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
+        self._weights, self._weights_key = None, None
+
+    def _decode_weights(self):
+        """
+        model.decode_weights(), made again only when the weights changed since the last call: every parameter
+        keeps its identity and its version counter (torch bumps it at every in-place change, such as an
+        optimizer step or load_state_dict). On CPU they are copies (the size of the model), so a server
+        answering many requests, or RL sampling between updates, makes them once per change, not per call.
+        """
+        key = tuple((id(p), p._version) for p in self.model.parameters())
+        if key != self._weights_key:
+            self._weights, self._weights_key = self.model.decode_weights(), key
+        return self._weights
 
     def _check_arguments(self, tokens, num_samples, max_tokens, temperature, top_k, seed):
         """The prompt as a list of ints, and the number of steps to run; UserError for a bad argument."""
@@ -332,7 +345,7 @@ class Engine:
             if step == steps - 1 or all(sample.end_token is not None for sample in samples):
                 return
             if weights is None:  # made after the first token is out, so they do not delay it
-                weights = model.decode_weights()
+                weights = self._decode_weights()
             logits = model.decode_step(torch.tensor(column, dtype=torch.long, device=device), cache, weights)
 
     def _next_token(self, sample, sampled):

@@ -429,8 +429,8 @@ class GPT(nn.Module):
         one row per sample by every matrix, a matrix-vector product whose speed is how fast the matrix
         streams from memory, and MKL streams a matrix laid out (in, out) ~3x faster than (out, in) once it
         no longer fits in cache: a whole decoding step of a depth-4 model runs 1.1-1.8x faster (bench/RESULTS.md).
-        Copies go stale when the weights change: make them again after an update (the Engine does, at
-        every generate call).
+        Copies go stale when the weights change: make them again after an update (the Engine does, whenever
+        a parameter's version counter has moved since it last made them).
         """
         if self.lm_head.weight.device.type == "cpu":
             prep = lambda w: w.detach().t().contiguous().t()

@@ -11,7 +11,7 @@ import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import autocast_dtype, autodetect_device_type, compute_cleanup, compute_init, print0
-from nanochat.configurator import configure
+from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
@@ -23,6 +23,7 @@ step = -1  # which step (-1 = the last complete checkpoint)
 device_batch_size = 32  # rows per forward per rank
 split_tokens = 20 * 524288  # tokens evaluated per split, all ranks together
 config = configure(globals())
+check_config(config, positive=["device_batch_size", "split_tokens"], choices={"device_type": ("", "cuda", "cpu", "mps")})
 
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = compute_init(device_type)

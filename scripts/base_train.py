@@ -24,8 +24,8 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import (check_data_settings, check_model_tag, check_tokenizer, checkpoint_dir_for,
                                          claim_checkpoint_dir, load_checkpoint, open_metrics, save_checkpoint)
 from nanochat.common import (EXIT_STOPPED_EARLY, StopRequest, UserError, autocast_dtype, autodetect_device_type, check_finite,
-                             compute_cleanup, compute_init, get_peak_flops, grad_accum_steps_for, init_wandb, print0,
-                             print_banner)
+                             compute_cleanup, compute_init, gather_from_ranks, get_peak_flops, grad_accum_steps_for,
+                             init_wandb, print0, print_banner)
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import tokenizing_distributed_data_loader
@@ -204,11 +204,7 @@ def save(step):
     global last_saved_step
     if not all(torch.isfinite(p).all() for p in orig_model.parameters()):  # never save a diverged model
         raise UserError(f"step {step}: the weights are not finite; nothing saved (the last checkpoint is step {last_saved_step})")
-    loader_states = [None] * ddp_world_size
-    if ddp:
-        dist.all_gather_object(loader_states, train_loader.state_dict())
-    else:
-        loader_states = [train_loader.state_dict()]
+    loader_states = gather_from_ranks(train_loader.state_dict())  # each rank's data slots
     merged = dict(loader_states[0], slots={k: v for s in loader_states for k, v in s["slots"].items()})
     save_checkpoint(checkpoint_dir, step, orig_model.state_dict(), optimizer_shard(optimizers, orig_model), dict(
         model_config=model_config.to_dict(), user_config=config, val_bpb=val_bpb, dataloader_state=merged,

@@ -30,7 +30,8 @@ from nanochat.checkpoint_manager import (check_data_settings, check_model_tag, c
                                          claim_checkpoint_dir, find_model_tag, load_checkpoint, load_model, model_from_state,
                                          open_metrics, save_checkpoint)
 from nanochat.common import (EXIT_STOPPED_EARLY, StopRequest, UserError, autocast_dtype, autodetect_device_type, check_finite,
-                             compute_cleanup, compute_init, get_base_dir, get_peak_flops, init_wandb, print0, print_banner)
+                             compute_cleanup, compute_init, gather_from_ranks, get_base_dir, get_peak_flops, init_wandb,
+                             print0, print_banner)
 from nanochat.configurator import check_config, configure
 from nanochat.loss_eval import count_step_targets, evaluate_bpb, supervised_loss
 from nanochat.report import get_report
@@ -232,16 +233,6 @@ metrics_path, log_metrics = open_metrics(checkpoint_dir, start_step, enabled=mas
 last_saved_step = start_step if resume_from_step >= 0 else None
 
 
-def gather(obj):
-    """The list of `obj` of every rank (each rank reads its own conversations, so data state is per rank)."""
-    out = [None] * ddp_world_size
-    if ddp:
-        dist.all_gather_object(out, obj)
-    else:
-        out = [obj]
-    return out
-
-
 def fetch_step():
     """The step's micro-batches, fetched before it runs (its targets are counted before the first backward);
     also where they start and what had been read before them (a checkpoint saves both)."""
@@ -272,7 +263,8 @@ def save(step):
     global last_saved_step
     if not all(torch.isfinite(p).all() for p in orig_model.parameters()):  # never save a diverged model
         raise UserError(f"step {step}: the weights are not finite; nothing saved (the last checkpoint is step {last_saved_step})")
-    data_state = dict(cursors=gather(next_step_cursor), stats=gather(next_step_stats), epoch_done=any_epoch_done)
+    data_state = dict(cursors=gather_from_ranks(next_step_cursor), stats=gather_from_ranks(next_step_stats),
+                      epoch_done=any_epoch_done)
     save_checkpoint(checkpoint_dir, step, orig_model.state_dict(), optimizer_shard(optimizers, orig_model), dict(
         model_config=orig_model.config.to_dict(), user_config=config, val_bpb=val_bpb, parent=parent,
         tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()),
@@ -382,7 +374,7 @@ while True:
 
 # -----------------------------------------------------------------------------
 # 9. Report
-per_rank = gather(train_stats)
+per_rank = gather_from_ranks(train_stats)
 read, cut = sum(s["read"] for s in per_rank), sum(s["cut"] for s in per_rank)
 print0(f"Read {read:,} training conversations on {ddp_world_size} rank(s); {cut} were longer than max_seq_len + 1 "
        f"tokens and cut")

@@ -98,3 +98,12 @@ def test_script_unknown_key_is_one_line_error(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "error: unknown config key 'detph' (did you mean --depth?); run with --help to list every key"]
+
+
+def test_only_settings_are_keys_and_each_is_given_once():
+    scope = {"depth": 4, "lr": 0.1, "EXIT_CODE": 75, "_private": 1, "name": "x", "helper": len}
+    assert configure(scope, []) == {"depth": 4, "lr": 0.1, "name": "x"}  # no constants, privates or functions
+    with pytest.raises(UserError, match="--depth is given twice"):
+        configure(dict(scope), ["--depth=2", "--depth=3"])
+    with pytest.raises(UserError, match="finite"):
+        configure(dict(scope), ["--lr=nan"])

@@ -3,6 +3,7 @@ Tests of nanochat/engine.py: exactness of cached decoding against naive generati
 model, sampling, context limits, the calculator tool and its safety, and streaming text.
 """
 
+import copy
 import os
 import time
 
@@ -92,6 +93,22 @@ def test_greedy_matches_naive_generation(tiny, prompt_len):
         assert masks == [1] * len(tokens)
         generated += tokens
     assert len(set(generated)) >= 10, generated  # varied output: the comparison is not trivial
+
+
+def test_an_engine_follows_weight_updates(tiny):
+    """The engine keeps its decode weights between calls (a server, RL sampling) and remakes them after any
+    in-place change: after an update it generates what the updated model does, not what the old one did."""
+    model, tokenizer, prompts = tiny
+    model = copy.deepcopy(model)
+    engine = Engine(model, tokenizer)
+    prompt = prompts[1][:10]
+    before, _ = engine_stream(engine, prompt, max_tokens=20, temperature=0)
+    assert engine._decode_weights() is engine._decode_weights()  # unchanged weights: made once
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)  # an "optimizer step"
+    after, _ = engine_stream(engine, prompt, max_tokens=20, temperature=0)
+    assert after[0] == naive_until_end(model, engine, prompt, 20, temperature=0) and after != before
 
 
 def test_greedy_with_several_samples_matches_naive(tiny):
