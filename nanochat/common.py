@@ -535,7 +535,8 @@ def get_peak_flops(device, dtype):
     - Known CUDA GPUs in bf16: the datasheet dense bf16 peak (an H100 SXM: 989 TFLOP/s).
     - $NANOCHAT_PEAK_FLOPS (a number, e.g. 1.5e11): use that, for machines where you know better.
     - Anything else (CPU, MPS, unknown GPUs): measured, as the best FLOP/s of several matmuls in the dtype we
-      compute in (1024^3 and 2048^3: the large one is what a well-fed BLAS reaches). A measurement can only
+      compute in (1024^3 and 2048^3: the large one is what a well-fed BLAS reaches; on a CPU also one thread's
+      best times the number of threads, which a program busy on another core does not lower). A measurement can only
       come out too LOW (another program busy at that moment, a CPU still clocking up), never too high, so
       the best value ever measured on this machine (same CPU/GPU model, thread count and dtype) is kept in
       <base_dir>/peak_flops.json and a lower reading never replaces it: a loaded moment at start-up cannot
@@ -563,6 +564,15 @@ def get_peak_flops(device, dtype):
         hardware = f"{cpu_model_name()}, {torch.get_num_threads()} threads" if device.type == "cpu" else device.type
     measured = max(measure_matmul_flops(device, dtype, n=1024, repeats=8),
                    measure_matmul_flops(device, dtype, n=2048, repeats=3))
+    if device.type == "cpu" and torch.get_num_threads() > 1:
+        # A program busy on one core at this moment would halve a measurement with every thread; one thread
+        # finds a free core, and a large matmul scales linearly with threads. Take the larger of the two.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            measured = max(measured, threads * measure_matmul_flops(device, dtype, n=1024, repeats=8))
+        finally:
+            torch.set_num_threads(threads)
     path = os.path.join(get_base_dir(), "peak_flops.json")
     key = f"{hardware} | {dtype_name}"
     with FileLock(path + ".lock"):
