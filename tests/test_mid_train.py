@@ -93,7 +93,11 @@ def test_cpu_speedrun_smoke(isolated_env, tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (isolated_env / "report" / "report.md").read_text()
-    for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss", "## Midtraining",
-                    "| Tokenizer bytes/token (val) |", "| Chat val bpb, base model |", "| Chat val bpb, after midtraining |"):
-        assert section in report
+    for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss",
+                    "## Base model evaluation", "## Midtraining", "## Chat evaluation mid", "## Chat SFT",
+                    "## Chat evaluation sft", "## Chat RL", "## Chat evaluation rl", "### Report card",
+                    "| Tokenizer bytes/token (val) |", "| Chat val bpb, base model |", "| Chat val bpb, after midtraining |",
+                    "| pydocs-CORE |", "| Offline ChatCORE |"):
+        assert section in report, section
+    assert "python -m scripts.chat_cli --source=rl" in result.stdout and "python -m scripts.chat_web --source=rl" in result.stdout
     assert os.path.exists(os.path.join(REPO_ROOT, "report.md"))  # speedrun copies the report to the repo root
