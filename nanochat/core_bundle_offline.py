@@ -88,53 +88,56 @@ def _options(rng, gold, others):
     return options, options.index(gold)
 
 
-def _summary(docs, rng):
+def _matched_items(rng, usable, pool_of, make_item):
+    """Up to ITEMS_PER_TASK items: each usable entry, in random order, with OPTIONS - 1 others from pool_of(entry)
+    whose first lines all differ (entries for which no such others are found are skipped)."""
+    items = []
+    for d in rng.sample(usable, len(usable)):
+        others = _pick(rng, pool_of(d), OPTIONS - 1, {d[2]})
+        if others:
+            items.append(make_item(d, others))
+        if len(items) == ITEMS_PER_TASK:
+            break
+    return items
+
+
+def _same_kind(docs):
+    """(usable entries, {kind: usable entries of that kind}): entries with a first line and a short header."""
     usable = [d for d in docs if d[2] and len(d[1]) <= MAX_HEADER]
     by_kind = collections.defaultdict(list)
     for d in usable:
         by_kind[d[0]["kind"]].append(d)
-    items = []
-    for d in rng.sample(usable, len(usable)):
-        others = _pick(rng, by_kind[d[0]["kind"]], OPTIONS - 1, {d[2]})
-        if others:
-            choices, gold = _options(rng, d[2], [o[2] for o in others])
-            items.append({"query": d[1], "choices": choices, "gold": gold})
-        if len(items) == ITEMS_PER_TASK:
-            break
-    return items
+    return usable, by_kind
+
+
+def _summary(docs, rng):
+    def item(d, others):
+        choices, gold = _options(rng, d[2], [o[2] for o in others])
+        return {"query": d[1], "choices": choices, "gold": gold}
+    usable, by_kind = _same_kind(docs)
+    return _matched_items(rng, usable, lambda d: by_kind[d[0]["kind"]], item)
+
+
+def _schema_item(rng, d, others):
+    """Which of these headers does d's first line follow?"""
+    options, gold = _options(rng, d[1], [o[1] for o in others])
+    return {"context_options": options, "continuation": d[2], "gold": gold}
 
 
 def _header(docs, rng):
-    usable = [d for d in docs if d[2] and len(d[1]) <= MAX_HEADER]
-    by_kind = collections.defaultdict(list)
-    for d in usable:
-        by_kind[d[0]["kind"]].append(d)
-    items = []
-    for d in rng.sample(usable, len(usable)):
-        others = _pick(rng, by_kind[d[0]["kind"]], OPTIONS - 1, {d[2]})
-        if others:
-            options, gold = _options(rng, d[1], [o[1] for o in others])
-            items.append({"context_options": options, "continuation": d[2], "gold": gold})
-        if len(items) == ITEMS_PER_TASK:
-            break
-    return items
+    usable, by_kind = _same_kind(docs)
+    return _matched_items(rng, usable, lambda d: by_kind[d[0]["kind"]], lambda d, others: _schema_item(rng, d, others))
 
 
 def _owner(docs, rng):
+    def short_name(d):
+        return d[0]["name"].rsplit(".", 1)[-1]
     groups = collections.defaultdict(list)
     for d in docs:
         if d[2] and len(d[1]) <= MAX_HEADER and d[0]["kind"] in ("function", "method"):
-            groups[d[0]["name"].rsplit(".", 1)[-1]].append(d)
+            groups[short_name(d)].append(d)
     usable = [d for group in groups.values() if len({g[2] for g in group}) >= OPTIONS for d in group]
-    items = []
-    for d in rng.sample(usable, len(usable)):
-        others = _pick(rng, groups[d[0]["name"].rsplit(".", 1)[-1]], OPTIONS - 1, {d[2]})
-        if others:
-            options, gold = _options(rng, d[1], [o[1] for o in others])
-            items.append({"context_options": options, "continuation": d[2], "gold": gold})
-        if len(items) == ITEMS_PER_TASK:
-            break
-    return items
+    return _matched_items(rng, usable, lambda d: groups[short_name(d)], lambda d, others: _schema_item(rng, d, others))
 
 
 def _default(docs, rng):

@@ -248,8 +248,9 @@ while True:
         wandb_run.log({"step": step, "total_training_flops": flops_so_far, "total_training_time": total_training_time, "val/bpb": val_bpb})
         log_metrics(step=step, val_bpb=val_bpb)
 
-    # CORE: accuracy on in-context-learning tasks (nanochat/core_eval.py), on the uncompiled model (other shapes)
-    if core_metric_every > 0 and (last_step or step % core_metric_every == 0):
+    # CORE: accuracy on in-context-learning tasks (nanochat/core_eval.py), on the uncompiled model (other shapes).
+    # Not at step 0: an untrained model scores chance (CORE ~0), and on a CPU the evaluation outlasts a short run.
+    if core_metric_every > 0 and (last_step or (step > 0 and step % core_metric_every == 0)):
         orig_model.eval()
         with autocast_ctx:
             core = evaluate_core(orig_model, tokenizer, device, core_bundle_dir, max_per_task=core_metric_max_per_task)
