@@ -314,4 +314,5 @@ if stopped_early:
     print0(f"Stopped at step {step} on request. Continue with the same command plus --resume_from_step={step} "
            f"(exit code {EXIT_STOPPED_EARLY}: not finished)")
     sys.exit(EXIT_STOPPED_EARLY)
-print0("Next: python -m scripts.chat_eval -i rl, or talk to it: python -m scripts.chat_cli --source=rl")
+eval_args = " -a offline" if mixture == "offline" else ""
+print0(f"Next: python -m scripts.chat_eval -i rl{eval_args}, or talk to it: python -m scripts.chat_cli --source=rl")

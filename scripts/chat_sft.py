@@ -363,7 +363,8 @@ while True:
     if step - start_step > 10:
         total_training_time += dt
     grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
-    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
+    progress_done = step / num_iterations if num_iterations > 0 else train_cursor / train_size  # after this step (progress above: before it, for the lr)
+    print0(f"step {step:05d} ({100 * progress_done:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
            f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
            f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | total time: {total_training_time / 60:.2f}m")
     wandb_run.log({"step": step, "total_training_time": total_training_time, "train/loss": debiased_loss,
@@ -396,4 +397,5 @@ if stopped_early:
     print0(f"Stopped at step {step} on request. Continue with the same command plus --resume_from_step={step} "
            f"(exit code {EXIT_STOPPED_EARLY}: not finished)")
     sys.exit(EXIT_STOPPED_EARLY)
-print0("Next: python -m scripts.chat_eval -i sft, then python -m scripts.chat_rl (or talk to it: python -m scripts.chat_cli)")
+eval_args, rl_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")
+print0(f"Next: python -m scripts.chat_eval -i sft{eval_args}, then python -m scripts.chat_rl{rl_args} (or talk to it: python -m scripts.chat_cli)")

@@ -397,7 +397,8 @@ while True:
         total_training_time += dt
         mfus.append(mfu)
     grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
-    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
+    progress_done = step / num_iterations if num_iterations > 0 else approx_progress  # after this step (progress above: before it, for the lr)
+    print0(f"step {step:05d} ({100 * progress_done:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
            f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm (before clip): {grad_text} "
            f"| dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {total_training_time / 60:.2f}m")
     wandb_run.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
@@ -432,4 +433,5 @@ if stopped_early:
     print0(f"Stopped at step {step} on request. Continue with the same command plus --resume_from_step={step} "
            f"(exit code {EXIT_STOPPED_EARLY}: not finished)")
     sys.exit(EXIT_STOPPED_EARLY)
-print0("Next: chat evaluation and supervised finetuning (scripts.chat_eval / scripts.chat_sft, later stages)")
+eval_args, sft_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")
+print0(f"Next: python -m scripts.chat_eval -i mid{eval_args}, then python -m scripts.chat_sft{sft_args} (or talk to it: python -m scripts.chat_cli --source=mid)")

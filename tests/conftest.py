@@ -154,6 +154,30 @@ def trained_tokenizer(pydocs_corpus, small_tokenizer_dir, isolated_env):
     return isolated_env / "tokenizer"
 
 
+def build_checkpoints(base, pydocs_dir, tokenizer_dir, *stages):
+    """
+    Make `base` a base dir holding a copy of the pydocs corpus and of the tokenizer, then run each stage there,
+    one process after the other: `stages` are argument lists such as ["scripts.base_train", "--depth=1", ...]
+    (1 thread, wandb offline, no inherited torchrun variables). The way test modules make their tiny
+    checkpoints, once per module or session; tests copy the result. Returns `base`.
+    """
+    import shutil
+    import subprocess
+    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
+    shutil.copytree(tokenizer_dir, base / "tokenizer")
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    for args in stages:
+        result = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{args[0]} failed: {result.stderr[-3000:]}"
+    return base
+
+
+# A tiny base model's training run, for build_checkpoints: depth 1, no periodic evaluation, sampling or CORE
+TINY_BASE = ["scripts.base_train", "--depth=1", "--eval_every=-1", "--sample_every=-1", "--core_metric_every=-1"]
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_base(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
     """
@@ -161,21 +185,9 @@ def tiny_chat_base(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
     its midtrained model (offline mixture, 10 steps): built once per session for the chat-stage tests, which
     copy it (`chat_base`). The models are tiny and barely trained: for testing the machinery, not quality.
     """
-    import shutil
-    import subprocess
-    base = tmp_path_factory.mktemp("chat_base")
-    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
-    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(var, None)
-    common = ["--max_seq_len=128", "--device_batch_size=2", "--total_batch_size=256", "--num_iterations=10",
-              "--eval_every=-1", "--eval_tokens=256"]
-    for stage, args in (("scripts.base_train", ["--depth=1", "--sample_every=-1", "--core_metric_every=-1"]),
-                        ("scripts.mid_train", ["--mixture=offline"])):
-        result = subprocess.run([sys.executable, "-m", stage, *common, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-3000:]
-    return base
+    common = ["--max_seq_len=128", "--device_batch_size=2", "--total_batch_size=256", "--num_iterations=10", "--eval_tokens=256"]
+    return build_checkpoints(tmp_path_factory.mktemp("chat_base"), pydocs_dir, small_tokenizer_dir,
+                             [*TINY_BASE, *common], ["scripts.mid_train", "--mixture=offline", "--eval_every=-1", *common])
 
 
 @pytest.fixture

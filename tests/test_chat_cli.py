@@ -7,7 +7,6 @@ and Ctrl-D behave, and a missing checkpoint is one line naming the stage to run.
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,22 +15,17 @@ import time
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO_ROOT, TINY_BASE, build_checkpoints
+
 SAMPLING = ["--temperature=1.0", "--top_k=50"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint_base(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
     """A base dir holding the session's tokenizer and a depth-1 model trained for 10 steps, context 64 tokens."""
-    base = tmp_path_factory.mktemp("chat_cli_base")
-    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
-    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=1", "--max_seq_len=64", "--device_batch_size=4",
-                             "--total_batch_size=256", "--num_iterations=10", "--eval_every=-1", "--eval_tokens=256",
-                             "--sample_every=-1", "--core_metric_every=-1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return base
+    return build_checkpoints(tmp_path_factory.mktemp("chat_cli_base"), pydocs_dir, small_tokenizer_dir,
+                             [*TINY_BASE, "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
+                              "--num_iterations=10", "--eval_tokens=256"])
 
 
 @pytest.fixture(scope="module")

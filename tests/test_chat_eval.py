@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO_ROOT, run_torchrun
+from conftest import REPO_ROOT, TINY_BASE, build_checkpoints, run_torchrun
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
@@ -337,19 +337,10 @@ def test_report_card(isolated_env):
 def mid_checkpoint_dir(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
     """A tiny base model (depth 1, 64-token context) midtrained for a few steps on the offline mixture, once per
     module; tests copy it into their own base dir."""
-    base = tmp_path_factory.mktemp("chat_eval_base")
-    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
-    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(var, None)
-    for args in (["scripts.base_train", "--depth=1", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
-                  "--num_iterations=20", "--eval_every=-1", "--eval_tokens=256", "--sample_every=-1", "--core_metric_every=-1"],
-                 ["scripts.mid_train", "--mixture=offline", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
-                  "--num_iterations=10", "--eval_every=-1", "--eval_tokens=256"]):
-        result = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr
-    return base
+    sizes = ["--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256", "--eval_tokens=256"]
+    return build_checkpoints(tmp_path_factory.mktemp("chat_eval_base"), pydocs_dir, small_tokenizer_dir,
+                             [*TINY_BASE, *sizes, "--num_iterations=20"],
+                             ["scripts.mid_train", "--mixture=offline", *sizes, "--num_iterations=10", "--eval_every=-1"])
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ import time
 import httpx
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO_ROOT, TINY_BASE, build_checkpoints
+
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 HELLO = [{"role": "user", "content": "Hello! What is a list comprehension?"}]
 
@@ -34,15 +35,9 @@ def free_port():
 def checkpoint_base(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
     """A base dir holding the session's tokenizer and a depth-1 model trained for 10 steps (~10 s). Its context
     is 512 tokens, so that a reply can be long enough to be cut short by a client that leaves."""
-    base = tmp_path_factory.mktemp("chat_web_base")
-    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
-    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=1", "--max_seq_len=512", "--device_batch_size=1",
-                             "--total_batch_size=512", "--num_iterations=10", "--eval_every=-1", "--eval_tokens=512",
-                             "--sample_every=-1", "--core_metric_every=-1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return base
+    return build_checkpoints(tmp_path_factory.mktemp("chat_web_base"), pydocs_dir, small_tokenizer_dir,
+                             [*TINY_BASE, "--max_seq_len=512", "--device_batch_size=1", "--total_batch_size=512",
+                              "--num_iterations=10", "--eval_tokens=512"])
 
 
 class Served:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, run_torchrun
+from conftest import REPO_ROOT, TINY_BASE, build_checkpoints, run_torchrun
 
 MID = ["-m", "scripts.mid_train", "--mixture=offline", "--max_seq_len=64", "--device_batch_size=2", "--eval_tokens=512"]
 
@@ -21,17 +21,9 @@ MID = ["-m", "scripts.mid_train", "--mixture=offline", "--max_seq_len=64", "--de
 @pytest.fixture(scope="module")
 def base_checkpoint_dir(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
     """A tiny base model (depth 1) trained once per module; tests copy it into their own base dir."""
-    base = tmp_path_factory.mktemp("mid_base")
-    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
-    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(var, None)
-    result = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=1", "--max_seq_len=64", "--device_batch_size=4",
-                             "--total_batch_size=256", "--num_iterations=30", "--eval_every=-1", "--eval_tokens=256",
-                             "--sample_every=-1", "--core_metric_every=-1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return base
+    return build_checkpoints(tmp_path_factory.mktemp("mid_base"), pydocs_dir, small_tokenizer_dir,
+                             [*TINY_BASE, "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
+                              "--num_iterations=30", "--eval_tokens=256"])
 
 
 @pytest.fixture
