@@ -102,6 +102,22 @@ def run_torchrun(nproc, args, env=None, timeout=300, cwd=REPO_ROOT):
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+# The real task loaders' files (tests/fixtures/tasks/<owner>/<dataset>/...), in the published formats
+TASK_FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tasks")
+TASK_REPOS = ("HuggingFaceTB/smol-smoltalk", "cais/mmlu", "openai/gsm8k", "allenai/ai2_arc", "openai/openai_humaneval")
+
+
+@pytest.fixture
+def hub(file_server, monkeypatch):
+    """The task fixtures served at "{url}/datasets/{repo}/resolve/main/{path}", like the Hugging Face hub
+    (NANOCHAT_HF_URL points at it). Its `requests` count what the loaders downloaded."""
+    import shutil
+    for repo in TASK_REPOS:
+        shutil.copytree(os.path.join(TASK_FIXTURES, repo), os.path.join(file_server.root, "datasets", repo, "resolve", "main"))
+    monkeypatch.setenv("NANOCHAT_HF_URL", file_server.url)
+    return file_server
+
+
 @pytest.fixture(scope="session")
 def pydocs_dir(tmp_path_factory):
     """

@@ -28,23 +28,12 @@ from scripts.chat_eval import (CHATCORE_BASELINES, Progress, expand_short_flags,
 from tasks.common import Task, render_mc
 from tasks.humaneval import HumanEval, build_program, extract_code
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tasks")
-REPOS = ("cais/mmlu", "openai/gsm8k", "allenai/ai2_arc", "openai/openai_humaneval")
 CHAT_EVAL = [sys.executable, "-m", "scripts.chat_eval"]
 
 
 @pytest.fixture(scope="module")
 def tok(small_tokenizer_dir):
     return Tokenizer.from_directory(str(small_tokenizer_dir))
-
-
-@pytest.fixture
-def hub(file_server, monkeypatch):
-    """The task fixtures served at "{url}/datasets/{repo}/resolve/main/{path}", like the Hugging Face hub."""
-    for repo in REPOS:
-        shutil.copytree(os.path.join(FIXTURES, repo), os.path.join(file_server.root, "datasets", repo, "resolve", "main"))
-    monkeypatch.setenv("NANOCHAT_HF_URL", file_server.url)
-    return file_server
 
 
 class FakeTask(Task):

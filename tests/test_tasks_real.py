@@ -17,6 +17,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import TASK_FIXTURES, TASK_REPOS
 from nanochat.common import UserError
 from nanochat.tokenizer import Tokenizer
 from tasks.arc import ARC
@@ -26,18 +27,8 @@ from tasks.gsm8k import GSM8K, extract_answer, parse_answer
 from tasks.mmlu import MMLU
 from tasks.smoltalk import SmolTalk
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tasks")
-REPOS = ("HuggingFaceTB/smol-smoltalk", "cais/mmlu", "openai/gsm8k", "allenai/ai2_arc")
+FIXTURES, REPOS = TASK_FIXTURES, TASK_REPOS  # smoltalk, mmlu, gsm8k, arc, humaneval
 IDENTITY = os.path.join(FIXTURES, "identity_conversations.jsonl")
-
-
-@pytest.fixture
-def hub(file_server, monkeypatch):
-    """The fixture files served at "{url}/datasets/{repo}/resolve/main/{path}", like the Hugging Face hub."""
-    for repo in REPOS:
-        shutil.copytree(os.path.join(FIXTURES, repo), os.path.join(file_server.root, "datasets", repo, "resolve", "main"))
-    monkeypatch.setenv("NANOCHAT_HF_URL", file_server.url)
-    return file_server
 
 
 def served(repo, path):
