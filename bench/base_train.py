@@ -23,7 +23,8 @@ import torch
 os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "nanochat_bench"))
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
-from nanochat.common import autocast_dtype, compute_init, get_peak_flops, print0
+from nanochat.common import compute_init, print0
+from nanochat.hardware import autocast_dtype, get_peak_flops
 from nanochat.configurator import configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.dataset import parquets_iter_batched

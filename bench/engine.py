@@ -33,7 +33,8 @@ import torch
 os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "nanochat_bench"))
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
-from nanochat.common import autocast_dtype, print0
+from nanochat.common import print0
+from nanochat.hardware import autocast_dtype
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
 from nanochat.engine import Engine

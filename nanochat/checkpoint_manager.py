@@ -28,13 +28,18 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, atomic_write, get_base_dir, print0
+from nanochat.common import UserError, get_base_dir, print0
+from nanochat.files import atomic_write
 
 SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 STAGE_COMMANDS = {"base": "python -m scripts.base_train", "mid": "python -m scripts.mid_train",
                   "sft": "python -m scripts.chat_sft", "rl": "python -m scripts.chat_rl"}
 CHECKPOINT_FILE = re.compile(r"^(?:model_(\d+)\.pt|optim_(\d+)_rank\d+\.pt|meta_(\d+)\.json)$")
 TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+class CheckpointUnreadable(UserError):
+    """A checkpoint file is missing or cannot be read (truncated, corrupt): load_model then tries the previous step."""
 
 
 def _is_distributed():
@@ -185,15 +190,15 @@ def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, ra
 
 def _torch_load(path, device):
     if not os.path.exists(path):
-        raise UserError(f"checkpoint file missing: {path}")
+        raise CheckpointUnreadable(f"checkpoint file missing: {path}")
     try:
         # mmap: tensors are read from the file as they are used, not all at once (the optimizer files of
         # every rank are opened by every rank when resuming on a different world size)
         return torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # truncated / corrupt: pickle, zip and EOF errors all land here
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"checkpoint file {path} is unreadable (truncated or corrupt: {type(e).__name__}: {reason}); "
-                        f"delete that step's files or pick another step") from None
+        raise CheckpointUnreadable(f"checkpoint file {path} is unreadable (truncated or corrupt: {type(e).__name__}: "
+                                   f"{reason}); delete that step's files or pick another step") from None
 
 
 def read_meta(checkpoint_dir, step):
@@ -204,7 +209,7 @@ def read_meta(checkpoint_dir, step):
         with open(meta_path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"checkpoint file {meta_path} is unreadable: {e}") from None
+        raise CheckpointUnreadable(f"checkpoint file {meta_path} is unreadable: {e}") from None
 
 
 def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False):
@@ -277,6 +282,27 @@ def model_from_state(model_state, meta, device, where):
     return model
 
 
+def checkpoint_tokenizer(checkpoint_dir):
+    """
+    The tokenizer of the model in `checkpoint_dir`: its own `tokenizer/` subdirectory when it has one (a model
+    trained elsewhere and imported, and every stage trained from it, see carry_tokenizer), else the one
+    scripts/tok_train.py wrote to $NANOCHAT_BASE_DIR/tokenizer/.
+    """
+    from nanochat.tokenizer import Tokenizer, get_tokenizer
+    own = os.path.join(checkpoint_dir, "tokenizer")
+    return Tokenizer.from_directory(own) if os.path.isdir(own) else get_tokenizer()
+
+
+def carry_tokenizer(tokenizer, checkpoint_dir):
+    """A tokenizer that is not $NANOCHAT_BASE_DIR/tokenizer/'s is saved into `checkpoint_dir`/tokenizer/ (once)."""
+    from nanochat.tokenizer import get_tokenizer_dir
+    directory = getattr(tokenizer, "directory", None)
+    own = os.path.join(checkpoint_dir, "tokenizer")
+    if directory and os.path.abspath(directory) not in (os.path.abspath(get_tokenizer_dir()), os.path.abspath(own)) \
+            and not os.path.isdir(own):
+        tokenizer.save(own)
+
+
 def check_tokenizer(meta, tokenizer, where):
     """The tokenizer of this run must be the one the checkpoint was trained with (same fingerprint)."""
     from nanochat.tokenizer import get_tokenizer_dir
@@ -284,7 +310,8 @@ def check_tokenizer(meta, tokenizer, where):
     here = tokenizer.fingerprint()
     if saved.get("fingerprint") not in (None, here) or meta["model_config"]["vocab_size"] != tokenizer.get_vocab_size():
         raise UserError(f"{where} was trained with tokenizer {saved.get('fingerprint', '?')} (vocab "
-                        f"{meta['model_config']['vocab_size']:,}), but the tokenizer in {get_tokenizer_dir()} is {here} "
+                        f"{meta['model_config']['vocab_size']:,}), but the tokenizer in "
+                        f"{getattr(tokenizer, 'directory', None) or get_tokenizer_dir()} is {here} "
                         f"(vocab {tokenizer.get_vocab_size():,}): token ids would mean other text; put that run's "
                         f"tokenizer back, or train a new model with this one")
 
@@ -308,7 +335,6 @@ def load_model(source, device, phase, model_tag=None, step=None):
     one, or, if its files are unreadable, the one before it (with a warning). Checks that the tokenizer
     on disk is the one the model was trained with. Returns (model, tokenizer, meta).
     """
-    from nanochat.tokenizer import get_tokenizer
     if source not in SOURCES:
         raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
     checkpoints_dir = os.path.join(get_base_dir(), SOURCES[source])
@@ -324,14 +350,14 @@ def load_model(source, device, phase, model_tag=None, step=None):
         try:
             model, meta = build_model(checkpoint_dir, candidate, device, phase)
             break
-        except UserError as e:
-            if i == len(candidates) - 1 or "unreadable" not in str(e) and "missing" not in str(e):
+        except CheckpointUnreadable as e:
+            if i == len(candidates) - 1:
                 raise
             print0(f"WARNING: the latest checkpoint (step {candidate}) of {checkpoint_dir} cannot be loaded ({e}); "
                    f"using the previous complete one, step {candidates[i + 1]}")
     print0(f"Loaded {source} model {model_tag} step {meta['step']} from {checkpoint_dir}")
     meta = dict(meta, model_tag=model_tag, checkpoint_dir=checkpoint_dir)
-    tokenizer = get_tokenizer()
+    tokenizer = checkpoint_tokenizer(checkpoint_dir)
     check_tokenizer(meta, tokenizer, f"{source} model {model_tag} step {meta['step']}")
     return model, tokenizer, meta
 

@@ -25,12 +25,13 @@ fractions in [0, 1], choices, ... so that a bad value is refused before any work
 Errors are UserError: the script prints one line and exits with status 1.
 """
 
+import difflib
 import math
 import os
 import re
 import sys
 
-from nanochat.common import UserError, closest, print0, setup_default_logging
+from nanochat.common import UserError, print0, setup_default_logging
 
 SIMPLE_TYPES = (bool, int, float, str)
 
@@ -220,3 +221,8 @@ def check_config(config, positive=(), positive_or_unset=(), non_negative=(), fra
         if config[key] not in allowed:
             shown = ", ".join(repr(a) if a == "" else str(a) for a in allowed)
             raise UserError(f"--{key} must be one of {shown}, got {config[key]!r}")
+
+
+def closest(name, candidates, n=3):
+    """For error messages: the candidates that look most like a mistyped `name`."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)

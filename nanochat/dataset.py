@@ -3,7 +3,7 @@ The pretraining corpora: where the text comes from, how it lies on disk, and how
 
 Two corpora share one on-disk format, so the tokenizer and the dataloader never know which one they read:
 parquet shards `shard_00000.parquet`, `shard_00001.parquet`, ... with a single `text` column (one document
-per row), in `<base_dir>/base_data/<corpus>/`. The LAST shard is the validation shard; all others are
+per row; nanochat/shards.py), in `<base_dir>/base_data/<corpus>/`. The LAST shard is the validation shard; all others are
 training shards. $NANOCHAT_DATASET picks the corpus, read at every call (not at import):
 
   fineweb-edu (default)  FineWeb-Edu 100B, shuffled: 1823 shards of ~250M characters of educational web
@@ -29,33 +29,27 @@ of the global order: every rank reads different documents, nobody reads a whole 
 import argparse
 import logging
 import os
-import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-import pyarrow as pa
 import pyarrow.parquet as pq
-from filelock import FileLock
 
-from nanochat.common import (UserError, atomic_write, closest, download_file_with_lock, file_sha256, get_base_dir,
-                             setup_default_logging)
+from nanochat.common import UserError, download_file_with_lock, get_base_dir, setup_default_logging
+from nanochat.configurator import closest
+from nanochat.files import file_sha256
+from nanochat.pydocs import build_pydocs
+from nanochat.shards import SHARD_RE, check_shard, read_checksums, record_checksums, shard_name
 
 logger = logging.getLogger("nanochat.dataset")  # not __name__: that is "__main__" under `python -m`
 
 CORPORA = ("fineweb-edu", "pydocs")
 DEFAULT_CORPUS = "fineweb-edu"
-SHARD_RE = re.compile(r"^shard_(\d{5})\.parquet$")
-ROW_GROUP_SIZE = 1024  # documents per row group: the unit the dataloader reads and strides over
 
 # FineWeb-Edu 100B, shuffled: the documents were shuffled before sharding, so any prefix of the shards is a
 # uniform sample of the whole dataset, and downloading the first N shards is as good as any N.
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 FINEWEB_SHARDS = 1823  # shard_00000 .. shard_01822; the last one is the validation shard
-
-
-def shard_name(index):
-    return f"shard_{index:05d}.parquet"
 
 
 def dataset_name():
@@ -84,44 +78,7 @@ def fetch_command():
 # Reading (both corpora)
 
 
-def check_shard(path):
-    """
-    Raise IOError unless `path` is a readable parquet file with a string `text` column. Reads only the
-    footer (a few KB), so checking every shard is cheap. A truncated file fails here: the footer, and the
-    `PAR1` magic bytes that end every parquet file, are at its end.
-    """
-    try:
-        schema = pq.ParquetFile(path).schema_arrow
-    except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) or OSError, depending on the damage
-        raise IOError(f"{path} is not a valid parquet file: {e}") from e
-    text_type = schema.field("text").type if "text" in schema.names else None
-    if text_type is None or not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
-        raise IOError(f"{path} has no string column `text` (columns: {', '.join(schema.names)})")
-
-
-CHECKSUMS = "SHA256SUMS"  # beside the shards: "<sha256>  <shard name>" per line, written when a shard is written
 _verified = set()  # shards whose full content this process has checked
-
-
-def read_checksums(directory):
-    """{shard name: sha256} recorded in <directory>/SHA256SUMS ({} if none)."""
-    try:
-        with open(os.path.join(directory, CHECKSUMS), encoding="utf-8") as f:
-            return {name: digest for digest, name in (line.split() for line in f if line.strip())}
-    except (OSError, ValueError):
-        return {}
-
-
-def write_checksums(directory, digests):
-    """Write <directory>/SHA256SUMS listing {shard name: sha256} (the format of the `sha256sum` tool)."""
-    with atomic_write(os.path.join(directory, CHECKSUMS), "w") as f:
-        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
-
-
-def record_checksums(directory, digests):
-    """Add {shard name: sha256} to <directory>/SHA256SUMS, under a lock (parallel downloads record at once)."""
-    with FileLock(os.path.join(directory, CHECKSUMS + ".lock")):
-        write_checksums(directory, dict(read_checksums(directory), **digests))
 
 
 def verify_shard(path):
@@ -176,7 +133,6 @@ def list_parquet_files(split):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     name = dataset_name()
     if name == "pydocs":
-        from nanochat.pydocs import build_pydocs  # here, not at the top: pydocs imports this module
         directory = build_pydocs()
         shards = _local_shards(directory)
         if not shards:
@@ -342,7 +298,6 @@ def main(argv=None):
     if name == "pydocs":
         if args.num_files is not None:
             logger.warning("-n is ignored for pydocs: the corpus is built whole")
-        from nanochat.pydocs import build_pydocs
         if os.path.isdir(data_dir()):
             damaged = []
             for path in sorted(_local_shards(data_dir()).values()):

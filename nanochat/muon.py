@@ -37,7 +37,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import autocast_dtype
+from nanochat.hardware import autocast_dtype
 from nanochat.sharding import ShardedGradients
 
 
@@ -61,8 +61,9 @@ def zeropower_via_newtonschulz5(G, steps=5):
     What it actually produces (5 steps, fp32; measured by iterating p on a fine grid of s and confirmed on
     random matrices, tests/test_optim.py checks it): every singular value s of G with s >= 0.0016 * ||G||_F
     comes out in [0.68, 1.21], and no singular value comes out above 1.21 (the exact extremes are 0.6818
-    and 1.2024). Singular values below 0.0016 * ||G||_F are multiplied by at most a^5 ~ 490 and stay below
-    0.68: a direction with almost no gradient stays small, which is harmless. So the result is
+    and 1.2024). Singular values below 0.0016 * ||G||_F are multiplied by at most a^5 ~ 490 and come out
+    smaller than that threshold's image, 0.718: a direction with almost no gradient stays small, which is
+    harmless. So the result is
     U S' V^T with S' in about 0.7..1.2, not exactly U V^T: close enough for an update direction (cosine
     with the exact U V^T ~0.98 on random Gaussian matrices, square ones included). The bf16 iteration on
     a GPU stays in the same band (measured on an H100: bench/RESULTS.md).
@@ -70,10 +71,9 @@ def zeropower_via_newtonschulz5(G, steps=5):
     The iteration works on the wide side: a tall matrix (rows > cols) is transposed first, so X X^T is
     the smaller (cols x cols) Gram matrix, and transposed back at the end.
 
-    Precision: on CUDA it runs in bf16 (the iteration tolerates the rounding, see above, and it is faster
-    than TF32: bench/RESULTS.md); on CPU and MPS in fp32, because a CPU without
-    native bf16 emulates it about 100x slower. The rule is common.autocast_dtype, the same as for the
-    model's matmuls ($NANOCHAT_DTYPE overrides it).
+    Precision: the dtype the model's matmuls run in (hardware.autocast_dtype; $NANOCHAT_DTYPE overrides it):
+    bf16 on CUDA (the iteration tolerates the rounding, see above, and it is faster than TF32), fp32 on CPU and
+    MPS, where a CPU without native bf16 would emulate it far slower (bench/RESULTS.md).
     Returns a tensor of G's shape and dtype.
     """
     if G.ndim not in (2, 3):

@@ -23,8 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.common import file_sha256, get_base_dir
-from nanochat.dataset import ROW_GROUP_SIZE, shard_name, write_checksums
+from nanochat.common import get_base_dir
+from nanochat.files import file_sha256
+from nanochat.shards import ROW_GROUP_SIZE, shard_name, write_checksums
 
 logger = logging.getLogger("nanochat.pydocs")
 

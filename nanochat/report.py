@@ -21,7 +21,9 @@ import socket
 import subprocess
 import sys
 
-from nanochat.common import atomic_write, cpu_model_name, get_base_dir
+from nanochat.common import get_base_dir
+from nanochat.files import atomic_write
+from nanochat.hardware import cpu_model_name
 
 # stage sections in pipeline order; sections not listed here come after them, alphabetically
 SECTION_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-loss",

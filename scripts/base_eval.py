@@ -16,7 +16,8 @@ from contextlib import nullcontext
 import torch
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import autocast_dtype, autodetect_device_type, compute_cleanup, compute_init, print_banner
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print_banner
+from nanochat.hardware import autocast_dtype
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.report import get_report
@@ -35,7 +36,7 @@ check_config(config, positive=["device_batch_tokens"], positive_or_unset=["max_p
 
 print_banner()
 device_type = device_type or autodetect_device_type()
-ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = compute_init(device_type)
+ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)
 compute_dtype = autocast_dtype(device_type)
 autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 

@@ -10,7 +10,8 @@ from contextlib import nullcontext
 import torch
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import autocast_dtype, autodetect_device_type, compute_cleanup, compute_init, print0
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
+from nanochat.hardware import autocast_dtype
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.loss_eval import evaluate_bpb
@@ -26,13 +27,13 @@ config = configure(globals())
 check_config(config, positive=["device_batch_size", "split_tokens"], choices={"device_type": ("", "cuda", "cpu", "mps")})
 
 device_type = device_type or autodetect_device_type()
-ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = compute_init(device_type)
+ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)
 compute_dtype = autocast_dtype(device_type)
 autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
 model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=model_tag or None, step=step)
 sequence_len = model.config.sequence_len
-token_bytes = get_token_bytes(device=device)
+token_bytes = get_token_bytes(device, tokenizer.directory)  # of the model's own tokenizer
 tokens_per_step = device_batch_size * sequence_len * ddp_world_size
 steps = max(1, split_tokens // tokens_per_step)
 print0(f"Evaluating {steps} batches of {device_batch_size} x {sequence_len} tokens per rank x {ddp_world_size} rank(s) per split")

@@ -6,35 +6,30 @@ Pretrain the base model: next-token prediction on the pretraining corpus.
     # one 8-GPU node (one process per GPU)
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train --depth=20
 
-The file reads top to bottom: 1 config, 2 compute, 3 model, 4 training horizon, 5 batch arithmetic,
-6 optimizers and data, 7 resume, 8 the training loop (evaluate / sample / save, then the two-level
-step + micro-step loop, then logging), 9 report. Every process of a torchrun launch runs all of it;
-rank 0 (the "master process") alone prints, logs to wandb and writes the report.
+Every process of a torchrun launch runs all of it; rank 0 (the "master process") alone prints, logs to wandb
+and writes the report. What happens around the training loop (start or resume, save, stop, finish) is the
+same in every training stage: nanochat/stage.py.
 """
 
 import math
-import sys
 import time
 from contextlib import nullcontext
 
 import psutil
 import torch
-import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (check_data_settings, check_model_tag, check_tokenizer, checkpoint_dir_for,
-                                         claim_checkpoint_dir, load_checkpoint, open_metrics, save_checkpoint)
-from nanochat.common import (EXIT_STOPPED_EARLY, StopRequest, UserError, autocast_dtype, autodetect_device_type, check_finite,
-                             compute_cleanup, compute_init, gather_from_ranks, get_peak_flops, grad_accum_steps_for,
-                             init_wandb, print0, print_banner)
+from nanochat.checkpoint_manager import check_model_tag
+from nanochat.common import UserError, autodetect_device_type, compute_init, print0, print_banner
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
-from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
 from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
+from nanochat.hardware import autocast_dtype, get_peak_flops
 from nanochat.loss_eval import evaluate_bpb
-from nanochat.report import get_report
-from nanochat.schedules import lr_multiplier, muon_momentum
-from nanochat.sharding import clip_grad_norm_, load_optimizer_shards, optimizer_shard
+from nanochat.schedules import lr_multiplier, muon_momentum, set_learning_rates
+from nanochat.sharding import clip_grad_norm_
+from nanochat.stage import Stage, StopRequest, any_rank, compile_model, per_rank
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -42,7 +37,7 @@ from nanochat.tokenizer import get_token_bytes, get_tokenizer
 run = "dummy"  # wandb run name ("dummy" = no wandb)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
 # model
-depth = 20  # the one size dial: width 64*depth, heads of 128
+depth = 20  # the one size dial: width 64*depth, heads 128 wide (64 for odd depths)
 max_seq_len = 2048  # tokens per row (context length)
 # training horizon: the first of these that is > 0 decides the number of optimizer steps
 num_iterations = -1  # explicit number of steps
@@ -74,6 +69,7 @@ overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 bos_aligned = False  # start every row at a document start (crops documents; reports the tokens dropped)
+dry_run = False  # run everything but write no checkpoint and no report
 config = configure(globals())
 # What each value means, checked before any work (a bad value must not train for hours)
 check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
@@ -85,20 +81,18 @@ check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "tot
 if warmup_ratio + warmdown_ratio > 1:
     raise UserError(f"--warmup_ratio + --warmdown_ratio = {warmup_ratio + warmdown_ratio:g} > 1: the warmup and the "
                     f"warmdown would overlap")
-if resume_from_step < -1:
-    raise UserError(f"--resume_from_step must be a checkpoint's step, or -1 to start fresh, got {resume_from_step}")
 model_tag = check_model_tag(model_tag or f"d{depth}")
 
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
 print_banner()
 device_type = device_type or autodetect_device_type()
-ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = compute_init(device_type)
+ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
 compute_dtype = autocast_dtype(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
 autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-wandb_run = init_wandb(run, master_process, config)
+stage = Stage("base", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 # The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
 core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_metric_every > 0 else None
 print0(f"Compute dtype: {str(compute_dtype).removeprefix('torch.')} (weights and optimizer state stay fp32)")
@@ -116,9 +110,7 @@ with torch.device("meta"):  # build without allocating, then materialise on the 
 model.to_empty(device=device)
 model.init_weights()  # identical on every rank: compute_init seeded every rank the same
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
-use_compile = compile == "true" or (compile == "auto" and device_type == "cuda")
-if use_compile:
-    model = torch.compile(model, dynamic=False)
+model, use_compile = compile_model(orig_model, compile, device_type)
 num_params = orig_model.num_params()
 flops_per_token = orig_model.estimate_flops()
 print0(f"Parameters: {num_params:,} | FLOPs per token (6N + attention): {flops_per_token:.3e} | torch.compile: {use_compile}")
@@ -153,73 +145,32 @@ print0(f"Tokens / micro-batch (all {ddp_world_size} ranks): {world_tokens_per_fw
 print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {grad_accum_steps}")
 
 # -----------------------------------------------------------------------------
-# 6. Optimizers and data
+# 6. The checkpoint directory, optimizers, data. This run owns base_checkpoints/<model_tag> from here on (a second
+# run on it is refused; a fresh run never writes into a directory holding an earlier run's steps). A resumed run
+# (--resume_from_step) continues that checkpoint: its weights, every rank's optimizer state and data position.
+stage.start(model_tag, model=orig_model, tokenizer=tokenizer)
 optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
-                                         matrix_lr=matrix_lr, weight_decay=weight_decay)
-adamw_optimizer, muon_optimizer = optimizers
-
-# 7. The checkpoint directory, and resume. This run owns base_checkpoints/<model_tag> for its whole life (a
-# second run on it is refused), and a fresh run never writes into a directory holding an earlier run's steps.
-checkpoint_dir = checkpoint_dir_for("base", model_tag)
-claim_checkpoint_dir(checkpoint_dir, resume_from_step, overwrite)
-# What decides which data step N reads: resuming with a different value would not continue the same run
+                                         matrix_lr=matrix_lr, weight_decay=weight_decay)  # [AdamW, Muon]
+# What decides which data step N reads: resuming with a different value would not continue the same run. The
+# world size is not among them: the loader's data slots make a step's data the same on any number of ranks.
 data_settings = dict(corpus=dataset_name(), device_batch_size=device_batch_size, max_seq_len=max_seq_len,
                      total_batch_size=total_batch_size, data_seed=data_seed, bos_aligned=bos_aligned)
-start_step, loop_state, loader_state = 0, {}, None
-if resume_from_step >= 0:
-    # weights, the optimizer state of every rank that saved (re-sharded for this run), data position, loop state
-    model_state, optim_shards, meta = load_checkpoint(checkpoint_dir, resume_from_step, device, load_optimizer=True)
-    where = f"checkpoint of step {resume_from_step} in {checkpoint_dir}"
-    check_tokenizer(meta, tokenizer, where)
-    if meta["model_config"] != model_config.to_dict():
-        raise UserError(f"{where} has model config {meta['model_config']}, this run {model_config.to_dict()}: "
-                        f"use the same --depth / --max_seq_len to resume")
-    check_data_settings(meta["data_settings"], data_settings, where)
-    if meta["world_size"] != ddp_world_size:
-        print0(f"Resuming a run of {meta['world_size']} process(es) on {ddp_world_size}: allowed, every step reads the "
-               f"same data (the loader's data slots do not depend on the world size); optimizer state re-sharded")
-    orig_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in model_state.items()})
-    load_optimizer_shards(optimizers, orig_model, optim_shards, where)
-    start_step, loop_state, loader_state = resume_from_step, meta["loop_state"], meta["dataloader_state"]
-    del model_state, optim_shards
-    print0(f"Resumed from step {start_step} of {checkpoint_dir}")
-
+stage.resume(optimizers, data_settings)
 train_loader = tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "train", device, tokenizer=tokenizer,
-                                                  total_batch_size=total_batch_size, seed=data_seed,
-                                                  resume_state=loader_state, bos_aligned=bos_aligned)
+                                                  total_batch_size=total_batch_size, seed=data_seed, bos_aligned=bos_aligned)
+if stage.resumed:
+    train_loader.load_state_dict(stage.data_state)
 build_val_loader = lambda: tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "val", device, tokenizer=tokenizer)
 eval_tokens = eval_tokens if eval_tokens > 0 else 20 * total_batch_size
 eval_steps = max(1, eval_tokens // world_tokens_per_fwdbwd)
 x, y = next(train_loader)  # the first micro-batch; from now on the next one is fetched right after each backward
 
-# Stop cleanly on SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit (see StopRequest).
-stop_request = StopRequest(ddp_rank)
-# The metrics of every step (report curves); they live with the checkpoints and continue on resume
-metrics_path, log_metrics = open_metrics(checkpoint_dir, start_step, enabled=master_process)
-last_saved_step = start_step if resume_from_step >= 0 else None
-
-
-def save(step):
-    # every rank saves its optimizer shard; rank 0 the weights; the data position of all ranks goes in the meta
-    global last_saved_step
-    if not all(torch.isfinite(p).all() for p in orig_model.parameters()):  # never save a diverged model
-        raise UserError(f"step {step}: the weights are not finite; nothing saved (the last checkpoint is step {last_saved_step})")
-    loader_states = gather_from_ranks(train_loader.state_dict())  # each rank's data slots
-    merged = dict(loader_states[0], slots={k: v for s in loader_states for k, v in s["slots"].items()})
-    save_checkpoint(checkpoint_dir, step, orig_model.state_dict(), optimizer_shard(optimizers, orig_model), dict(
-        model_config=model_config.to_dict(), user_config=config, val_bpb=val_bpb, dataloader_state=merged,
-        tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=vocab_size), data_settings=data_settings,
-        loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
-                        min_val_bpb=min_val_bpb, num_iterations=num_iterations),
-    ), rank=ddp_rank)
-    last_saved_step = step
-
-
 # -----------------------------------------------------------------------------
-# 8. The training loop. Outer loop: one optimizer step per iteration. Inner loop: grad_accum_steps
+# 7. The training loop. Outer loop: one optimizer step per iteration. Inner loop: grad_accum_steps
 # micro-steps of forward + backward whose gradients add up in .grad.
 peak_flops, peak_source = get_peak_flops(device, compute_dtype)
 print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
+start_step, loop_state = stage.start_step, stage.loop_state
 smooth_train_loss = loop_state.get("smooth_train_loss", 0.0)  # EMA of the global train loss
 total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, excluding the first (compile) steps
 min_val_bpb = loop_state.get("min_val_bpb", float("inf"))
@@ -228,14 +179,18 @@ ema_beta = 0.9
 mfus, step_dt, first_step_time = [], 0.0, None
 sample_prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
                   "The opposite of hot is", "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
+stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit 75
 step, stop_now = start_step, False
 while True:
     last_step = step == num_iterations or stop_now
     flops_so_far = flops_per_token * total_batch_size * step
 
-    # The final checkpoint comes first, so a crash in the final evaluations loses nothing.
+    # The final checkpoint comes first, so a crash in the final evaluations loses nothing. Every rank saves its
+    # optimizer shard and its data position; rank 0 the weights (nanochat/stage.py)
     if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
-        save(step)
+        stage.save(step, optimizers, data_state=train_loader.state_dict(), val_bpb=val_bpb,
+                   loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
+                                   min_val_bpb=min_val_bpb, num_iterations=num_iterations))
 
     # Validation bits per byte (loss per byte of text, comparable across tokenizers)
     if last_step or (eval_every > 0 and step % eval_every == 0):
@@ -245,8 +200,8 @@ while True:
         model.train()
         min_val_bpb = min(min_val_bpb, val_bpb)
         print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}")
-        wandb_run.log({"step": step, "total_training_flops": flops_so_far, "total_training_time": total_training_time, "val/bpb": val_bpb})
-        log_metrics(step=step, val_bpb=val_bpb)
+        stage.wandb.log({"step": step, "total_training_flops": flops_so_far, "total_training_time": total_training_time, "val/bpb": val_bpb})
+        stage.log_metrics(step=step, val_bpb=val_bpb)
 
     # CORE: accuracy on in-context-learning tasks (nanochat/core_eval.py), on the uncompiled model (other shapes).
     # Not at step 0: an untrained model scores chance (CORE ~0), and on a CPU the evaluation outlasts a short run.
@@ -257,8 +212,8 @@ while True:
         orig_model.train()
         core_metric = {f"{core['name']} metric": core["score"]}
         print0(f"Step {step:05d} | {core['name']} metric: {core['score']:.4f}")
-        wandb_run.log({"step": step, "total_training_flops": flops_so_far, f"{core['name']}_metric": core["score"]})
-        log_metrics(step=step, core_metric=core["score"])
+        stage.wandb.log({"step": step, "total_training_flops": flops_so_far, f"{core['name']}_metric": core["score"]})
+        stage.log_metrics(step=step, core_metric=core["score"])
 
     # Samples: look at what the model writes, a check no loss number gives (rank 0, uncompiled model)
     if master_process and (last_step or (sample_every > 0 and step > 0 and step % sample_every == 0)):
@@ -291,24 +246,13 @@ while True:
     # The norm it returns is the one BEFORE clipping, every rank scales its share by the same factor.
     grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
     momentum = muon_momentum(step)  # 0.85 -> 0.95 over the first 300 steps (why: nanochat/schedules.py)
-    for group in muon_optimizer.param_groups:
-        group["momentum"] = momentum
+    set_learning_rates(optimizers, lrm, momentum)
     for opt in optimizers:
         opt.step()  # without clipping, this is where gradients are averaged across ranks (reduce_scatter)
     model.zero_grad(set_to_none=True)
-    # One all_reduce at the end of the step carries the loss of every rank (slot r = rank r's loss, so every
-    # rank gets every loss) and the stop flag, so all ranks stop at the same step.
-    shared = torch.zeros(ddp_world_size + 1, device=device)
-    shared[ddp_rank] = step_loss
-    shared[-1] = float(stop_request.requested)
-    if ddp:
-        dist.all_reduce(shared)
-    rank_losses = shared[:-1].tolist()
-    stop_now = shared[-1].item() > 0
+    rank_losses = per_rank(step_loss.item())  # every rank's loss, on every rank (losses are not summed: logged)
+    stop_now, = any_rank(stop_request.requested)  # a signal to any rank stops all of them after this step
     synchronize()
     dt = time.time() - t0
     step += 1
@@ -316,7 +260,7 @@ while True:
     # ---- logging ----
     train_loss = sum(rank_losses) / ddp_world_size  # global loss: the mean over ranks
     grad_norm_value = grad_norm.item() if grad_norm is not None else None
-    check_finite(step, train_loss, grad_norm_value, last_saved_step, ["matrix_lr", "embedding_lr", "unembedding_lr"])
+    stage.check_finite(step, train_loss, grad_norm_value, ["matrix_lr", "embedding_lr", "unembedding_lr"])
     smooth_train_loss = ema_beta * smooth_train_loss + (1 - ema_beta) * train_loss
     debiased_loss = smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
     tok_per_sec = total_batch_size / dt  # tokens of ALL micro-steps of ALL ranks per second of step time
@@ -331,15 +275,15 @@ while True:
            f"| step loss (mean of {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
            f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "
            f"| total time: {total_training_time / 60:.2f}m")
-    wandb_run.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
+    stage.wandb.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
                    "total_training_time": total_training_time, "train/loss": debiased_loss, "train/step_loss": train_loss,
                    "train/lrm": lrm, "train/muon_momentum": momentum, "train/grad_norm": grad_norm_value, "train/dt": dt,
                    "train/tok_per_sec": tok_per_sec, "train/mfu": mfu})
-    log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm,
+    stage.log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm,
                 grad_norm=grad_norm_value, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
 
 # -----------------------------------------------------------------------------
-# 9. Summary and report
+# 8. Summary, report, and the end of the stage
 if device_type == "cuda":
     peak_memory = f"{torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB (CUDA, allocated)"
 else:
@@ -349,7 +293,7 @@ stopped_early = step < num_iterations
 min_val_text = f"{min_val_bpb:.4f}" if math.isfinite(min_val_bpb) else "n/a (no evaluation ran)"
 print0(f"Peak memory: {peak_memory}")
 print0(f"Total training time: {total_training_time / 60:.2f}m | min val bpb: {min_val_text}")
-get_report().log(section="Base model training", data=[
+stage.report("Base model training", [
     config,
     {"Number of parameters": f"{num_params:,}", "FLOPs per token": f"{flops_per_token:e}",
      "Training horizon": horizon, "Calculated number of iterations": num_iterations,
@@ -365,12 +309,6 @@ get_report().log(section="Base model training", data=[
      "Peak FLOP/s used for MFU": f"{peak_flops:.3e} ({peak_source})",
      "Total training time (min)": total_training_time / 60, "Time to first step (s)": first_step_time,
      "BOS-aligned rows, tokens dropped": f"{100 * train_loader.dropped_fraction():.2f}%" if bos_aligned else "n/a (packed stream)",
-     "Peak memory": peak_memory, "Metrics file": metrics_path},
+     "Peak memory": peak_memory, "Metrics file": stage.metrics_path},
 ])
-wandb_run.finish()
-compute_cleanup()
-if stopped_early:
-    print0(f"Stopped at step {step} of {num_iterations} on request. Continue with the same command plus "
-           f"--resume_from_step={step} (exit code {EXIT_STOPPED_EARLY}: not finished)")
-    sys.exit(EXIT_STOPPED_EARLY)
-print0("Next: python -m scripts.base_loss (bpb on train/val and samples), then python -m scripts.mid_train")
+stage.finish(step, stopped_early, "python -m scripts.base_loss (bpb on train/val and samples), then python -m scripts.mid_train")

@@ -7,35 +7,30 @@ weights, trains once on those samples, and throws them away.
     python -m scripts.chat_rl --mixture=offline                 # anywhere: the offline arithmetic problems
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl  # GSM8K (downloaded once)
 
-Reads top to bottom like the other training scripts: 1 config, 2 compute, 3 the model (the SFT model, or the
-RL checkpoint being resumed), 4 batch arithmetic, 5 optimizers, 6 resume, 7 data, 8 the loop (evaluate, save,
-then: sample, reward, advantages, the policy-gradient micro-steps, the optimizer step), 9 report.
+Written like the other training scripts (what happens around the loop is nanochat/stage.py's); one step of
+the loop samples, rewards, computes the advantages, runs the policy-gradient micro-steps, then the optimizer.
 
 Ranks: the prompts of a step are dealt to the ranks (rank r takes prompts r, r+W, ... of the step), each rank
 samples and trains on its own, and the optimizers average the gradients as always. Which prompts a step uses
 and the sampling seeds depend only on the step, so a resumed run continues exactly.
 """
 
-import os
-import sys
 import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (check_data_settings, check_model_tag, check_tokenizer, checkpoint_dir_for,
-                                         claim_checkpoint_dir, find_model_tag, load_checkpoint, load_model, model_from_state,
-                                         open_metrics, save_checkpoint)
-from nanochat.common import (EXIT_STOPPED_EARLY, StopRequest, UserError, autocast_dtype, autodetect_device_type, check_finite,
-                             compute_cleanup, compute_init, get_base_dir, init_wandb, print0, print_banner)
+from nanochat.checkpoint_manager import check_model_tag
+from nanochat.common import UserError, autodetect_device_type, compute_init, print0, print_banner
 from nanochat.configurator import check_config, configure
+from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
+from nanochat.hardware import autocast_dtype
 from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
-from nanochat.report import get_report
-from nanochat.schedules import muon_momentum
-from nanochat.sharding import clip_grad_norm_, load_optimizer_shards, optimizer_shard
-from nanochat.tokenizer import get_tokenizer
+from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
+from nanochat.sharding import clip_grad_norm_
+from nanochat.stage import Stage, StopRequest, any_rank, compile_model, sum_over_ranks
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -55,7 +50,10 @@ device_batch_size = 8  # sampled answers per forward/backward of the policy-grad
 unembedding_lr = 0.004  # AdamW lr of lm_head
 embedding_lr = 0.2  # AdamW lr of the token embedding
 matrix_lr = 0.02  # Muon lr of the transformer matrices
-init_lr_frac = 0.05  # every lr is multiplied by this, then decays linearly to 0 over the run
+init_lr_frac = 0.05  # every lr is multiplied by this: finetuning starts low
+warmup_ratio = 0.0  # fraction of the run of linear lr warmup
+warmdown_ratio = 1.0  # fraction of the run of linear lr decay at the end (1 = from the first step down to final_lr_frac)
+final_lr_frac = 0.0  # lr multiplier at the very end of the warmdown
 weight_decay = 0.0  # AdamW weight decay
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 eval_every = 60  # steps between pass@k evaluations on the test problems (<= 0: only at the start and the end)
@@ -64,15 +62,19 @@ save_every = 60  # steps between checkpoints (<= 0: only the final one)
 resume_from_step = -1  # resume from this step's checkpoint in chatrl_checkpoints/<model_tag> (-1 = start from the source)
 overwrite = False  # a fresh run into a model_tag that holds RL checkpoints deletes them (default: refuse)
 seed = 0  # sampling seeds: step s, problem i use a seed derived from (seed, s, i)
+compile = "auto"  # torch.compile the policy-gradient pass (rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
 dry_run = False  # run everything but write no checkpoint and no report
 config = configure(globals())
 check_config(config, positive=["prompts_per_step", "num_samples", "max_new_tokens", "device_batch_size", "init_lr_frac",
                                "eval_examples", "temperature"],
              positive_or_unset=["num_iterations"], non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay",
                                                                 "grad_clip", "top_k"],
-             choices={"device_type": ("", "cuda", "cpu", "mps"), "mixture": ("real", "offline"), "source": ("sft", "mid")})
-if resume_from_step < -1:
-    raise UserError(f"--resume_from_step must be a checkpoint's step, or -1 to start from the {source} model, got {resume_from_step}")
+             fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
+             choices={"device_type": ("", "cuda", "cpu", "mps"), "mixture": ("real", "offline"), "source": ("sft", "mid"),
+                      "compile": ("auto", "true", "false")})
+if warmup_ratio + warmdown_ratio > 1:
+    raise UserError(f"--warmup_ratio + --warmdown_ratio = {warmup_ratio + warmdown_ratio:g} > 1: the warmup and the "
+                    f"warmdown would overlap")
 if model_tag:
     check_model_tag(model_tag)
 
@@ -80,34 +82,19 @@ if model_tag:
 # 2. Compute (CPU, MPS or CUDA; under torchrun gloo or NCCL)
 print_banner()
 device_type = device_type or autodetect_device_type()
-ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = compute_init(device_type)
+ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
 master_process = ddp_rank == 0
 compute_dtype = autocast_dtype(device_type)
 autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-wandb_run = init_wandb(run, master_process, config, project="nanochat-rl")
+stage = Stage("rl", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 
 # -----------------------------------------------------------------------------
-# 3. The model: the SFT model for a fresh run, this stage's checkpoint for a resumed one
-if resume_from_step < 0:
-    model, tokenizer, source_meta = load_model(source, device, phase="train", model_tag=model_tag or None, step=step)
-    model_tag = source_meta["model_tag"]
-    parent = dict(source=source, model_tag=model_tag, step=source_meta["step"])
-else:
-    model_tag = model_tag or find_model_tag(os.path.join(get_base_dir(), "chatrl_checkpoints"), "python -m scripts.chat_rl")
-    tokenizer = get_tokenizer()
-checkpoint_dir = checkpoint_dir_for("rl", model_tag)
-if not dry_run:  # this run owns chatrl_checkpoints/<model_tag> until it ends (see claim_checkpoint_dir)
-    claim_checkpoint_dir(checkpoint_dir, resume_from_step, overwrite)
-start_step, loop_state = 0, {}
-if resume_from_step >= 0:
-    model_state, optim_shards, meta = load_checkpoint(checkpoint_dir, resume_from_step, device, load_optimizer=True)
-    where = f"checkpoint of step {resume_from_step} in {checkpoint_dir}"
-    check_tokenizer(meta, tokenizer, where)
-    model = model_from_state(model_state, meta, device, where)
-    parent, start_step, loop_state = meta["parent"], resume_from_step, meta["loop_state"]
-    del model_state
+# 3. The model: the SFT model for a fresh run, keeping its tag; this stage's own checkpoint for --resume_from_step.
+# From here on this run owns chatrl_checkpoints/<model_tag>.
+model, tokenizer = stage.start(model_tag, source=source, source_step=step)
 engine = Engine(model, tokenizer)  # samples with the current weights: fully on-policy
+pg_model, use_compile = compile_model(model, compile, device_type, dynamic=True)  # the policy-gradient forward
 
 # -----------------------------------------------------------------------------
 # 4. Batch arithmetic
@@ -119,25 +106,16 @@ print0(f"Problems / step: {prompts_per_step} ({prompts_per_rank} per rank) x {nu
        f"{prompts_per_step * num_samples} answers; policy-gradient micro-batches of {device_batch_size} answers")
 
 # -----------------------------------------------------------------------------
-# 5. Optimizers, at a fraction of the pretraining learning rates
+# 5. Optimizers, at a fraction of the pretraining learning rates. A resumed run gets back the optimizer state of
+# every rank, after checking that it would sample the same problems with the same seeds.
 optimizers = model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
                                     weight_decay=weight_decay)
-adamw_optimizer, muon_optimizer = optimizers
-for opt in optimizers:
-    for group in opt.param_groups:
-        group["lr"] = group["initial_lr"] = group["lr"] * init_lr_frac
-
-# -----------------------------------------------------------------------------
-# 6. Resume
+scale_initial_lrs(optimizers, init_lr_frac)
 data_settings = dict(mixture=mixture, prompts_per_step=prompts_per_step, num_samples=num_samples, seed=seed)
-if resume_from_step >= 0:
-    check_data_settings(meta["data_settings"], data_settings, where)
-    load_optimizer_shards(optimizers, model, optim_shards, where)
-    del optim_shards
-    print0(f"Resumed from step {start_step} of {checkpoint_dir}")
+stage.resume(optimizers, data_settings)
 
 # -----------------------------------------------------------------------------
-# 7. Data: the problems, and their reward (task.reward: 1.0 for the right final answer, else 0.0)
+# 6. Data: the problems, and their reward (task.reward: 1.0 for the right final answer, else 0.0)
 if mixture == "real":
     from tasks.gsm8k import GSM8K
     train_task, test_task = GSM8K(subset="main", split="train"), GSM8K(subset="main", split="test")
@@ -191,41 +169,27 @@ def evaluate_pass_at_k():
     return {k + 1: passes[k].item() / count for k in range(num_samples)}
 
 
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step, save, exit (see StopRequest)
-metrics_path, log_metrics = open_metrics(checkpoint_dir, start_step, enabled=master_process and not dry_run)
-last_saved_step = start_step if resume_from_step >= 0 else None
-
-
-def save(step):
-    global last_saved_step
-    if not all(torch.isfinite(p).all() for p in model.parameters()):  # never save a diverged model
-        raise UserError(f"step {step}: the weights are not finite; nothing saved (the last checkpoint is step {last_saved_step})")
-    save_checkpoint(checkpoint_dir, step, model.state_dict(), optimizer_shard(optimizers, model), dict(
-        model_config=model.config.to_dict(), user_config=config, parent=parent, pass_at_k=pass_at_k,
-        tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()),
-        data_settings=data_settings, loop_state=dict(mean_rewards=mean_rewards, first_pass_at_k=first_pass_at_k,
-                                                     num_iterations=num_iterations),
-    ), rank=ddp_rank)
-    last_saved_step = step
-
-
 # -----------------------------------------------------------------------------
-# 8. The training loop
+# 7. The training loop. Which problems a step samples, and with which seeds, depends only on the step: a resumed
+# run continues exactly without any data position to save.
+start_step, loop_state = stage.start_step, stage.loop_state
 mean_rewards = loop_state.get("mean_rewards", [])  # mean reward of every step so far
 pass_at_k, first_pass_at_k = {}, loop_state.get("first_pass_at_k")  # pass@k before any RL step
+stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit 75
 step, stop_now = start_step, False
 while True:
     last_step = step >= num_iterations or stop_now
 
-    if not dry_run and (last_step or (save_every > 0 and step > start_step and step % save_every == 0)):
-        save(step)
+    if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
+        stage.save(step, optimizers, pass_at_k=pass_at_k,
+                   loop_state=dict(mean_rewards=mean_rewards, first_pass_at_k=first_pass_at_k, num_iterations=num_iterations))
 
     if last_step or step == start_step or (eval_every > 0 and step % eval_every == 0):
         pass_at_k = evaluate_pass_at_k()
         first_pass_at_k = first_pass_at_k or pass_at_k
         print0(f"Step {step:05d} | " + ", ".join(f"pass@{k}: {v:.4f}" for k, v in pass_at_k.items()))
-        wandb_run.log({"step": step, **{f"pass@{k}": v for k, v in pass_at_k.items()}})
-        log_metrics(step=step, **{f"pass@{k}": v for k, v in pass_at_k.items()})
+        stage.wandb.log({"step": step, **{f"pass@{k}": v for k, v in pass_at_k.items()}})
+        stage.log_metrics(step=step, **{f"pass@{k}": v for k, v in pass_at_k.items()})
 
     if last_step:
         break
@@ -247,72 +211,52 @@ while True:
         rewards_seen += rewards
         lengths += [len(tokens) for tokens in answers]
     # ---- the policy-gradient micro-steps over this rank's answers ----
-    batches = []
+    batches = []  # (x, y, advantages): y is -1 except on the tokens the model sampled (not the prompt, not tool outputs)
     for start in range(0, len(rows), device_batch_size):
         chunk = rows[start:start + device_batch_size]
-        width = max(len(ids) for ids, _, _ in chunk) - 1
-        x = torch.full((len(chunk), width), end_token, dtype=torch.long)
-        y = torch.full((len(chunk), width), -1, dtype=torch.long)
-        for r, (ids, mask, _) in enumerate(chunk):
-            ids_t = torch.tensor(ids, dtype=torch.long)
-            x[r, :len(ids) - 1] = ids_t[:-1]
-            y[r, :len(ids) - 1] = torch.where(torch.tensor(mask[1:], dtype=torch.bool), ids_t[1:], -1)  # sampled tokens only
-        batches.append((x.to(device, torch.int32), y.to(device), torch.stack([a for _, _, a in chunk])))
+        x, y = pad_rows([(ids, mask) for ids, mask, _ in chunk], end_token, device)
+        batches.append((x, y, torch.stack([a for _, _, a in chunk])))
     # The loss is normalised by the sampled tokens of the whole step (all ranks): counted first, one all_reduce
     rank_tokens, step_tokens = count_step_targets([(x, y) for x, y, _ in batches], ddp_rank, ddp_world_size)
     for x, y, advantages in batches:
         with autocast_ctx:
-            loss, _ = policy_gradient_loss(model, x, y, advantages, step_tokens, ddp_world_size)
+            loss, _ = policy_gradient_loss(pg_model, x, y, advantages, step_tokens, ddp_world_size)
         loss.backward()
     grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
-    lrm = max(0.0, 1.0 - step / num_iterations)  # linear decay to 0 over the run
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
+    lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
-    for group in muon_optimizer.param_groups:
-        group["momentum"] = momentum
+    set_learning_rates(optimizers, lrm, momentum)
     for opt in optimizers:
         opt.step()
     model.zero_grad(set_to_none=True)
-    # One all_reduce at the end of the step: rewards and lengths summed over ranks, and the stop flag
-    shared = torch.tensor([sum(rewards_seen), len(rewards_seen), sum(lengths), float(stop_request.requested)],
-                          dtype=torch.float64, device=device)
-    if ddp:
-        dist.all_reduce(shared)
-    mean_reward, mean_length = shared[0].item() / shared[1].item(), shared[2].item() / shared[1].item()
-    stop_now = shared[3].item() > 0
+    reward_sum, answers, length_sum = sum_over_ranks(sum(rewards_seen), len(rewards_seen), sum(lengths))
+    mean_reward, mean_length = reward_sum / answers, length_sum / answers
+    stop_now, = any_rank(stop_request.requested)  # a signal to any rank stops all of them after this step
     synchronize()
     dt = time.time() - t0
     step += 1
     mean_rewards.append(mean_reward)
 
     grad_norm_value = grad_norm.item() if grad_norm is not None else None
-    check_finite(step, mean_reward, grad_norm_value, last_saved_step, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
+    stage.check_finite(step, mean_reward, grad_norm_value, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
     grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
     print0(f"step {step:05d}/{num_iterations:05d} | mean reward: {mean_reward:.4f} | mean answer length: {mean_length:.1f} "
            f"| sampled tokens: {step_tokens:,.0f} | lrm: {lrm:.2f} | grad norm (before clip): {grad_text} | dt: {dt:.2f}s")
-    wandb_run.log({"step": step, "train/reward": mean_reward, "train/answer_length": mean_length, "train/lrm": lrm,
+    stage.wandb.log({"step": step, "train/reward": mean_reward, "train/answer_length": mean_length, "train/lrm": lrm,
                    "train/grad_norm": grad_norm_value, "train/dt": dt})
-    log_metrics(step=step, reward=mean_reward, answer_length=mean_length, lrm=lrm, grad_norm=grad_norm_value, dt=dt)
+    stage.log_metrics(step=step, reward=mean_reward, answer_length=mean_length, lrm=lrm, grad_norm=grad_norm_value, dt=dt)
 
 # -----------------------------------------------------------------------------
-# 9. Report
+# 8. Report, and the end of the stage
 stopped_early = stop_now and step < num_iterations
-if not dry_run:
-    get_report().log(section="Chat RL", data=[
-        config,
-        {"Number of iterations": step, "Stopped early": stopped_early, "Mixture": mixture, "World size": ddp_world_size,
-         "Mean reward, first steps": sum(mean_rewards[:5]) / max(len(mean_rewards[:5]), 1),
-         "Mean reward, last steps": sum(mean_rewards[-5:]) / max(len(mean_rewards[-5:]), 1),
-         **{f"pass@{k} before RL": v for k, v in (first_pass_at_k or {}).items()},
-         **{f"pass@{k}": v for k, v in pass_at_k.items()}, "Metrics file": metrics_path},
-    ])
-wandb_run.finish()
-compute_cleanup()
-if stopped_early:
-    print0(f"Stopped at step {step} on request. Continue with the same command plus --resume_from_step={step} "
-           f"(exit code {EXIT_STOPPED_EARLY}: not finished)")
-    sys.exit(EXIT_STOPPED_EARLY)
+stage.report("Chat RL", [
+    config,
+    {"Number of iterations": step, "Stopped early": stopped_early, "Mixture": mixture, "World size": ddp_world_size,
+     "torch.compile": use_compile,
+     "Mean reward, first steps": sum(mean_rewards[:5]) / max(len(mean_rewards[:5]), 1),
+     "Mean reward, last steps": sum(mean_rewards[-5:]) / max(len(mean_rewards[-5:]), 1),
+     **{f"pass@{k} before RL": v for k, v in (first_pass_at_k or {}).items()},
+     **{f"pass@{k}": v for k, v in pass_at_k.items()}, "Metrics file": stage.metrics_path},
+])
 eval_args = " -a offline" if mixture == "offline" else ""
-print0(f"Next: python -m scripts.chat_eval -i rl{eval_args}, or talk to it: python -m scripts.chat_cli --source=rl")
+stage.finish(step, stopped_early, f"python -m scripts.chat_eval -i rl{eval_args}, or talk to it: python -m scripts.chat_cli --source=rl")

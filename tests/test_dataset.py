@@ -16,6 +16,7 @@ import pytest
 
 import nanochat.common
 from nanochat import dataset, pydocs
+from nanochat.shards import ROW_GROUP_SIZE
 from nanochat.common import UserError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +82,7 @@ def test_pydocs_layout_and_content(pydocs_corpus):
     for path in train + val:
         meta = pq.ParquetFile(path).metadata
         sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-        assert all(n == dataset.ROW_GROUP_SIZE for n in sizes[:-1]) and 0 < sizes[-1] <= dataset.ROW_GROUP_SIZE
+        assert all(n == ROW_GROUP_SIZE for n in sizes[:-1]) and 0 < sizes[-1] <= ROW_GROUP_SIZE
     assert pq.ParquetFile(val[0]).metadata.num_rows == pydocs.PYDOCS_VAL_DOCS
 
     train_docs = [d for p in train for d in pq.read_table(p).column("text").to_pylist()]
