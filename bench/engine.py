@@ -38,7 +38,8 @@ from nanochat.hardware import autocast_dtype
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
 from nanochat.engine import Engine
-from nanochat.gpt import GPT, KVCache, config_from_depth
+from nanochat.engine import KVCache
+from nanochat.gpt import GPT, config_from_depth
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth

@@ -235,14 +235,6 @@ def complete_steps(checkpoint_dir):
                   if (m := re.fullmatch(r"meta_(\d+)\.json", os.path.basename(f))))
 
 
-def find_last_step(checkpoint_dir):
-    """The largest step with a complete checkpoint (its meta file exists). Incomplete saves are ignored."""
-    steps = complete_steps(checkpoint_dir)
-    if not steps:
-        raise UserError(f"no complete checkpoint in {checkpoint_dir}")
-    return steps[-1]
-
-
 def find_model_tag(checkpoints_dir, stage_command=None):
     """The single model tag under `checkpoints_dir`. Never guesses between several: asks for --model_tag."""
     hint = f": run `{stage_command}` first" if stage_command else ": run the stage that writes it first"

@@ -304,7 +304,7 @@ class ConversationLoader:
         self.load_state_dict(None)
 
     def state_dict(self):
-        return {"position": list(self.position), "epoch_done": self.epoch_done,
+        return {"position": list(self.position), "reread": self.position_read, "epoch_done": self.epoch_done,
                 "stats": dict(self.stats, first=list(self.stats["first"]))}
 
     def load_state_dict(self, states):
@@ -312,9 +312,12 @@ class ConversationLoader:
         state = None if states is None else states[self.rank]
         self.position = (self.rank, 0) if state is None else tuple(state["position"])  # where the next batch starts
         self.cursor, self.skip = self.position  # the next conversation to read, and tokens of it already trained on
+        # packed: after a batch, the conversation at the position was read (and counted) already, even at offset 0
+        self.reread = self.position_read = state is not None and state["reread"]
         self.epoch_done = False if state is None else state["epoch_done"]
         # read: conversations started; first: the indices of the first 8 (shows which ranks read which)
-        self.stats = {"read": 0, "split": 0, "cut": 0, "first": []} if state is None else dict(state["stats"])
+        stats = {"read": 0, "split": 0, "cut": 0, "first": []} if state is None else state["stats"]
+        self.stats = dict(stats, first=list(stats["first"]))  # a copy: the caller's states stay as they were
         # packed: the token buffer, and [conversation index, its tokens in the buffer, offset of the first of them]
         self.ids, self.mask, self.segments = deque(), deque(), deque()
 
@@ -329,8 +332,8 @@ class ConversationLoader:
         if self.cursor >= self.size:
             self.cursor -= self.size  # wrap around: the next epoch
             self.epoch_done = True
-        if self.skip:  # resuming inside this conversation: it was already read and counted
-            ids, mask, self.skip = ids[self.skip:], mask[self.skip:], 0
+        if self.reread:  # resuming inside this conversation: it was already read and counted
+            ids, mask, self.skip, self.reread = ids[self.skip:], mask[self.skip:], 0, False
             return index, ids, mask
         self.stats["read"] += 1
         self.stats["split" if self.packed else "cut"] += len(ids) > self.T + 1
@@ -365,6 +368,7 @@ class ConversationLoader:
             if self.segments[0][1] == 0:
                 self.segments.popleft()
         self.position = (self.segments[0][0], self.segments[0][2])  # the leftover is the tail of segments[0]
+        self.position_read = True
         tokens = torch.tensor(ids, dtype=torch.int64)
         inputs, targets = tokens[:-1].view(self.B, self.T), tokens[1:].view(self.B, self.T)
         if not self.train_on_all_tokens:  # the loss counts only what the model must learn to write (mask 1)

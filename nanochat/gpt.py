@@ -71,79 +71,6 @@ def apply_rotary_emb(x, cos, sin):
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
 
 
-class KVCache:
-    """
-    Keys and values of past positions, so generation feeds one new token per step instead of the whole
-    sequence. Layout (n_layer, B, n_kv_head, capacity, head_dim): for each layer and row, a head's keys are
-    one contiguous (positions, head_dim) block, the shape attention multiplies by.
-
-    `max_len` is the most positions the cache may ever hold: inserting past it raises. `capacity` is how
-    many are allocated now (default: max_len); when an insert needs more, the tensors are reallocated at
-    double the size (at most max_len) and the filled positions copied over, so a generation that stops
-    early never pays for the whole context, and growth costs O(1) copies per position on average.
-
-    GPT.forward calls insert_kv(layer, k, v) in every layer (the position advances after the last layer);
-    GPT.decode_step writes one position per layer through k_layers / v_layers and then calls advance().
-    """
-
-    def __init__(self, batch_size, n_kv_head, max_len, head_dim, n_layer, device, dtype, capacity=None):
-        self.batch_size, self.n_kv_head, self.head_dim, self.n_layer = batch_size, n_kv_head, head_dim, n_layer
-        self.max_len, self.pos = max_len, 0
-        self.k = self.v = None
-        self._allocate(max_len if capacity is None else max(1, min(capacity, max_len)), device, dtype)
-
-    def _allocate(self, capacity, device, dtype):
-        shape = (self.n_layer, self.batch_size, self.n_kv_head, capacity, self.head_dim)
-        k = torch.empty(shape, device=device, dtype=dtype)  # only positions < pos are ever read
-        v = torch.empty(shape, device=device, dtype=dtype)
-        if self.k is not None:
-            k[:, :, :, :self.pos] = self.k[:, :, :, :self.pos]
-            v[:, :, :, :self.pos] = self.v[:, :, :, :self.pos]
-        self.k, self.v, self.capacity = k, v, capacity
-        # per-layer views (B, n_kv_head, capacity, head_dim), made once rather than indexed every step
-        self.k_layers, self.v_layers = [k[i] for i in range(self.n_layer)], [v[i] for i in range(self.n_layer)]
-
-    def reserve(self, t1):
-        """Make room for positions up to t1 (exclusive): grow if needed; ValueError past max_len."""
-        if t1 > self.max_len:
-            raise ValueError(f"KV cache full: {t1} positions > max_len {self.max_len}")
-        if t1 > self.capacity:
-            self._allocate(min(self.max_len, max(t1, 2 * self.capacity)), self.k.device, self.k.dtype)
-
-    def get_pos(self):
-        return self.pos
-
-    def reset(self):
-        self.pos = 0
-
-    def advance(self, n=1):
-        self.pos += n
-
-    def insert_kv(self, layer_idx, k, v):
-        """Store k, v (B, n_kv_head, T, head_dim) at the next T positions; return all keys/values so far."""
-        t0, t1 = self.pos, self.pos + k.size(2)
-        if layer_idx == 0:
-            self.reserve(t1)
-        self.k_layers[layer_idx][:, :, t0:t1] = k
-        self.v_layers[layer_idx][:, :, t0:t1] = v
-        if layer_idx == self.n_layer - 1:
-            self.pos = t1
-        return self.k_layers[layer_idx][:, :, :t1], self.v_layers[layer_idx][:, :, :t1]
-
-    def prefill(self, other):
-        """
-        Copy the filled positions of cache `other` into this one: a batch-1 cache is broadcast to every row
-        (the prompt is run once, then each sample continues from its own copy of it).
-        """
-        if other.batch_size not in (1, self.batch_size) or (other.n_layer, other.n_kv_head, other.head_dim) != (
-                self.n_layer, self.n_kv_head, self.head_dim):
-            raise ValueError("prefill: the caches' shapes do not match")
-        self.reserve(other.pos)
-        self.k[:, :, :, :other.pos] = other.k[:, :, :, :other.pos]
-        self.v[:, :, :, :other.pos] = other.v[:, :, :, :other.pos]
-        self.pos = other.pos
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -427,8 +354,8 @@ class GPT(nn.Module):
         lm_head), each (out, in) as nn.Linear keeps it. On CUDA they are the parameters themselves. On CPU
         they are copies with the same shape and values stored transposed (column-major): decoding multiplies
         one row per sample by every matrix, a matrix-vector product whose speed is how fast the matrix
-        streams from memory, and MKL streams a matrix laid out (in, out) ~3x faster than (out, in) once it
-        no longer fits in cache: a whole decoding step of a depth-4 model runs 1.1-1.8x faster (bench/RESULTS.md).
+        streams from memory, and MKL streams a matrix laid out (in, out) faster than (out, in) once it no
+        longer fits in cache (measured, for single matrices and whole decoding steps: bench/RESULTS.md).
         Copies go stale when the weights change: make them again after an update (the Engine does, whenever
         a parameter's version counter has moved since it last made them).
         """
@@ -508,7 +435,7 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None):
 
     The draw is inverse transform sampling: one uniform number u per row, and the token whose interval of
     the cumulative distribution holds it. torch.multinomial draws one random number per vocabulary entry
-    instead, ~10x slower on CPU (~0.2 ms per row for 8192 tokens; a tenth of a decoding step at batch 1).
+    instead, much slower on CPU, where it is a visible part of a decoding step at batch 1.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)

@@ -35,8 +35,6 @@ from nanochat.common import UserError, compute_cleanup, get_base_dir, print0
 from nanochat.sharding import load_optimizer_shards, optimizer_shard
 from nanochat.tracking import init_wandb
 
-EXIT_OK = 0
-EXIT_USER_ERROR = 1  # a UserError: bad input, missing data; the one-line message says what to do
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
 #                          with --resume_from_step (75 = EX_TEMPFAIL of sysexits.h, "try again later")
 

@@ -25,11 +25,9 @@ Chat format (render_conversation):
     <|bos|><|user_start|>What is 2+2?<|user_end|><|assistant_start|>Let me check.<|python_start|>2+2<|python_end|>
     <|output_start|>4<|output_end|>It is 4.<|assistant_end|><|user_start|>...
 
-    mask: 0 on <|bos|>, on every user turn (start, text, end) and on <|assistant_start|>;
-          1 on what the assistant writes: its text, its tool calls (<|python_start|> code <|python_end|>)
-            and <|assistant_end|> (so it learns to stop);
-          0 on tool outputs (<|output_start|> output <|output_end|>): the tool writes them, not the model,
-            so the model must not be trained to predict them.
+    mask: 1 on what the assistant writes: its text, its tool calls (<|python_start|> code <|python_end|>) and
+          <|assistant_end|> (so it learns to stop); 0 on everything else: <|bos|>, the user turns,
+          <|assistant_start|>, and the tool outputs (<|output_start|> ... <|output_end|>: the tool writes them).
 """
 
 import base64
@@ -398,12 +396,10 @@ class Tokenizer:
 
     def visualize_tokenization(self, ids, mask=None, color=None):
         """
-        A debug view of a token sequence, one string. Newlines/tabs inside tokens are shown as \\n and \\t.
-        With a mask: at a terminal, trained tokens (mask 1) are green and the others red, tokens separated
-        by a dim "|"; without colours (NO_COLOR set or output not a TTY) tokens are separated by "|" and
-        each run of trained tokens is wrapped in [[ ]].
-        Without a mask: token boundaries only (alternating colours, or "|").
-        `color`: None = decide from sys.stdout and NO_COLOR, True/False to force.
+        A debug view of a token sequence, one string; newlines/tabs inside tokens shown as \\n and \\t. Tokens are
+        separated by "|"; with a mask, trained tokens (mask 1) are green and the others red at a terminal, or each
+        run of trained tokens is wrapped in [[ ]] without colours. `color`: None = decide from sys.stdout and
+        NO_COLOR, True/False to force.
         """
         if color is None:
             color = _use_color(sys.stdout)

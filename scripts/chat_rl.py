@@ -217,7 +217,7 @@ while True:
         x, y = pad_rows([(ids, mask) for ids, mask, _ in chunk], end_token, device)
         batches.append((x, y, torch.stack([a for _, _, a in chunk])))
     # The loss is normalised by the sampled tokens of the whole step (all ranks): counted first, one all_reduce
-    rank_tokens, step_tokens = count_step_targets([(x, y) for x, y, _ in batches], ddp_rank, ddp_world_size)
+    _, step_tokens = count_step_targets([(x, y) for x, y, _ in batches], ddp_rank, ddp_world_size)
     for x, y, advantages in batches:
         with autocast_ctx:
             loss, _ = policy_gradient_loss(pg_model, x, y, advantages, step_tokens, ddp_world_size)

@@ -1,7 +1,7 @@
 """
 What every chat task shares: Task (a sliceable view over a dataset of conversations), TaskMixture (a
-deterministic shuffled mix of tasks), TaskSequence (tasks one after another), render_mc (the multiple-choice
-prompt format), and hf_download (fetching a published dataset file from the Hugging Face hub).
+deterministic shuffled mix of tasks), render_mc (the multiple-choice prompt format), and hf_download
+(fetching a published dataset file from the Hugging Face hub).
 
 A conversation is {"messages": [{"role": "user"|"assistant"|"system", "content": str | [parts]}]}, rendered to
 tokens by nanochat.tokenizer.Tokenizer.render_conversation.
@@ -81,29 +81,6 @@ class TaskMixture:
             raise IndexError(f"TaskMixture index {i} out of range (len {len(self.index)})")
         t, j = self.index[i]
         return self.tasks[t][j]
-
-
-class TaskSequence:
-    """The tasks one after another, in order (a curriculum)."""
-
-    def __init__(self, tasks):
-        self.tasks = list(tasks)
-        self.offsets = []
-        total = 0
-        for task in self.tasks:
-            self.offsets.append(total)
-            total += len(task)
-        self.total = total
-
-    def __len__(self):
-        return self.total
-
-    def __getitem__(self, i):
-        if not 0 <= i < self.total:
-            raise IndexError(f"TaskSequence index {i} out of range (len {self.total})")
-        for task, offset in zip(reversed(self.tasks), reversed(self.offsets)):
-            if i >= offset:
-                return task[i - offset]
 
 
 def check_choice(what, value, allowed):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from nanochat.common import UserError
-from nanochat.engine import Engine, TextStreamer, use_calculator
-from nanochat.gpt import GPT, GPTConfig, KVCache, sample_next_token
+from nanochat.calculator import use_calculator
+from nanochat.engine import Engine, KVCache, TextStreamer
+from nanochat.gpt import GPT, GPTConfig, sample_next_token
 from nanochat.tokenizer import Tokenizer
 
 SEQ_LEN = 64

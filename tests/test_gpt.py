@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from nanochat.gpt import GPT, GPTConfig, KVCache, config_from_depth
+from nanochat.engine import KVCache
+from nanochat.gpt import GPT, GPTConfig, config_from_depth
 
 
 def make_model(**overrides):

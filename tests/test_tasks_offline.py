@@ -1,5 +1,5 @@
 """
-Tests of tasks/common.py (Task slicing, TaskMixture, TaskSequence, render_mc) and of the offline tasks
+Tests of tasks/common.py (Task slicing, TaskMixture, render_mc) and of the offline tasks
 (SpellingBee, SimpleSpelling, Arithmetic, PydocsChat, PydocsMC, Identity, offline_mixture): deterministic,
 train and test disjoint, every example renders through the real tokenizer with the mask on exactly the
 assistant's text and tool calls (tool outputs masked), evaluate() accepts the reference and rejects a wrong
@@ -18,7 +18,7 @@ from nanochat.common import UserError
 from nanochat.pydocs import pydocs_entries
 from nanochat.tokenizer import get_tokenizer
 from tasks.arithmetic import Arithmetic, assistant_text, extract_answer
-from tasks.common import Task, TaskMixture, TaskSequence, render_mc
+from tasks.common import Task, TaskMixture, render_mc
 from tasks.customjson import CustomJSON
 from tasks.identity import Identity, identity_conversations, write_identity_jsonl
 from tasks.offline import offline_mixture, offline_tasks
@@ -83,17 +83,6 @@ def test_task_mixture():
     for bad in (-1, 40):
         with pytest.raises(IndexError):
             mixture[bad]
-
-
-def test_task_sequence():
-    a, empty, b = Numbers(3, tag="a"), Numbers(0, tag="e"), Numbers(2, tag="b")
-    seq = TaskSequence([a, empty, b])
-    assert len(seq) == 5
-    assert ids_of(seq) == ["a0", "a1", "a2", "b0", "b1"]
-    with pytest.raises(IndexError):
-        seq[5]
-    with pytest.raises(IndexError):
-        seq[-1]
 
 
 def test_render_mc():
