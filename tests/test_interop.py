@@ -1,13 +1,17 @@
 """
-Models out: scripts/export_model.py writes a directory that transformers loads with no custom code (same logits,
-same greedy tokens, same token ids, same chat prompts as ours). Bad input is one line and leaves nothing behind.
+Models in and out: scripts/export_model.py writes a directory that transformers loads with no custom code (same
+logits, same greedy tokens, same token ids, same chat prompts as ours), scripts/import_model.py reads such a
+directory, one written by transformers' save_pretrained and a checkpoint of karpathy/nanochat's layout, and an
+imported model keeps its own tokenizer. Bad input is one line and leaves nothing behind.
 
 One fp32 export of the session's tiny midtrained model (tiny_chat_base) is shared by the tests (`exported`).
 """
 
 import json
 import os
+import pickle
 import runpy
+import shutil
 import subprocess
 import sys
 
@@ -177,3 +181,147 @@ def test_mlx_layout_keeps_our_names(chat_base, tmp_path, monkeypatch):
     run_inprocess("scripts.export_model", "--source=mid", f"--out={tmp_path / 'mlx'}", "--layout=mlx", monkeypatch=monkeypatch)
     assert "transformer.wte.weight" in load_safetensors(tmp_path / "mlx" / "model.safetensors")
     assert json.loads((tmp_path / "mlx" / "config.json").read_text())["rope_theta"] == 10000.0
+
+
+# -----------------------------------------------------------------------------
+# import
+
+
+def test_export_import_round_trip(exported, ours, isolated_env, monkeypatch):
+    """Into an empty base dir (no tokenizer there): the model comes back with its weights and its own tokenizer."""
+    from nanochat.checkpoint_manager import load_model
+    model, tokenizer, _ = ours
+    run_inprocess("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+    back, back_tokenizer, meta = load_model("sft", "cpu", phase="eval", model_tag="back")
+    assert back_tokenizer.fingerprint() == tokenizer.fingerprint() == meta["tokenizer"]["fingerprint"]
+    assert back_tokenizer.directory == str(isolated_env / "chatsft_checkpoints" / "back" / "tokenizer")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    assert meta["imported_from"]["format"] == "Hugging Face NanoChat"
+    with pytest.raises(UserError, match="already holds a model"):
+        run_inprocess("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+
+
+def test_import_save_pretrained_directory(exported, tmp_path, isolated_env, monkeypatch):
+    from nanochat.checkpoint_manager import load_model
+    vocab_size = json.loads((exported / "config.json").read_text())["vocab_size"]
+    config = transformers.NanoChatConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                         bos_token_id=vocab_size - 9, eos_token_id=vocab_size - 5, pad_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.NanoChatForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # HF zero-inits nothing we need; make every weight matter
+            p.normal_(0, 0.3)
+    directory = tmp_path / "saved"
+    hf.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(exported / name, directory / name)
+    run_inprocess("scripts.import_model", f"--path={directory}", "--source=base", monkeypatch=monkeypatch)
+    model, _, _ = load_model("base", "cpu", phase="eval", model_tag="saved")
+    ids = torch.randint(0, vocab_size, (2, 32))
+    assert max_logit_difference(model, hf, ids) <= 1e-4  # HF's default rms_norm_eps 1e-6 vs our 1.2e-7: within it
+
+
+def reference_checkpoint(directory, tokenizer, step=650):
+    """A checkpoint as karpathy/nanochat's code writes it (see nanochat/reference_format.py), built here from the
+    format: compiled-model key prefixes, vocab padded to a multiple of 64, bf16 embedding, a pickled tiktoken
+    Encoding. Returns our GPT holding the same (unpadded) weights."""
+    import tiktoken
+    from nanochat.gpt import GPT, GPTConfig
+    vocab_size = tokenizer.get_vocab_size()
+    config = GPTConfig(sequence_len=32, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
+    torch.manual_seed(1)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        model.transformer.wte.weight.copy_(model.transformer.wte.weight.bfloat16())  # what bf16 storage keeps
+    padded = (vocab_size + 63) // 64 * 64
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            tensor = torch.cat([tensor, torch.zeros(padded - vocab_size, tensor.size(1))])
+        state["_orig_mod." + name] = tensor.bfloat16() if name == "transformer.wte.weight" else tensor
+    os.makedirs(directory)
+    torch.save(state, os.path.join(directory, f"model_{step:06d}.pt"))
+    with open(os.path.join(directory, f"meta_{step:06d}.json"), "w") as f:
+        json.dump({"step": step, "model_config": config.to_dict(), "user_config": {"device_batch_size": 4}}, f)
+    enc = tiktoken.Encoding(name="rustbpe", pat_str=tokenizer.pattern, mergeable_ranks=tokenizer.mergeable_ranks,
+                            special_tokens=tokenizer.get_special_tokens())
+    with open(os.path.join(directory, "tokenizer.pkl"), "wb") as f:
+        pickle.dump(enc, f)
+    torch.save(tokenizer.compute_token_bytes(), os.path.join(directory, "token_bytes.pt"))
+    return model
+
+
+def test_import_reference_checkpoint(ours, tmp_path, isolated_env, monkeypatch):
+    from nanochat.checkpoint_manager import load_model
+    _, tokenizer, _ = ours
+    reference = reference_checkpoint(tmp_path / "d2", tokenizer)
+    run_inprocess("scripts.import_model", f"--path={tmp_path / 'd2'}", "--source=sft", monkeypatch=monkeypatch)
+    model, imported_tokenizer, meta = load_model("sft", "cpu", phase="eval", model_tag="d2")
+    assert meta["step"] == 650 and meta["user_config"] == {"device_batch_size": 4}
+    assert imported_tokenizer.fingerprint() == tokenizer.fingerprint()
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (2, 32))
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))  # the same weights, once the padding rows are cut
+
+
+def test_import_refusals(ours, tmp_path, isolated_env, monkeypatch):
+    _, tokenizer, _ = ours
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    error = one_line_error(run("scripts.import_model", f"--path={empty}", "--source=sft", base=isolated_env))
+    assert "neither a Hugging Face NanoChat directory" in error
+    reference_checkpoint(tmp_path / "ref", tokenizer)
+    os.remove(tmp_path / "ref" / "tokenizer.pkl")
+    with pytest.raises(UserError, match="no tokenizer.pkl for the checkpoint"):
+        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+    (tmp_path / "ref" / "tokenizer.pkl").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(UserError, match=r"asks to load posix.system: .* refused"):
+        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+    os.remove(tmp_path / "ref" / "meta_000650.json")
+    with pytest.raises(UserError, match="not a complete karpathy/nanochat checkpoint"):
+        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "nanochat", "vocab_size": 521, "hidden_size": 64,
+                                                    "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 1}))
+    with pytest.raises(UserError, match="has config.json but no model.safetensors"):
+        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+    (hf_dir / "model.safetensors").write_bytes(b"\x00" * 4)
+    with pytest.raises(UserError, match="has no tokenizer.json"):
+        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "nanochat", "hidden_act": "gelu", "vocab_size": 521,
+                                                    "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1}))
+    with pytest.raises(UserError, match="hidden_act='gelu'"):
+        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+    assert not (isolated_env / "chatsft_checkpoints").exists() or not os.listdir(isolated_env / "chatsft_checkpoints")
+
+
+# -----------------------------------------------------------------------------
+# finetuning an imported model
+
+
+@pytest.mark.xfail(strict=True, reason="needs the stage protocol to carry the tokenizer")
+def test_finetune_an_imported_model_then_export(exported, chat_base, tmp_path, monkeypatch):
+    """An imported model with no tokenizer in the base dir: SFT trains it with its own tokenizer, the SFT checkpoint
+    carries it, and the export of the result matches the SFT model."""
+    shutil.rmtree(chat_base / "tokenizer")
+    run_inprocess("scripts.import_model", f"--path={exported}", "--source=mid", "--model_tag=imported", monkeypatch=monkeypatch)
+    for args in (["scripts.chat_sft", "--model_tag=imported", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2",
+                  "--examples_per_step=4", "--num_iterations=2", "--eval_every=-1", "--eval_tokens=512",
+                  "--eval_metrics_max_problems=4"],
+                 ["scripts.export_model", "--source=sft", "--model_tag=imported", f"--out={tmp_path / 'out'}", "--dtype=float32"]):
+        result = run(*args, base=chat_base)
+        assert result.returncode == 0, f"{args[0]}: {result.stderr[-2000:]}"
+    from nanochat.checkpoint_manager import load_model
+    model, tokenizer, _ = load_model("sft", "cpu", phase="eval", model_tag="imported")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert max_logit_difference(model, hf, torch.randint(0, tokenizer.get_vocab_size(), (1, 64))) <= 1e-4
