@@ -41,7 +41,8 @@ def trained_on(stage, meta):
         return f"{NOT_RECORDED} (its checkpoint is not on this machine)"
     if "imported_from" in meta:
         origin = meta["imported_from"]
-        return f"imported from a {origin.get('format')} directory ({origin.get('path')}); its training is {NOT_RECORDED} here"
+        name = os.path.basename(str(origin.get("path")))  # not the full path: a model card gets published
+        return f"imported from a {origin.get('format')} directory ({name}); its training is {NOT_RECORDED} here"
     config, step = meta.get("user_config") or {}, meta.get("step")
     units = {"base": ("total_batch_size", "tokens"), "mid": ("total_batch_size", "tokens"),
              "sft": ("examples_per_step", "conversations"), "rl": ("prompts_per_step", "problems")}
@@ -62,7 +63,7 @@ def evaluation_lines():
         return []
     evaluated = [f"- {name}: {section['model']}" for name, section in sorted(parsed.items())
                  if "evaluation" in name and "model" in section]
-    return [f"From the run report in `{directory}`: the latest evaluation of each stage logged there.", "",
+    return ["From the run report (`$NANOCHAT_BASE_DIR/report/`): the latest evaluation of each stage logged there.", "",
             *card, "", "The evaluated models:", *evaluated]
 
 

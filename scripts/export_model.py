@@ -54,8 +54,10 @@ if layout == "hf":
 
 with staged_directory(out, overwrite, "--out") as tmp:
     for name, content in files.items():
+        if not isinstance(content, str):  # JSON, indented for reading, except tokenizer.json's 100k's of entries
+            content = json.dumps(content, indent=None if name == "tokenizer.json" else 2, ensure_ascii=False) + "\n"
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-            f.write(content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+            f.write(content)
     save_safetensors(state, os.path.join(tmp, "model.safetensors"))
 
 out = os.path.abspath(out)

@@ -34,6 +34,8 @@ model_tag = ""  # its name there (default: the name of --path's directory)
 step = -1  # which step of a karpathy/nanochat directory that holds several (-1 = the last)
 overwrite = False  # replace a model already under that source and tag (default: refuse)
 config = configure(globals())
+if not source:
+    raise UserError(f"--source is required: the stage whose checkpoints the model joins ({', '.join(SOURCES)})")
 check_config(config, choices={"source": tuple(SOURCES)})
 if not path:
     raise UserError("--path=DIR is required: a Hugging Face NanoChat directory or a karpathy/nanochat checkpoint directory")

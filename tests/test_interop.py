@@ -171,9 +171,13 @@ def test_export_refusals(chat_base, tmp_path, monkeypatch):
     model_config = dict(sequence_len=64, vocab_size=512, n_layer=1, n_head=1, n_kv_head=1, n_embd=64, window_pattern="SSSL")
     with pytest.raises(UserError, match="window_pattern='SSSL' has no equivalent"):
         hf_config(model_config, None, "float32")
-    # --overwrite replaces the directory, in bf16 by default
+    # --overwrite replaces the directory, in bf16 by default; the model card shows the report card's scores
+    from nanochat.report import get_report
+    get_report().log(section="Chat evaluation mid", data=[{"model": "mid d1 step 10"}, {"ARC-Easy": 0.3125}])
     run_inprocess("scripts.export_model", "--source=mid", f"--out={out}", "--overwrite", monkeypatch=monkeypatch)
     assert "keep.txt" not in os.listdir(out) and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    card = (out / "README.md").read_text()
+    assert "| ARC-E | - | 0.3125 | - | - |" in card and "- chat-evaluation-mid: mid d1 step 10" in card
 
 
 def test_mlx_layout_keeps_our_names(chat_base, tmp_path, monkeypatch):
