@@ -240,7 +240,8 @@ def find_model_tag(checkpoints_dir, stage_command=None):
     hint = f": run `{stage_command}` first" if stage_command else ": run the stage that writes it first"
     if not os.path.isdir(checkpoints_dir):
         raise UserError(f"no checkpoints directory {checkpoints_dir}{hint}")
-    tags = sorted(d for d in os.listdir(checkpoints_dir) if os.path.isdir(os.path.join(checkpoints_dir, d)))
+    # only names a tag can have: not the hidden temporary directory of an import being written (or killed)
+    tags = sorted(d for d in os.listdir(checkpoints_dir) if TAG.match(d) and os.path.isdir(os.path.join(checkpoints_dir, d)))
     if not tags:
         raise UserError(f"no model in {checkpoints_dir}{hint}")
     if len(tags) > 1:
@@ -274,27 +275,6 @@ def model_from_state(model_state, meta, device, where):
     return model
 
 
-def checkpoint_tokenizer(checkpoint_dir):
-    """
-    The tokenizer of the model in `checkpoint_dir`: its own `tokenizer/` subdirectory when it has one (a model
-    trained elsewhere and imported, and every stage trained from it, see carry_tokenizer), else the one
-    scripts/tok_train.py wrote to $NANOCHAT_BASE_DIR/tokenizer/.
-    """
-    from nanochat.tokenizer import Tokenizer, get_tokenizer
-    own = os.path.join(checkpoint_dir, "tokenizer")
-    return Tokenizer.from_directory(own) if os.path.isdir(own) else get_tokenizer()
-
-
-def carry_tokenizer(tokenizer, checkpoint_dir):
-    """A tokenizer that is not $NANOCHAT_BASE_DIR/tokenizer/'s is saved into `checkpoint_dir`/tokenizer/ (once)."""
-    from nanochat.tokenizer import get_tokenizer_dir
-    directory = getattr(tokenizer, "directory", None)
-    own = os.path.join(checkpoint_dir, "tokenizer")
-    if directory and os.path.abspath(directory) not in (os.path.abspath(get_tokenizer_dir()), os.path.abspath(own)) \
-            and not os.path.isdir(own):
-        tokenizer.save(own)
-
-
 def check_tokenizer(meta, tokenizer, where):
     """The tokenizer of this run must be the one the checkpoint was trained with (same fingerprint)."""
     from nanochat.tokenizer import get_tokenizer_dir
@@ -303,7 +283,7 @@ def check_tokenizer(meta, tokenizer, where):
     if saved.get("fingerprint") not in (None, here) or meta["model_config"]["vocab_size"] != tokenizer.get_vocab_size():
         raise UserError(f"{where} was trained with tokenizer {saved.get('fingerprint', '?')} (vocab "
                         f"{meta['model_config']['vocab_size']:,}), but the tokenizer in "
-                        f"{getattr(tokenizer, 'directory', None) or get_tokenizer_dir()} is {here} "
+                        f"{tokenizer.directory or get_tokenizer_dir()} is {here} "
                         f"(vocab {tokenizer.get_vocab_size():,}): token ids would mean other text; put that run's "
                         f"tokenizer back, or train a new model with this one")
 
@@ -325,7 +305,7 @@ def load_model(source, device, phase, model_tag=None, step=None):
     Load a model saved by a training stage: source "base" | "mid" | "sft" | "rl". model_tag defaults to
     the only tag present (an error lists them if there are several); step defaults to the last complete
     one, or, if its files are unreadable, the one before it (with a warning). Checks that the tokenizer
-    on disk is the one the model was trained with. Returns (model, tokenizer, meta).
+    the model was trained with is the one it gets (see checkpoint_tokenizer). Returns (model, tokenizer, meta).
     """
     if source not in SOURCES:
         raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
@@ -352,6 +332,51 @@ def load_model(source, device, phase, model_tag=None, step=None):
     tokenizer = checkpoint_tokenizer(checkpoint_dir)
     check_tokenizer(meta, tokenizer, f"{source} model {model_tag} step {meta['step']}")
     return model, tokenizer, meta
+
+
+# -----------------------------------------------------------------------------
+# The model's tokenizer. Every model trained here uses the base dir's tokenizer ($NANOCHAT_BASE_DIR/tokenizer/);
+# an imported model (scripts/import_model.py) keeps its own, in <checkpoint_dir>/tokenizer/ (Tokenizer.save's
+# format), and so does every model trained from it (carry_tokenizer). Loading looks there first.
+
+TOKENIZER_SUBDIR = "tokenizer"
+
+
+def checkpoint_tokenizer(checkpoint_dir):
+    """The tokenizer of the models in `checkpoint_dir`: <checkpoint_dir>/tokenizer/ if it exists, else the base dir's."""
+    from nanochat.tokenizer import Tokenizer, get_tokenizer
+    own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
+    return Tokenizer.from_directory(own) if os.path.isdir(own) else get_tokenizer()
+
+
+def carry_tokenizer(tokenizer, checkpoint_dir):
+    """
+    Make the new checkpoints in `checkpoint_dir` load with `tokenizer`, the tokenizer of the model being trained
+    into it. The base dir's tokenizer needs nothing (a <checkpoint_dir>/tokenizer/ an earlier run with another one
+    left there is removed, or it would be loaded instead); any other tokenizer is saved to <checkpoint_dir>/tokenizer/.
+    Call on rank 0 before the stage's first save_checkpoint.
+    """
+    import shutil
+    from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
+    own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
+    base = get_tokenizer_dir()
+    if tokenizer.directory is not None and os.path.realpath(tokenizer.directory) == os.path.realpath(base):
+        is_base = True
+    else:
+        try:
+            is_base = Tokenizer.from_directory(base).fingerprint() == tokenizer.fingerprint()
+        except UserError:  # no tokenizer in the base dir
+            is_base = False
+    if is_base:
+        if os.path.isdir(own):
+            shutil.rmtree(own)
+        return
+    try:
+        if Tokenizer.from_directory(own).fingerprint() == tokenizer.fingerprint():
+            return
+    except UserError:
+        pass  # none there yet, or a broken one: write it
+    tokenizer.save(own)
 
 
 def open_metrics(checkpoint_dir, start_step, enabled=True):

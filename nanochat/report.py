@@ -159,7 +159,7 @@ def header_text():
 # generate
 
 
-def _parse_section(text):
+def parse_section(text):
     """{key: value} of the `- key: value` lines of a section."""
     return dict(m.groups() for m in re.finditer(r"^- ([^:\n]+): (.*)$", text, re.MULTILINE))
 
@@ -183,7 +183,7 @@ def plot_curves(directory, sections):
     import matplotlib.pyplot as plt
     written = []
     for stage, text in sections.items():
-        path = _parse_section(text).get("Metrics file")
+        path = parse_section(text).get("Metrics file")
         if not path or not os.path.exists(path):
             continue
         rows = []
@@ -237,19 +237,26 @@ def report_card(parsed):
     return lines + [f"| {label} | {' | '.join(values)} |" for label, values in rows]
 
 
+def read_sections(directory):
+    """{section slug: its markdown} of every stage section in `directory` (not header.md, not report.md)."""
+    sections = {}
+    for path in glob.glob(os.path.join(directory, "*.md")):
+        name = os.path.basename(path)[:-3]
+        if name not in ("header", "report"):
+            with open(path, encoding="utf-8") as f:
+                sections[name] = f.read()
+    return sections
+
+
 def generate(copy_to=None):
     """Assemble report.md from the header and the sections; returns its path. Copies report + PNGs to `copy_to`."""
     directory = report_dir()
     header_path = os.path.join(directory, "header.md")
     header = open(header_path, encoding="utf-8").read() if os.path.exists(header_path) else header_text()
-    sections = {}
-    for path in glob.glob(os.path.join(directory, "*.md")):
-        name = os.path.basename(path)[:-3]
-        if name not in ("header", "report"):
-            sections[name] = open(path, encoding="utf-8").read()
+    sections = read_sections(directory)
     order = [s for s in SECTION_ORDER if s in sections] + sorted(s for s in sections if s not in SECTION_ORDER)
 
-    parsed = {name: _parse_section(text) for name, text in sections.items()}
+    parsed = {name: parse_section(text) for name, text in sections.items()}
     rows = [(label, parsed[s][k]) for s, k, label in SUMMARY_METRICS if s in parsed and k in parsed[s]]
     stamps = _timestamps([header] + list(sections.values()))
     wall = (max(stamps) - min(stamps)).total_seconds() if len(stamps) >= 2 else 0.0

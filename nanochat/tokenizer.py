@@ -102,7 +102,7 @@ class Tokenizer:
         self.enc = tiktoken.Encoding(name="nanochat", pat_str=pattern, mergeable_ranks=self.mergeable_ranks,
                                      special_tokens=self.special_tokens)
         self.truncation_stats = {"conversations": 0, "tokens_dropped": 0}
-        self.directory = None  # the directory it was loaded from (from_directory), if any
+        self.directory = None  # where from_directory read it (None: built in memory); error messages name it
 
     # -------------------------------------------------------------------------
     # Training, saving, loading
@@ -180,7 +180,7 @@ class Tokenizer:
             mergeable_ranks[base64.b64decode(token)] = int(rank)
         # encode with the pattern the merges were learned with (SPLIT_PATTERN for anything tok_train saved)
         tokenizer = cls(mergeable_ranks, pattern=pattern)
-        tokenizer.directory = path
+        tokenizer.directory = os.path.abspath(path)
         return tokenizer
 
     def fingerprint(self):
@@ -444,8 +444,9 @@ def get_tokenizer():
 def get_token_bytes(device="cpu", directory=None):
     """
     int32 tensor [vocab_size] on `device`: UTF-8 bytes of each token id (0 for special tokens), to turn a
-    loss in nats per token into bits per byte: sum(loss) / (ln 2 * sum(token_bytes[targets])). Of the tokenizer
-    in `directory` (a model's own, tokenizer.directory), else of $NANOCHAT_BASE_DIR/tokenizer/.
+    loss in nats per token into bits per byte: sum(loss) / (ln 2 * sum(token_bytes[targets])).
+    `directory`: the tokenizer directory to read, default $NANOCHAT_BASE_DIR/tokenizer/. A model that brought
+    its own tokenizer (an imported one) needs its own: pass `tokenizer.directory` of load_model's tokenizer.
     """
     path = os.path.join(directory or get_tokenizer_dir(), TOKEN_BYTES_FILE)
     if not os.path.exists(path):

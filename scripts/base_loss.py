@@ -33,7 +33,7 @@ autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) 
 
 model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=model_tag or None, step=step)
 sequence_len = model.config.sequence_len
-token_bytes = get_token_bytes(device, tokenizer.directory)  # of the model's own tokenizer
+token_bytes = get_token_bytes(device=device, directory=tokenizer.directory)  # the model's own tokenizer's
 tokens_per_step = device_batch_size * sequence_len * ddp_world_size
 steps = max(1, split_tokens // tokens_per_step)
 print0(f"Evaluating {steps} batches of {device_batch_size} x {sequence_len} tokens per rank x {ddp_world_size} rank(s) per split")

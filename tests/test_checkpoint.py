@@ -91,6 +91,32 @@ def test_model_tag_is_never_guessed(tmp_path):
     (tmp_path / "base_checkpoints" / "d4").mkdir(parents=True)
     assert find_model_tag(str(tmp_path / "base_checkpoints")) == "d4"
     (tmp_path / "base_checkpoints" / "d6").mkdir()
+    (tmp_path / "base_checkpoints" / ".d8.tmp123").mkdir()  # an import being written: not a model
     with pytest.raises(UserError, match="several models .*d4, d6; choose one with --model_tag"):
         find_model_tag(str(tmp_path / "base_checkpoints"))
     assert complete_steps(str(tmp_path / "base_checkpoints" / "d4")) == []
+
+
+def test_a_checkpoint_directory_may_carry_its_own_tokenizer(isolated_env):
+    """An imported model's tokenizer lives in <checkpoint_dir>/tokenizer/; load_model and the token bytes use it,
+    and carry_tokenizer passes it on to the checkpoints trained from it (the base dir's needs no copy)."""
+    from nanochat.checkpoint_manager import carry_tokenizer, checkpoint_dir_for, load_model
+    from nanochat.tokenizer import Tokenizer, get_token_bytes
+    own = Tokenizer({bytes([i]): i for i in range(256)})  # no tokenizer in the base dir at all
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=own.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=64))
+    model.init_weights()
+    ckpt = checkpoint_dir_for("sft", "imported")
+    carry_tokenizer(own, ckpt)
+    meta = dict(model_config=model.config.to_dict(), tokenizer=dict(fingerprint=own.fingerprint(), vocab_size=own.get_vocab_size()))
+    save_checkpoint(ckpt, 0, model.state_dict(), None, meta)
+    _, tokenizer, _ = load_model("sft", "cpu", phase="eval")
+    assert tokenizer.fingerprint() == own.fingerprint() and tokenizer.directory == os.path.join(ckpt, "tokenizer")
+    assert torch.equal(get_token_bytes(directory=tokenizer.directory), own.compute_token_bytes())
+    # a model trained from the base dir's tokenizer into that directory: the stale copy goes, nothing is written
+    base_tokenizer = Tokenizer({**own.mergeable_ranks, b"ab": 256})
+    base_tokenizer.save(str(isolated_env / "tokenizer"))
+    carry_tokenizer(Tokenizer.from_directory(str(isolated_env / "tokenizer")), ckpt)
+    assert not os.path.exists(os.path.join(ckpt, "tokenizer"))
+    # the fingerprint check names the directory the tokenizer came from
+    with pytest.raises(UserError, match=f"but the tokenizer in {isolated_env / 'tokenizer'} is"):
+        load_model("sft", "cpu", phase="eval")

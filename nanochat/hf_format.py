@@ -1,0 +1,308 @@
+"""
+The Hugging Face `NanoChat` format (transformers >= 5.0: NanoChatConfig / NanoChatForCausalLM), both ways: what
+scripts/export_model.py writes and scripts/import_model.py reads. Pure data mapping, no transformers import:
+exporting needs none of the Hugging Face libraries.
+
+The model maps one to one. HF NanoChat is this architecture (parameter-free RMSNorm after the embedding, before
+attention and MLP and before the head; rotary with our pairing and direction; QK norm after rotary; ReLU^2 MLP of
+width 4 x n_embd; untied head; logits soft-capped at 15), so the weights only change names (WEIGHT_NAMES): no
+transposes, no permutations. Three config values must be written, not left at HF's defaults: the RMSNorm epsilon
+(F.rms_norm with eps=None uses float32's machine epsilon, HF defaults to 1e-6), intermediate_size (HF default 8192)
+and the special token ids (HF defaults 0/1 are byte tokens here).
+
+The tokenizer becomes a `tokenizers` BPE (tokenizer.json): the vocabulary is our mergeable ranks (ids = ranks),
+each token's bytes written through GPT-2's byte-to-unicode table; the merge list is rebuilt from the ranks (every
+split of a token into two tokens, in the order of the merged token's rank), the pre-tokenizer is our split
+pattern, then the 9 special tokens with our ids, and a post-processor that puts <|bos|> first, as our
+encode(text, prepend="<|bos|>") does. Two differences remain, both from how `tokenizers` works: it matches
+special-token strings inside text (ours never does: "<|bos|>" typed by a user is 7 characters for us), which is
+also how the chat template's special tokens become ids; and two assistant text parts in a row are tokenized as
+one string by the template (we encode each part on its own).
+"""
+
+import torch
+
+from nanochat.common import UserError
+from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+RMS_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm(x, shape) uses for fp32/bf16/fp16 inputs
+ROPE_THETA = 10000.0  # GPT.init_rotary's base
+SOFTCAP = 15.0  # GPT.SOFTCAP
+MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")  # GPTConfig's fields
+
+# -----------------------------------------------------------------------------
+# Weights
+
+
+def weight_names(n_layer):
+    """[(our name, HF name)] of every weight of an n_layer model."""
+    names = [("transformer.wte.weight", "model.embed_tokens.weight")]
+    for i in range(n_layer):
+        ours, hf = f"transformer.h.{i}.", f"model.layers.{i}."
+        names += [(ours + "attn.c_q.weight", hf + "self_attn.q_proj.weight"),
+                  (ours + "attn.c_k.weight", hf + "self_attn.k_proj.weight"),
+                  (ours + "attn.c_v.weight", hf + "self_attn.v_proj.weight"),
+                  (ours + "attn.c_proj.weight", hf + "self_attn.o_proj.weight"),
+                  (ours + "mlp.c_fc.weight", hf + "mlp.fc1.weight"),
+                  (ours + "mlp.c_proj.weight", hf + "mlp.fc2.weight")]
+    return names + [("lm_head.weight", "lm_head.weight")]
+
+
+def check_weight_names(names, n_layer, hf, where):
+    """Every weight of an n_layer model must be in `names` (HF names if `hf`, else ours), and nothing else."""
+    expected = [pair[1 if hf else 0] for pair in weight_names(n_layer)]
+    missing = [name for name in expected if name not in names]
+    unknown = sorted(set(names) - set(expected))
+    if missing or unknown:
+        listed = missing or unknown
+        what = f"lacks {', '.join(listed[:3])}" if missing else f"has weights a nanochat model does not: {', '.join(listed[:3])}"
+        raise UserError(f"{where} {what}" + (f" (and {len(listed) - 3} more)" if len(listed) > 3 else ""))
+
+
+def rename_weights(state, n_layer, to_hf, where):
+    """Our state dict -> HF names (to_hf=True), or HF's -> ours; checked with check_weight_names first."""
+    check_weight_names(state, n_layer, hf=not to_hf, where=where)
+    mapping = dict(weight_names(n_layer)) if to_hf else {hf: ours for ours, hf in weight_names(n_layer)}
+    return {mapping[name]: tensor for name, tensor in state.items()}
+
+
+# -----------------------------------------------------------------------------
+# config.json
+
+
+def hf_config(model_config, tokenizer, dtype, layout="hf"):
+    """
+    config.json for our model_config (GPTConfig.to_dict()). A setting this format cannot hold is a UserError
+    naming it. layout "mlx": mlx-lm's nanochat model reads the rotary base from a top-level rope_theta.
+    """
+    for key, value in model_config.items():
+        if key not in MODEL_CONFIG_KEYS:
+            raise UserError(f"the model's setting {key}={value!r} has no equivalent in the Hugging Face NanoChat format "
+                            f"(it knows {', '.join(MODEL_CONFIG_KEYS)}): this model cannot be exported")
+    c = model_config
+    special = tokenizer.get_special_tokens()
+    config = {
+        "architectures": ["NanoChatForCausalLM"],
+        "model_type": "nanochat",
+        "vocab_size": c["vocab_size"],
+        "hidden_size": c["n_embd"],
+        "intermediate_size": 4 * c["n_embd"],
+        "num_hidden_layers": c["n_layer"],
+        "num_attention_heads": c["n_head"],
+        "num_key_value_heads": c["n_kv_head"],
+        "max_position_embeddings": c["sequence_len"],
+        "hidden_act": "relu2",
+        "attention_dropout": 0.0,
+        "attention_bias": False,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "final_logit_softcapping": SOFTCAP,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": special["<|bos|>"],
+        "eos_token_id": [special["<|assistant_end|>"], special["<|bos|>"]],  # our Engine stops on either
+        # no pad id: HF makes it the embedding's padding_idx, whose row a finetune would then never update
+        "pad_token_id": None,
+        "dtype": dtype,
+    }
+    if layout == "mlx":
+        config["rope_theta"] = ROPE_THETA
+    return config
+
+
+def model_config_from_hf(config, where):
+    """Our model_config from an HF config.json dict; a setting our GPT cannot reproduce is a UserError naming it."""
+    if config.get("model_type") != "nanochat":
+        raise UserError(f"{where} is a {config.get('model_type')!r} model, not 'nanochat': only NanoChat models can be imported")
+    try:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        model_config = dict(sequence_len=int(config.get("max_position_embeddings", 2048)), vocab_size=int(config["vocab_size"]),
+                            n_layer=int(config["num_hidden_layers"]), n_head=heads,
+                            n_kv_head=int(config.get("num_key_value_heads") or heads), n_embd=hidden)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{where} lacks a usable {e}: not a NanoChat config") from None
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", ROPE_THETA))
+    checks = [  # (key, value in the file, what our GPT computes)
+        ("hidden_act", config.get("hidden_act", "relu2"), "relu2"),
+        ("intermediate_size", config.get("intermediate_size", 8192), 4 * hidden),
+        ("attention_bias", config.get("attention_bias", False), False),
+        ("tie_word_embeddings", config.get("tie_word_embeddings", False), False),
+        ("final_logit_softcapping", config.get("final_logit_softcapping", SOFTCAP), SOFTCAP),
+        ("rope_parameters.rope_type", rope.get("rope_type", "default"), "default"),
+        ("rope_theta", theta, ROPE_THETA),
+        ("head_dim", config.get("head_dim", hidden // heads), hidden // heads),
+    ]
+    for key, value, ours in checks:
+        if value != ours:
+            raise UserError(f"{where} has {key}={value!r}; nanochat's GPT computes {key}={ours!r}: cannot import it")
+    eps = config.get("rms_norm_eps", 1e-6)
+    if not (isinstance(eps, (int, float)) and 0 <= eps <= 1e-5):
+        # F.rms_norm adds 1.2e-7; an epsilon up to 1e-5 changes unit-scale activations by < 1e-5 relative
+        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_NORM_EPS:.3g}: cannot import it")
+    return model_config
+
+
+# -----------------------------------------------------------------------------
+# tokenizer.json, tokenizer_config.json, generation_config.json
+
+
+def bytes_to_unicode():
+    """GPT-2's byte-level alphabet: byte -> a printable character (the byte itself when printable, else 256 + n)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def bpe_merges(mergeable_ranks):
+    """
+    The merge list of a rank-based (tiktoken) BPE: every split of a token into two tokens, ordered by the rank of
+    the token they make (splits of one token by the ranks of their halves). Applying merges in this order picks, at
+    each step, the adjacent pair that makes the lowest-ranked token, which is tiktoken's rule.
+    """
+    merges = []
+    for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token))
+                  if token[:i] in mergeable_ranks and token[i:] in mergeable_ranks]
+        merges += sorted(splits, key=lambda pair: (mergeable_ranks[pair[0]], mergeable_ranks[pair[1]]))
+    return merges
+
+
+def tokenizer_json(tokenizer):
+    """The `tokenizers` library's tokenizer.json (a dict) equivalent to `tokenizer` (see the module docstring)."""
+    alphabet = bytes_to_unicode()
+    text = lambda token: "".join(alphabet[b] for b in token)
+    bos = "<|bos|>"
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for name, i in tokenizer.get_special_tokens().items()],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": tokenizer.pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [tokenizer.get_bos_token_id()], "tokens": [bos]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {text(token): rank for token, rank in tokenizer.mergeable_ranks.items()},
+                  "merges": [[text(a), text(b)] for a, b in bpe_merges(tokenizer.mergeable_ranks)]},
+    }
+
+
+def tokenizer_from_json(data, where):
+    """Our Tokenizer from a tokenizer.json dict of a byte-level, rank-ordered BPE (what tokenizer_json writes)."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise UserError(f"{where} is not a byte-level BPE tokenizer.json (no BPE model with a vocab)")
+    inverse = {c: b for b, c in bytes_to_unicode().items()}
+    ranks = {}
+    for text, rank in model["vocab"].items():
+        if any(c not in inverse for c in text):
+            raise UserError(f"{where}: token {text!r} is not in the byte-level alphabet: not a byte-level BPE")
+        ranks[bytes(inverse[c] for c in text)] = rank
+    steps = (data.get("pre_tokenizer") or {}).get("pretokenizers") or []
+    split = steps[0] if steps else {}
+    pattern = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
+    if pattern is None or len(steps) != 2 or steps[1].get("type") != "ByteLevel":
+        raise UserError(f"{where}: the pre-tokenizer is not a Split regex followed by ByteLevel, as nanochat's is")
+    n = len(ranks)
+    added = {t.get("content"): t.get("id") for t in data.get("added_tokens") or []}
+    expected = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
+    if added != expected:
+        raise UserError(f"{where}: the added tokens are {added}, nanochat needs exactly {expected}")
+    # tiktoken merges by rank: the merge list must make tokens in increasing rank order to mean the same
+    last = -1
+    for merge in model.get("merges") or []:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        made = model["vocab"].get(left + right)
+        if made is None or made < last:
+            raise UserError(f"{where}: the merge {left!r} + {right!r} is {'not in the vocabulary' if made is None else 'out of rank order'}: "
+                            f"not a rank-ordered (tiktoken-style) BPE")
+        last = made
+    try:
+        return Tokenizer(ranks, pattern=pattern)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def tokenizer_config(sequence_len):
+    """tokenizer_config.json: the generic fast tokenizer class (no custom code) and the special tokens' roles."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|assistant_end|>",
+        "pad_token": "<|bos|>",  # batched generation needs one; attention masks hide it
+        "add_bos_token": True,  # informative: transformers takes <|bos|> from tokenizer.json's post-processor
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": sequence_len,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+
+
+def generation_config(tokenizer):
+    """generation_config.json: stop where our Engine stops (<|assistant_end|> or <|bos|>)."""
+    special = tokenizer.get_special_tokens()
+    return {"bos_token_id": special["<|bos|>"], "eos_token_id": [special["<|assistant_end|>"], special["<|bos|>"]],
+            "pad_token_id": special["<|bos|>"]}
+
+
+# The chat template: Tokenizer.render_conversation in Jinja (merged system message, strict user/assistant
+# alternation, assistant parts text / python / python_output); with add_generation_prompt, render_for_completion
+# (a final assistant message is dropped, <|assistant_start|> appended). No whitespace between pieces.
+CHAT_TEMPLATE = """\
+{%- if not messages -%}
+    {{- raise_exception('the conversation has no messages') -}}
+{%- endif -%}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages|length < 2 or messages[1]['role'] != 'user' -%}
+        {{- raise_exception('the system message must be followed by a user message') -}}
+    {%- endif -%}
+    {%- set messages = [{'role': 'user', 'content': messages[0]['content'] + '\\n\\n' + messages[1]['content']}] + messages[2:] -%}
+{%- endif -%}
+{{- '<|bos|>' -}}
+{%- for message in messages -%}
+    {%- if message['role'] != ('user' if loop.index0 % 2 == 0 else 'assistant') -%}
+        {{- raise_exception('roles must alternate user/assistant starting with user (after an optional system message)') -}}
+    {%- endif -%}
+    {%- if add_generation_prompt and loop.last and message['role'] == 'assistant' -%}
+        {#- the reply to sample replaces a final assistant message -#}
+    {%- elif message['role'] == 'user' -%}
+        {{- '<|user_start|>' + message['content'] + '<|user_end|>' -}}
+    {%- else -%}
+        {{- '<|assistant_start|>' -}}
+        {%- if message['content'] is string -%}
+            {{- message['content'] -}}
+        {%- else -%}
+            {%- for part in message['content'] -%}
+                {%- if part['type'] == 'text' -%}
+                    {{- part['text'] -}}
+                {%- elif part['type'] == 'python' -%}
+                    {{- '<|python_start|>' + part['text'] + '<|python_end|>' -}}
+                {%- elif part['type'] == 'python_output' -%}
+                    {{- '<|output_start|>' + part['text'] + '<|output_end|>' -}}
+                {%- else -%}
+                    {{- raise_exception('assistant parts are text, python or python_output') -}}
+                {%- endif -%}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|assistant_end|>' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|assistant_start|>' -}}
+{%- endif -%}
+"""

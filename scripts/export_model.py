@@ -1,0 +1,70 @@
+"""
+Export a checkpoint as a Hugging Face model directory, which transformers (>= 5.0), vLLM and other tools load with
+no custom code (nanochat/hf_format.py says how each part maps):
+
+    python -m scripts.export_model --source=sft --out=nanochat-d20              # bf16 weights
+    python -m scripts.export_model --source=sft --out=nanochat-d20 --dtype=float32
+    python -m scripts.export_model --source=sft --out=nanochat-d20-mlx --layout=mlx  # for mlx-lm
+
+Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja,
+generation_config.json and README.md (the model card: size, training, report card scores as recorded here).
+The directory is written under a temporary name and renamed when complete: an interrupted export leaves no
+half-written --out. `--layout=mlx` keeps nanochat's weight names, which mlx-lm's nanochat model expects (and
+transformers cannot load).
+"""
+
+import json
+import os
+
+import torch
+
+from nanochat.checkpoint_manager import SOURCES, load_model
+from nanochat.common import UserError, print0
+from nanochat.configurator import check_config, configure
+from nanochat.hf_format import CHAT_TEMPLATE, generation_config, hf_config, rename_weights, tokenizer_config, tokenizer_json
+from nanochat.model_card import model_card
+from nanochat.model_files import check_free, save_safetensors, staged_directory
+
+source = "sft"  # which checkpoints: base | mid | sft | rl
+model_tag = ""  # which model under the source's checkpoint directory (needed only if there are several)
+step = -1  # which step (-1 = the last complete checkpoint)
+out = ""  # the directory to write (required)
+dtype = "bfloat16"  # weights: bfloat16 (half the size) | float32 (exactly the checkpoint's values)
+layout = "hf"  # hf: transformers / vLLM weight names | mlx: nanochat's own names, which mlx-lm reads
+overwrite = False  # replace a non-empty --out (default: refuse)
+config = configure(globals())
+check_config(config, choices={"source": tuple(SOURCES), "dtype": ("bfloat16", "float32"), "layout": ("hf", "mlx")})
+if not out:
+    raise UserError("--out=DIR is required: the directory to write the model to")
+check_free(os.path.abspath(out), overwrite, "--out")  # before loading anything
+
+model, tokenizer, meta = load_model(source, "cpu", phase="eval", model_tag=model_tag or None, step=step)
+model_config = model.config.to_dict()
+files = {
+    "config.json": hf_config(model_config, tokenizer, dtype, layout),
+    "generation_config.json": generation_config(tokenizer),
+    "tokenizer.json": tokenizer_json(tokenizer),
+    "tokenizer_config.json": tokenizer_config(model_config["sequence_len"]),
+    "chat_template.jinja": CHAT_TEMPLATE,
+    "README.md": model_card(meta, source, model, tokenizer, dtype, layout),
+}
+state = {name: t.to(getattr(torch, dtype)) for name, t in model.state_dict().items()}
+if layout == "hf":
+    state = rename_weights(state, model_config["n_layer"], to_hf=True, where=f"{source} model {meta['model_tag']}")
+
+with staged_directory(out, overwrite, "--out") as tmp:
+    for name, content in files.items():
+        if not isinstance(content, str):  # JSON, indented for reading, except tokenizer.json's 100k's of entries
+            content = json.dumps(content, indent=None if name == "tokenizer.json" else 2, ensure_ascii=False) + "\n"
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+            f.write(content)
+    save_safetensors(state, os.path.join(tmp, "model.safetensors"))
+
+out = os.path.abspath(out)
+print0(f"Exported {source} model {meta['model_tag']} step {meta['step']} ({model.num_params():,} parameters, {dtype}, "
+       f"{layout} layout) to {out}")
+if layout == "hf":
+    print0(f"Next: transformers: AutoModelForCausalLM.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}); "
+           f"vLLM: vllm serve {out}")
+else:
+    print0(f"Next: mlx_lm.generate --model {out} --prompt \"Hello\"")

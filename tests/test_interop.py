@@ -1,0 +1,330 @@
+"""
+Models in and out: scripts/export_model.py writes a directory that transformers loads with no custom code (same
+logits, same greedy tokens, same token ids, same chat prompts as ours), scripts/import_model.py reads such a
+directory, one written by transformers' save_pretrained and a checkpoint of karpathy/nanochat's layout, and an
+imported model keeps its own tokenizer. Bad input is one line and leaves nothing behind.
+
+One fp32 export of the session's tiny midtrained model (tiny_chat_base) is shared by the tests (`exported`).
+"""
+
+import json
+import os
+import pickle
+import runpy
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT
+from nanochat.common import UserError
+
+transformers = pytest.importorskip("transformers")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi  there\n\tfriend"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "def f(x):\n    return x ** 2"}],
+    [{"role": "user", "content": "Compute 12*7 ünïcode 🎉"},
+     {"role": "assistant", "content": [{"type": "text", "text": "Let me check. "}, {"type": "python", "text": "12*7"},
+                                       {"type": "python_output", "text": "84"}, {"type": "text", "text": "It is 84."}]},
+     {"role": "user", "content": "And 3 x 3?"}, {"role": "assistant", "content": "9"}],
+]
+TEXTS = ["Hello world", "def f(x):\n    return x**2  # square\n", "  leading   and trailing   \n\n\n\t\t",
+         "héllo wörld, 中文字符, Ελληνικά", "emoji 🎉🚀👍🏽 mixed", "digits 1234567890 3.14159 1e-10",
+         "\r\n\r\nwindows\r\nlines", "'s 't 're 've 'm 'll 'd THEY'LL", "", " ", "x" * 300]
+
+
+def run(module, *args, base, timeout=300):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), OMP_NUM_THREADS="1", NANOCHAT_DATASET="pydocs")
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_inprocess(module, *args, monkeypatch):
+    """Run a script in this process (no interpreter start-up): its UserError propagates to the test."""
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    runpy.run_module(module, run_name="__main__")
+
+
+def one_line_error(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_chat_base, tmp_path_factory):
+    """The tiny midtrained model exported in fp32 (read-only)."""
+    out = tmp_path_factory.mktemp("export") / "hf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_chat_base))
+        run_inprocess("scripts.export_model", "--source=mid", f"--out={out}", "--dtype=float32", monkeypatch=mp)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ours(tiny_chat_base):
+    """(model, tokenizer, meta) of the exported checkpoint, loaded by our code."""
+    from nanochat.checkpoint_manager import load_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_chat_base))
+        return load_model("mid", "cpu", phase="eval")
+
+
+@pytest.fixture(scope="session")
+def hf_model(exported):
+    return transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(exported):
+    return transformers.AutoTokenizer.from_pretrained(exported)
+
+
+def max_logit_difference(model, hf, ids):
+    with torch.no_grad():
+        return (model(ids) - hf(ids).logits).abs().max().item()
+
+
+# -----------------------------------------------------------------------------
+# export
+
+
+def test_export_matches_our_logits_and_greedy_tokens(ours, hf_model):
+    model, tokenizer, _ = ours
+    torch.manual_seed(0)
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (2, model.config.sequence_len))  # the full context
+    ids[:, 0] = tokenizer.get_bos_token_id()
+    assert max_logit_difference(model, hf_model, ids) <= 1e-4
+    from nanochat.engine import Engine
+    for prompt in (tokenizer.encode("The function", prepend="<|bos|>"),
+                   tokenizer.render_for_completion({"messages": CONVERSATIONS[0]})):
+        engine_tokens = [column[0] for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=24, temperature=0)]
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+        assert out[0, len(prompt):].tolist() == engine_tokens
+
+
+def test_exported_tokenizer_gives_our_ids(ours, hf_tokenizer, pydocs_dir):
+    import pyarrow.parquet as pq
+    _, tokenizer, _ = ours
+    shard = sorted(n for n in os.listdir(pydocs_dir) if n.startswith("shard_"))[-1]
+    docs = pq.read_table(os.path.join(pydocs_dir, shard), columns=["text"]).column("text").to_pylist()[:200]
+    for text in TEXTS + docs:
+        ids = hf_tokenizer(text)["input_ids"]
+        assert ids == tokenizer.encode(text, prepend="<|bos|>"), text[:80]  # <|bos|> first, as our prepend
+        assert hf_tokenizer.decode(ids[1:]) == text
+    for name, i in tokenizer.get_special_tokens().items():
+        assert hf_tokenizer(name, add_special_tokens=False)["input_ids"] == [i]
+        assert hf_tokenizer.decode([i]) == name == tokenizer.decode([i])
+
+
+def test_chat_template_renders_our_prompts(ours, hf_tokenizer):
+    _, tokenizer, _ = ours
+    for messages in CONVERSATIONS:
+        conversation = {"messages": messages}
+        ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ids == tokenizer.render_for_completion(conversation)
+        if messages[-1]["role"] == "assistant":
+            ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+            assert ids == tokenizer.render_conversation(conversation)[0]
+    for bad in ([{"role": "assistant", "content": "first"}], [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]):
+        with pytest.raises(Exception, match="alternate"):  # as render_for_completion refuses them
+            hf_tokenizer.apply_chat_template(bad, add_generation_prompt=True)
+
+
+def test_export_files(exported, ours):
+    model, tokenizer, _ = ours
+    names = sorted(os.listdir(exported))
+    assert names == sorted(["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                            "tokenizer_config.json", "chat_template.jinja", "README.md"])
+    from safetensors.torch import load_file  # the reference reader agrees with our writer
+    from nanochat.hf_format import weight_names
+    tensors = load_file(exported / "model.safetensors")
+    for ours_name, hf_name in weight_names(model.config.n_layer):
+        assert torch.equal(tensors[hf_name], model.state_dict()[ours_name]), hf_name
+    assert len(tensors) == len(model.state_dict())
+    special = tokenizer.get_special_tokens()
+    assert json.loads((exported / "generation_config.json").read_text())["eos_token_id"] == [special["<|assistant_end|>"], special["<|bos|>"]]
+    card = (exported / "README.md").read_text()
+    assert f"| {model.num_params():,} | 1 | 64 |" in card
+    assert "10 steps x 256 tokens = 2,560 tokens" in card  # base and mid: 10 steps of 256 tokens each
+    assert "not recorded (no report card" in card  # the tiny run evaluated nothing
+
+
+def test_export_refusals(chat_base, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    error = one_line_error(run("scripts.export_model", "--source=mid", f"--out={out}", base=chat_base))
+    assert "is not empty" in error and "--overwrite" in error
+    assert os.listdir(out) == ["keep.txt"]
+    with pytest.raises(UserError, match="--out=DIR is required"):
+        run_inprocess("scripts.export_model", "--source=mid", monkeypatch=monkeypatch)
+    with pytest.raises(UserError, match="chatsft_checkpoints"):
+        run_inprocess("scripts.export_model", "--source=sft", f"--out={tmp_path / 'x'}", monkeypatch=monkeypatch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nanochat_base", "out"]  # no --out, no temporary left
+    # a setting the format cannot hold is named
+    from nanochat.hf_format import hf_config
+    model_config = dict(sequence_len=64, vocab_size=512, n_layer=1, n_head=1, n_kv_head=1, n_embd=64, window_pattern="SSSL")
+    with pytest.raises(UserError, match="window_pattern='SSSL' has no equivalent"):
+        hf_config(model_config, None, "float32")
+    # --overwrite replaces the directory, in bf16 by default; the model card shows the report card's scores
+    from nanochat.report import get_report
+    get_report().log(section="Chat evaluation mid", data=[{"model": "mid d1 step 10"}, {"ARC-Easy": 0.3125}])
+    run_inprocess("scripts.export_model", "--source=mid", f"--out={out}", "--overwrite", monkeypatch=monkeypatch)
+    assert "keep.txt" not in os.listdir(out) and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    card = (out / "README.md").read_text()
+    assert "| ARC-E | - | 0.3125 | - | - |" in card and "- chat-evaluation-mid: mid d1 step 10" in card
+
+
+def test_mlx_layout_keeps_our_names(chat_base, tmp_path, monkeypatch):
+    from nanochat.model_files import load_safetensors
+    run_inprocess("scripts.export_model", "--source=mid", f"--out={tmp_path / 'mlx'}", "--layout=mlx", monkeypatch=monkeypatch)
+    assert "transformer.wte.weight" in load_safetensors(tmp_path / "mlx" / "model.safetensors")
+    assert json.loads((tmp_path / "mlx" / "config.json").read_text())["rope_theta"] == 10000.0
+
+
+# -----------------------------------------------------------------------------
+# import
+
+
+def test_export_import_round_trip(exported, ours, isolated_env, monkeypatch):
+    """Into an empty base dir (no tokenizer there): the model comes back with its weights and its own tokenizer."""
+    from nanochat.checkpoint_manager import load_model
+    model, tokenizer, _ = ours
+    run_inprocess("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+    back, back_tokenizer, meta = load_model("sft", "cpu", phase="eval", model_tag="back")
+    assert back_tokenizer.fingerprint() == tokenizer.fingerprint() == meta["tokenizer"]["fingerprint"]
+    assert back_tokenizer.directory == str(isolated_env / "chatsft_checkpoints" / "back" / "tokenizer")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    assert meta["imported_from"]["format"] == "Hugging Face NanoChat"
+    with pytest.raises(UserError, match="already holds a model"):
+        run_inprocess("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+
+
+def test_import_save_pretrained_directory(exported, tmp_path, isolated_env, monkeypatch):
+    from nanochat.checkpoint_manager import load_model
+    vocab_size = json.loads((exported / "config.json").read_text())["vocab_size"]
+    config = transformers.NanoChatConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                         bos_token_id=vocab_size - 9, eos_token_id=vocab_size - 5, pad_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.NanoChatForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # HF zero-inits nothing we need; make every weight matter
+            p.normal_(0, 0.3)
+    directory = tmp_path / "saved"
+    hf.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(exported / name, directory / name)
+    run_inprocess("scripts.import_model", f"--path={directory}", "--source=base", monkeypatch=monkeypatch)
+    model, _, _ = load_model("base", "cpu", phase="eval", model_tag="saved")
+    ids = torch.randint(0, vocab_size, (2, 32))
+    assert max_logit_difference(model, hf, ids) <= 1e-4  # HF's default rms_norm_eps 1e-6 vs our 1.2e-7: within it
+
+
+def reference_checkpoint(directory, tokenizer, step=650):
+    """A checkpoint as karpathy/nanochat's code writes it (see nanochat/reference_format.py), built here from the
+    format: compiled-model key prefixes, vocab padded to a multiple of 64, bf16 embedding, a pickled tiktoken
+    Encoding. Returns our GPT holding the same (unpadded) weights."""
+    import tiktoken
+    from nanochat.gpt import GPT, GPTConfig
+    vocab_size = tokenizer.get_vocab_size()
+    config = GPTConfig(sequence_len=32, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
+    torch.manual_seed(1)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        model.transformer.wte.weight.copy_(model.transformer.wte.weight.bfloat16())  # what bf16 storage keeps
+    padded = (vocab_size + 63) // 64 * 64
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            tensor = torch.cat([tensor, torch.zeros(padded - vocab_size, tensor.size(1))])
+        state["_orig_mod." + name] = tensor.bfloat16() if name == "transformer.wte.weight" else tensor
+    os.makedirs(directory)
+    torch.save(state, os.path.join(directory, f"model_{step:06d}.pt"))
+    with open(os.path.join(directory, f"meta_{step:06d}.json"), "w") as f:
+        json.dump({"step": step, "model_config": config.to_dict(), "user_config": {"device_batch_size": 4}}, f)
+    enc = tiktoken.Encoding(name="rustbpe", pat_str=tokenizer.pattern, mergeable_ranks=tokenizer.mergeable_ranks,
+                            special_tokens=tokenizer.get_special_tokens())
+    with open(os.path.join(directory, "tokenizer.pkl"), "wb") as f:
+        pickle.dump(enc, f)
+    torch.save(tokenizer.compute_token_bytes(), os.path.join(directory, "token_bytes.pt"))
+    return model
+
+
+def test_import_reference_checkpoint(ours, tmp_path, isolated_env, monkeypatch):
+    from nanochat.checkpoint_manager import load_model
+    _, tokenizer, _ = ours
+    reference = reference_checkpoint(tmp_path / "d2", tokenizer)
+    run_inprocess("scripts.import_model", f"--path={tmp_path / 'd2'}", "--source=sft", monkeypatch=monkeypatch)
+    model, imported_tokenizer, meta = load_model("sft", "cpu", phase="eval", model_tag="d2")
+    assert meta["step"] == 650 and meta["user_config"] == {"device_batch_size": 4}
+    assert imported_tokenizer.fingerprint() == tokenizer.fingerprint()
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (2, 32))
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))  # the same weights, once the padding rows are cut
+
+
+def test_import_refusals(ours, tmp_path, isolated_env, monkeypatch):
+    _, tokenizer, _ = ours
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    error = one_line_error(run("scripts.import_model", f"--path={empty}", "--source=sft", base=isolated_env))
+    assert "neither a Hugging Face NanoChat directory" in error
+    reference_checkpoint(tmp_path / "ref", tokenizer)
+    os.remove(tmp_path / "ref" / "tokenizer.pkl")
+    with pytest.raises(UserError, match="no tokenizer.pkl for the checkpoint"):
+        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+    (tmp_path / "ref" / "tokenizer.pkl").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(UserError, match=r"asks to load posix.system: .* refused"):
+        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+    os.remove(tmp_path / "ref" / "meta_000650.json")
+    with pytest.raises(UserError, match="not a complete karpathy/nanochat checkpoint"):
+        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "nanochat", "vocab_size": 521, "hidden_size": 64,
+                                                    "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 1}))
+    with pytest.raises(UserError, match="has config.json but no model.safetensors"):
+        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+    (hf_dir / "model.safetensors").write_bytes(b"\x00" * 4)
+    with pytest.raises(UserError, match="has no tokenizer.json"):
+        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "nanochat", "hidden_act": "gelu", "vocab_size": 521,
+                                                    "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1}))
+    with pytest.raises(UserError, match="hidden_act='gelu'"):
+        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+    assert not (isolated_env / "chatsft_checkpoints").exists() or not os.listdir(isolated_env / "chatsft_checkpoints")
+
+
+# -----------------------------------------------------------------------------
+# finetuning an imported model
+
+
+def test_finetune_an_imported_model_then_export(exported, chat_base, tmp_path, monkeypatch):
+    """An imported model with no tokenizer in the base dir: SFT trains it with its own tokenizer, the SFT checkpoint
+    carries it, and the export of the result matches the SFT model."""
+    shutil.rmtree(chat_base / "tokenizer")
+    run_inprocess("scripts.import_model", f"--path={exported}", "--source=mid", "--model_tag=imported", monkeypatch=monkeypatch)
+    for args in (["scripts.chat_sft", "--model_tag=imported", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2",
+                  "--examples_per_step=4", "--num_iterations=2", "--eval_every=-1", "--eval_tokens=512",
+                  "--eval_metrics_max_problems=4"],
+                 ["scripts.export_model", "--source=sft", "--model_tag=imported", f"--out={tmp_path / 'out'}", "--dtype=float32"]):
+        result = run(*args, base=chat_base)
+        assert result.returncode == 0, f"{args[0]}: {result.stderr[-2000:]}"
+    from nanochat.checkpoint_manager import load_model
+    model, tokenizer, _ = load_model("sft", "cpu", phase="eval", model_tag="imported")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert max_logit_difference(model, hf, torch.randint(0, tokenizer.get_vocab_size(), (1, 64))) <= 1e-4
