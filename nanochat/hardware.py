@@ -6,6 +6,7 @@ utilisation) is measured against (get_peak_flops).
 import json
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 from filelock import FileLock
@@ -17,7 +18,7 @@ from nanochat.files import atomic_write
 def autocast_dtype(device_type):
     """
     The dtype matmuls run in, by device. bf16 autocast on CUDA GPUs that do bf16 natively (SM80+: A100,
-    H100); fp32 on CPU and MPS, because a CPU without native bf16 emulates it about 100x slower.
+    H100); fp32 on CPU and MPS, where a CPU without native bf16 would emulate it far slower (bench/RESULTS.md).
     $NANOCHAT_DTYPE=bfloat16|float32 overrides. Weights and optimizer state always stay fp32.
     """
     override = os.environ.get("NANOCHAT_DTYPE")
@@ -29,6 +30,12 @@ def autocast_dtype(device_type):
         return torch.bfloat16
     return torch.float32
 
+
+def autocast_context(device_type):
+    """(the compute dtype, a context manager that runs the matmuls inside it in that dtype): bf16 autocast, or
+    nothing for fp32. Reusable: enter it around every forward (and the backward follows the forward's dtypes)."""
+    dtype = autocast_dtype(device_type)
+    return dtype, (torch.amp.autocast(device_type=device_type, dtype=dtype) if dtype != torch.float32 else nullcontext())
 
 
 PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU

@@ -11,15 +11,13 @@ Prints a table per task (accuracy, centered accuracy) and the score, and writes 
 "Base model evaluation" (key "CORE metric" for the dclm bundle, "pydocs-CORE metric" for the offline one).
 """
 
-from contextlib import nullcontext
 
-import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print_banner
-from nanochat.hardware import autocast_dtype
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
+from nanochat.hardware import autocast_context
 from nanochat.report import get_report
 
 device_type = ""  # cuda | cpu | mps; empty = autodetect
@@ -37,8 +35,7 @@ check_config(config, positive=["device_batch_tokens"], positive_or_unset=["max_p
 print_banner()
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)
-compute_dtype = autocast_dtype(device_type)
-autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+_, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
 
 bundle = bundle or default_bundle_kind()
 bundle_dir = prepare_bundle(bundle)  # before loading the model: a missing network fails fast

@@ -5,15 +5,13 @@ Evaluate a base model checkpoint: bits per byte on the train and val splits, plu
     torchrun --standalone --nproc_per_node=8 -m scripts.base_loss
 """
 
-from contextlib import nullcontext
 
-import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
-from nanochat.hardware import autocast_dtype
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.hardware import autocast_context
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
@@ -28,8 +26,7 @@ check_config(config, positive=["device_batch_size", "split_tokens"], choices={"d
 
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)
-compute_dtype = autocast_dtype(device_type)
-autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+_, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
 
 model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=model_tag or None, step=step)
 sequence_len = model.config.sequence_len

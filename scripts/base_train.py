@@ -13,7 +13,6 @@ same in every training stage: nanochat/stage.py.
 
 import math
 import time
-from contextlib import nullcontext
 
 import psutil
 import torch
@@ -25,9 +24,9 @@ from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundl
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
 from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
-from nanochat.hardware import autocast_dtype, get_peak_flops
+from nanochat.hardware import autocast_context, get_peak_flops
 from nanochat.loss_eval import evaluate_bpb
-from nanochat.schedules import lr_multiplier, muon_momentum, set_learning_rates
+from nanochat.schedules import check_schedule, lr_multiplier, muon_momentum, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
 from nanochat.stage import Stage, StopRequest, any_rank, compile_model, per_rank
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
@@ -78,9 +77,7 @@ check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "tot
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "core_bundle": ("", "dclm", "offline")})
-if warmup_ratio + warmdown_ratio > 1:
-    raise UserError(f"--warmup_ratio + --warmdown_ratio = {warmup_ratio + warmdown_ratio:g} > 1: the warmup and the "
-                    f"warmdown would overlap")
+check_schedule(warmup_ratio, warmdown_ratio)
 model_tag = check_model_tag(model_tag or f"d{depth}")
 
 # -----------------------------------------------------------------------------
@@ -89,8 +86,7 @@ print_banner()
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
-compute_dtype = autocast_dtype(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
-autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+compute_dtype, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("base", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 # The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
@@ -276,11 +272,11 @@ while True:
            f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "
            f"| total time: {total_training_time / 60:.2f}m")
     stage.wandb.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
-                   "total_training_time": total_training_time, "train/loss": debiased_loss, "train/step_loss": train_loss,
-                   "train/lrm": lrm, "train/muon_momentum": momentum, "train/grad_norm": grad_norm_value, "train/dt": dt,
-                   "train/tok_per_sec": tok_per_sec, "train/mfu": mfu})
+                     "total_training_time": total_training_time, "train/loss": debiased_loss, "train/step_loss": train_loss,
+                     "train/lrm": lrm, "train/muon_momentum": momentum, "train/grad_norm": grad_norm_value, "train/dt": dt,
+                     "train/tok_per_sec": tok_per_sec, "train/mfu": mfu})
     stage.log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm,
-                grad_norm=grad_norm_value, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
+                      grad_norm=grad_norm_value, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
 
 # -----------------------------------------------------------------------------
 # 8. Summary, report, and the end of the stage

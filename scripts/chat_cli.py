@@ -24,9 +24,9 @@ import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autodetect_device_type, compute_init, setup_default_logging
-from nanochat.hardware import autocast_dtype
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, TextStreamer
+from nanochat.hardware import autocast_dtype
 
 
 def prompt_flag_to_key(argv):

@@ -36,7 +36,6 @@ run's results: evaluate everything you want reported in one run.
 
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -191,9 +190,9 @@ def scores(results, offline):
 def main(argv=None):
     from nanochat.checkpoint_manager import load_model
     from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, setup_default_logging
-    from nanochat.hardware import autocast_dtype
     from nanochat.configurator import check_config, configure
     from nanochat.engine import Engine
+    from nanochat.hardware import autocast_context
     from nanochat.report import get_report
 
     setup_default_logging()  # from here on a UserError prints one line, not a traceback
@@ -204,8 +203,7 @@ def main(argv=None):
 
     device_kind = device_type or autodetect_device_type()
     ddp, rank, _, world_size, device = compute_init(device_kind)
-    compute_dtype = autocast_dtype(device_kind)
-    autocast = torch.amp.autocast(device_type=device_kind, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    _, autocast = autocast_context(device_kind)
     tasks = load_tasks(task_name)  # before the model: a missing download fails fast
     offline = task_name == "offline"
     model, tokenizer, meta = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)

@@ -16,7 +16,6 @@ and the sampling seeds depend only on the step, so a resumed run continues exact
 """
 
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -26,9 +25,9 @@ from nanochat.common import UserError, autodetect_device_type, compute_init, pri
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
-from nanochat.hardware import autocast_dtype
+from nanochat.hardware import autocast_context
 from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
-from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
+from nanochat.schedules import check_schedule, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
 from nanochat.stage import Stage, StopRequest, any_rank, compile_model, sum_over_ranks
 
@@ -72,9 +71,7 @@ check_config(config, positive=["prompts_per_step", "num_samples", "max_new_token
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "mixture": ("real", "offline"), "source": ("sft", "mid"),
                       "compile": ("auto", "true", "false")})
-if warmup_ratio + warmdown_ratio > 1:
-    raise UserError(f"--warmup_ratio + --warmdown_ratio = {warmup_ratio + warmdown_ratio:g} > 1: the warmup and the "
-                    f"warmdown would overlap")
+check_schedule(warmup_ratio, warmdown_ratio)
 if model_tag:
     check_model_tag(model_tag)
 
@@ -84,8 +81,7 @@ print_banner()
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
 master_process = ddp_rank == 0
-compute_dtype = autocast_dtype(device_type)
-autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+compute_dtype, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("rl", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 

@@ -56,9 +56,9 @@ from pydantic import BaseModel, ConfigDict
 import nanochat
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autodetect_device_type, compute_init, print0
-from nanochat.hardware import autocast_dtype
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, TextStreamer
+from nanochat.hardware import autocast_dtype
 
 # -----------------------------------------------------------------------------
 # Config (override as --key=value; --help lists them)

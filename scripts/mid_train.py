@@ -16,7 +16,6 @@ conversations as 1 rank x 2 micro-steps. A resumed run must therefore use the sa
 
 import os
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -24,9 +23,9 @@ from nanochat.checkpoint_manager import check_model_tag
 from nanochat.common import UserError, autodetect_device_type, compute_init, get_base_dir, print0, print_banner
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
-from nanochat.hardware import autocast_dtype, get_peak_flops
+from nanochat.hardware import autocast_context, get_peak_flops
 from nanochat.loss_eval import count_step_targets, evaluate_bpb, supervised_loss
-from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
+from nanochat.schedules import check_schedule, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
 from nanochat.stage import Stage, StopRequest, any_rank, compile_model, gather_from_ranks, per_rank
 from nanochat.tokenizer import get_token_bytes
@@ -68,9 +67,7 @@ check_config(config, positive=["max_seq_len", "device_batch_size", "total_batch_
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "mixture": ("real", "offline")})
-if warmup_ratio + warmdown_ratio > 1:
-    raise UserError(f"--warmup_ratio + --warmdown_ratio = {warmup_ratio + warmdown_ratio:g} > 1: the warmup and the "
-                    f"warmdown would overlap")
+check_schedule(warmup_ratio, warmdown_ratio)
 if model_tag:
     check_model_tag(model_tag)
 
@@ -80,8 +77,7 @@ print_banner()
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
 master_process = ddp_rank == 0  # only rank 0 prints, logs to wandb, writes the checkpoint's model and meta
-compute_dtype = autocast_dtype(device_type)
-autocast_ctx = torch.amp.autocast(device_type=device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+compute_dtype, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("mid", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 

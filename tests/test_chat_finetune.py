@@ -112,6 +112,26 @@ def test_a_few_policy_gradient_steps_raise_the_reward_on_a_trivial_task(trained_
     assert 0.25 < early < 0.75 and late > early + 0.2, rewards_per_step  # starts near chance, ends well above
 
 
+def test_rl_resume_equals_the_uninterrupted_run(chat_base):
+    """The problems and seeds of a step depend only on the step: a resumed RL run samples, rewards and trains
+    exactly as the uninterrupted one (same answers, rewards and weights). The tiny model earns no reward, so its
+    weights stay put; the optimizer state's part of a resume is the stage protocol's, proven by the other stages."""
+    ckpt = chat_base / "chatrl_checkpoints" / "d1"
+    full = run([*RL, "--num_iterations=4", "--save_every=2", "--eval_every=-1"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    full_rewards, full_weights = step_losses(ckpt, "reward"), torch.load(ckpt / "model_000004.pt")
+    full_lengths = step_losses(ckpt, "answer_length")
+    assert len(full_rewards) == 4 and len(set(full_lengths)) > 1  # the steps sampled different answers
+    for f in ckpt.glob("*000004*"):
+        f.unlink()
+    resumed = run([*RL, "--num_iterations=4", "--resume_from_step=2", "--save_every=2", "--eval_every=-1"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from step 2" in resumed.stdout
+    assert step_losses(ckpt, "reward") == full_rewards and step_losses(ckpt, "answer_length") == full_lengths
+    for k, v in torch.load(ckpt / "model_000004.pt").items():
+        assert torch.allclose(v, full_weights[k], rtol=1e-6, atol=0), k
+
+
 def test_chat_rl_end_to_end_on_two_ranks(chat_base):
     result = run_torchrun(2, [*RL, "--num_iterations=3", "--save_every=-1", "--eval_every=-1"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
