@@ -1,11 +1,6 @@
 """
 The CORE metric of the DCLM paper (https://arxiv.org/abs/2406.11794): how well a base model does on 22
-in-context-learning tasks (HellaSwag, ARC, Jeopardy, LAMBADA, SQuAD, ...), as one number. Read top to bottom:
-
-1. The bundle: where the tasks come from (download + unzip, or the offline build) and how it is read.
-2. Prompts: rendering one example (with its few-shot examples) and finding the tokens to score.
-3. Scoring: rows of similar length padded into one forward; padded positions never reach an answer.
-4. evaluate_task / evaluate_core: sharding over ranks, accuracy, centered accuracy, the score.
+in-context-learning tasks (HellaSwag, ARC, Jeopardy, LAMBADA, SQuAD, ...), as one number.
 
 Usage (scripts/base_eval.py, and scripts/base_train.py every core_metric_every steps):
 

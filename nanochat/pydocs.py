@@ -294,7 +294,7 @@ def pydocs_entries():
     "" for modules and topics (and for C functions without a text signature). Names are fully qualified
     (`builtins.len`, `collections.OrderedDict.popitem`); a topic's name is its help() key (`assert`).
     Docstrings are dedented (inspect.cleandoc). The corpus has one document per record (pydocs_document).
-    Collected once per process (~3 s); a fresh list of fresh dicts is returned each call.
+    Collected once per process (seconds: it parses the standard library); a fresh list of fresh dicts each call.
     """
     return [dict(r) for r in _pydocs_entries_cached()]
 
@@ -340,7 +340,7 @@ def _write_pydocs(directory):
 def build_pydocs():
     """
     Make sure the pydocs corpus exists in <base_dir>/base_data/pydocs and return that directory; build
-    it if missing (~5 s). list_parquet_files() calls it, so pydocs never needs a separate step; this
+    it if missing (seconds). list_parquet_files() calls it, so pydocs never needs a separate step; this
     is the one place a read builds data, because the build is offline, quick and deterministic.
 
     Safe under torchrun and against crashes: builders take a file lock (N ranks -> one build, the others

@@ -1,22 +1,19 @@
 """
 The tokenizer: text <-> token ids, and conversations -> (ids, mask) for chat training.
 
-A byte-level BPE in the style of GPT-4:
-- Training uses `rustbpe` (fast, parallel, Rust): it learns the merges from a text iterator.
-- Inference uses `tiktoken` (fast, Rust): the learned merges are handed to a `tiktoken.Encoding`, so nothing
-  is ever downloaded. Both use the same split pattern, SPLIT_PATTERN, so a text is split into pieces the same
-  way when the merges are learned and when they are applied.
-- Token ids 0..255 are the 256 single bytes, then one id per learned merge, then the special tokens
-  (SPECIAL_TOKENS, in that order). `vocab_size` counts all of them.
+A byte-level BPE in the style of GPT-4: `rustbpe` (Rust, parallel) learns the merges from a text iterator,
+`tiktoken` (Rust) applies them (nothing is ever downloaded), both with the same split pattern, SPLIT_PATTERN.
+Token ids 0..255 are the 256 single bytes, then one id per learned merge, then the special tokens
+(SPECIAL_TOKENS, in that order); `vocab_size` counts all of them.
 
 Special tokens never come out of ordinary text: every encode here is tiktoken's `encode_ordinary`, so a user
 who types "<|bos|>" gets the tokens of those seven characters, not the id of <|bos|>. Special tokens only
 enter a sequence through encode_special / prepend / append / render_conversation.
 
-Files, under $NANOCHAT_BASE_DIR/tokenizer/ (written by `python -m scripts.tok_train`):
+Files, under $NANOCHAT_BASE_DIR/tokenizer/ (written by `python -m scripts.tok_train`; an imported model keeps
+its own in its checkpoint directory):
 - tokenizer.tiktoken  the mergeable ranks in tiktoken's text format: one `base64(token bytes) rank` per line
-- token_bytes.pt      1-D int32 tensor [vocab_size]: number of UTF-8 bytes of each token, 0 for special tokens.
-                      Used to report bits per byte, a loss that does not depend on the tokenizer.
+- token_bytes.pt      int32 [vocab_size]: UTF-8 bytes of each token (0 for special tokens), for bits per byte
 - tokenizer.json      split pattern, special tokens, vocab size and the sha256 of tokenizer.tiktoken
                       (written last, so a half-written save is detected on load)
 
@@ -292,15 +289,12 @@ class Tokenizer:
             if message["role"] == "system" and i != 0:
                 raise ValueError(f"message {i} is a system message: only the first message may be one")
         if messages[0]["role"] == "system":
-            system = messages[0]["content"]
-            if not isinstance(system, str):
-                raise ValueError("the system message's content must be a string")
+            system, user = messages[0]["content"], messages[1]["content"] if len(messages) > 1 else None
             if len(messages) < 2 or messages[1]["role"] != "user":
                 raise ValueError("the system message must be followed by a user message")
-            if not isinstance(messages[1]["content"], str):
-                raise ValueError("message 1 (user) content must be a string")
-            first_user = {"role": "user", "content": system + "\n\n" + messages[1]["content"]}
-            messages = [first_user] + messages[2:]
+            if not isinstance(system, str) or not isinstance(user, str):
+                raise ValueError("the system message and the user message after it must be strings")
+            messages = [{"role": "user", "content": system + "\n\n" + user}] + messages[2:]
         for i, message in enumerate(messages):
             expected = "user" if i % 2 == 0 else "assistant"
             if message["role"] != expected:
@@ -327,8 +321,7 @@ class Tokenizer:
         ids, mask = [], []
 
         def add(token_ids, m):
-            if isinstance(token_ids, int):
-                token_ids = [token_ids]
+            token_ids = [token_ids] if isinstance(token_ids, int) else token_ids
             ids.extend(token_ids)
             mask.extend([m] * len(token_ids))
 

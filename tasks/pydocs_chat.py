@@ -40,7 +40,7 @@ MASK = "____"
 
 @functools.lru_cache(maxsize=2)
 def entries(split):
-    """The pydocs records of `split` (a tuple; do not modify the dicts). ~3 s the first time in a process."""
+    """The pydocs records of `split` (a tuple; do not modify the dicts). Slow only the first time in a process."""
     check_choice("split", split, SPLITS)
     from nanochat.pydocs import pydocs_entries
     return tuple(r for i, r in enumerate(pydocs_entries()) if (i % TEST_EVERY == 0) == (split == "test"))
