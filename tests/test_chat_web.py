@@ -267,7 +267,7 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_w
     env = dict(os.environ, NANOCHAT_BASE_DIR=str(chat_web_base), OMP_NUM_THREADS="1")
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
-                                "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env,
+                                "--host=0.0.0.0", f"--port={port}", "--api_key=s3cret", "--model_name=tiny"], cwd=REPO_ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 60
@@ -281,6 +281,10 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_w
                 time.sleep(0.2)
         status, events = post_chat(f"http://127.0.0.1:{port}", {"messages": HELLO, "max_tokens": 5})
         assert status == 200 and events[-1] == {"done": True}
+        # --api_key and --model_name reach the OpenAI-compatible API
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer s3cret"}, timeout=10, verify=False)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10, verify=False).status_code == 401
         # the same port again: refused at once, in one line
         again = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
                                 "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
