@@ -7,13 +7,17 @@ turn), so the runs compare.
 
     python bench/chat_web_load.py                                   # 1, 4 and 16 clients, 4 requests each, 64 tokens
     python bench/chat_web_load.py --clients=32 --requests_per_client=2 --max_tokens=32
+    python bench/chat_web_load.py --clients=16 --rounds=3           # both APIs, 3 alternating rounds each
 
-Prints per client count: requests/s, time to first token (request sent -> first token received) p50/p95,
-latency of a whole reply p50/p95, tokens/s for all clients together, and how many requests were dropped
-(an HTTP error, an error event, or a stream that ended without its done event): it must be 0. One worker
-serves them all, so requests queue: time to first token grows with the number of clients, throughput should
-not fall. Uses the pydocs corpus and a tokenizer of `vocab_size` in $NANOCHAT_BASE_DIR (default: the bench
-directory of bench/base_train.py), building them if missing.
+Measures both streaming APIs of the same server in the same run: nanochat's own POST /chat/completions and the
+OpenAI-compatible POST /v1/chat/completions (stream: true), alternating between them `rounds` times per client
+count so that a change in the machine's load hits both alike. Prints per API and client count: requests/s, time
+to first token (request sent -> first piece of text received) p50/p95, latency of a whole reply p50/p95, tokens/s
+for all clients together, and how many requests were dropped (an HTTP error, an error event, or a stream that
+ended without its done event / [DONE]): it must be 0. One worker serves them all, so requests queue: time to
+first token grows with the number of clients, throughput should not fall. Uses the pydocs corpus and a
+tokenizer of `vocab_size` in $NANOCHAT_BASE_DIR (default: the bench directory of bench/base_train.py),
+building them if missing.
 """
 
 import asyncio
@@ -47,6 +51,8 @@ clients = "1,4,16"  # comma-separated numbers of concurrent clients to measure
 requests_per_client = 4  # requests each client sends, one after the other
 max_tokens = 64  # tokens per reply
 threads = 1  # torch threads of the server (and of the baseline); 0 = torch's default, one per core
+apis = "nanochat,openai"  # which streaming APIs to measure: nanochat (/chat/completions), openai (/v1/chat/completions)
+rounds = 1  # measurements per API and client count, alternating between the APIs
 config = configure(globals())
 if threads > 0:
     torch.set_num_threads(threads)
@@ -104,34 +110,52 @@ def wait_for_server(timeout=120):
 
 
 # 3. Clients
-async def one_request(client, i):
-    """Send request i; return (time to first token, latency, token events, ok)."""
-    body = {"messages": [{"role": "user", "content": f"Question {i}: what is a list comprehension?"}],
-            "max_tokens": max_tokens, "temperature": 1.0, "top_k": 0, "seed": i}
+def request(api, i):
+    """The path and body of request i to `api`: the same conversation and sampling for both APIs."""
+    messages = [{"role": "user", "content": f"Question {i}: what is a list comprehension?"}]
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 1.0, "top_k": 0, "seed": i}
+    if api == "nanochat":
+        return "/chat/completions", body
+    return "/v1/chat/completions", {"model": "nanochat", "stream": True, **body}
+
+
+def read_event(api, data):
+    """One event's (text, done, error). nanochat: {"token"} ... {"done": true}; OpenAI: chunks, then [DONE]."""
+    if api == "openai":
+        if data == "[DONE]":
+            return None, True, None
+        event = json.loads(data)
+        return (event["choices"][0]["delta"].get("content") if event.get("choices") else None), False, event.get("error")
+    event = json.loads(data)
+    return event.get("token"), event.get("done", False), event.get("error")
+
+
+async def one_request(client, api, i):
+    """Send request i; return (time to first token, latency, text events, ok)."""
+    path, body = request(api, i)
     t0 = time.perf_counter()
     first, events, done, error = None, 0, False, None
     try:
-        async with client.stream("POST", url + "/chat/completions", json=body) as response:
+        async with client.stream("POST", url + path, json=body) as response:
             if response.status_code != 200:
                 return None, time.perf_counter() - t0, 0, False
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                event = json.loads(line[6:])
-                if "token" in event:
+                text, end, problem = read_event(api, line[6:])
+                if text:
                     events += 1
                     first = first or time.perf_counter() - t0
-                done = done or event.get("done", False)
-                error = error or event.get("error")
+                done, error = done or end, error or problem
     except httpx.HTTPError:
         return None, time.perf_counter() - t0, events, False
     return first, time.perf_counter() - t0, events, done and error is None
 
 
-async def run_clients(n):
+async def run_clients(api, n):
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=n)) as client:
         async def one_client(c):
-            return [await one_request(client, c * 1000 + r) for r in range(requests_per_client)]
+            return [await one_request(client, api, c * 1000 + r) for r in range(requests_per_client)]
         return [r for rs in await asyncio.gather(*(one_client(c) for c in range(n))) for r in rs]
 
 
@@ -142,24 +166,35 @@ def percentile(values, p):
 
 try:
     wait_for_server()
-    asyncio.run(run_clients(1))  # warm-up
+    for api in apis.split(","):
+        asyncio.run(run_clients(api, 1))  # warm-up
     print0(f"{requests_per_client} requests per client, {max_tokens} tokens per reply, one CPU worker with "
            f"{threads or 'default'} torch thread(s) ({os.cpu_count()} cores, shared with the clients)")
-    print0("| clients | requests | dropped | requests/s | time to first token p50 / p95 | latency p50 / p95 | tokens/s |")
-    print0("|---|---|---|---|---|---|---|")
+    print0("| API | clients | requests | dropped | requests/s | time to first token p50 / p95 | latency p50 / p95 | tokens/s |")
+    print0("|---|---|---|---|---|---|---|---|")
+    totals = {}  # (api, clients) -> [tokens, seconds] over all rounds
     for n in [int(c) for c in clients.split(",")]:
-        before = httpx.get(url + "/stats").json()
-        t0 = time.perf_counter()
-        results = asyncio.run(run_clients(n))
-        wall = time.perf_counter() - t0
-        after = httpx.get(url + "/stats").json()
-        ttft = [r[0] for r in results if r[0] is not None]
-        latency = [r[1] for r in results]
-        dropped = sum(not r[3] for r in results)
-        tokens = after["tokens_generated"] - before["tokens_generated"]
-        print0(f"| {n} | {len(results)} | {dropped} | {len(results) / wall:.2f} | "
-               f"{1000 * percentile(ttft, 50):.0f} / {1000 * percentile(ttft, 95):.0f} ms | "
-               f"{percentile(latency, 50):.2f} / {percentile(latency, 95):.2f} s | {tokens / wall:.0f} |")
+        for round_ in range(rounds):
+            for api in apis.split(",") if round_ % 2 == 0 else reversed(apis.split(",")):  # ABBA: no API always goes first
+                before = httpx.get(url + "/stats").json()
+                t0 = time.perf_counter()
+                results = asyncio.run(run_clients(api, n))
+                wall = time.perf_counter() - t0
+                after = httpx.get(url + "/stats").json()
+                ttft = [r[0] for r in results if r[0] is not None]
+                latency = [r[1] for r in results]
+                dropped = sum(not r[3] for r in results)
+                tokens = after["tokens_generated"] - before["tokens_generated"]
+                total = totals.setdefault((api, n), [0, 0.0])
+                total[0], total[1] = total[0] + tokens, total[1] + wall
+                print0(f"| {api} | {n} | {len(results)} | {dropped} | {len(results) / wall:.2f} | "
+                       f"{1000 * percentile(ttft, 50):.0f} / {1000 * percentile(ttft, 95):.0f} ms | "
+                       f"{percentile(latency, 50):.2f} / {percentile(latency, 95):.2f} s | {tokens / wall:.0f} |")
+    print0("tokens/s over all rounds: " + ", ".join(f"{api} at {n} clients {tokens / seconds:.0f}" for (api, n), (tokens, seconds) in totals.items()))
+    for n in [int(c) for c in clients.split(",")]:
+        if ("nanochat", n) in totals and ("openai", n) in totals:
+            ratio = (totals["openai", n][0] / totals["openai", n][1]) / (totals["nanochat", n][0] / totals["nanochat", n][1])
+            print0(f"{n} clients: the OpenAI API's tokens/s are {ratio:.3f}x nanochat's")
 finally:
     server.terminate()
     server.wait(timeout=30)

@@ -20,6 +20,8 @@ The API (nanochat's; the page uses nothing else, so other clients can do what it
     GET /health   {"status": "ok", "workers": N}
     GET /stats    workers, busy, queue, requests served (and cancelled, failed), tokens generated, tokens/s
     GET /         the chat page (nanochat/ui.html: one file, no external resources, relative URLs)
+    /v1/models, /v1/chat/completions, /v1/completions: an OpenAI-compatible API (nanochat/openai_api.py), for
+                  OpenAI's client libraries, chat UIs and lm-evaluation-harness, on the same workers
 
 How requests are served. A worker is one Engine on one device, with one thread of its own: one per GPU with
 --num_gpus=N, else one on the CPU or the Mac's GPU (MPS). A request waits in a queue until a worker is free.
@@ -59,6 +61,7 @@ from nanochat.common import UserError, autodetect_device_type, compute_init, pri
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, TextStreamer
 from nanochat.hardware import autocast_dtype
+from nanochat.openai_api import Settings, mount
 
 # -----------------------------------------------------------------------------
 # Config (override as --key=value; --help lists them)
@@ -76,6 +79,8 @@ max_messages = 500  # most messages a request may hold
 max_message_chars = 8000  # longest message, in characters
 max_conversation_chars = 32000  # longest conversation (all messages together), in characters
 max_tokens_limit = 4096  # the largest max_tokens a request may ask for
+model_name = "nanochat"  # the model's name in the OpenAI-compatible API (GET /v1/models, the requests' "model")
+api_key = ""  # if set, the OpenAI-compatible API (/v1/...) requires "Authorization: Bearer <api_key>"; empty = any key
 if __name__ == "__main__":  # only when run as a script: the tests import this module and set up workers themselves
     config = configure(globals())
     check_config(config, positive=["num_gpus", "max_tokens", "max_messages", "max_message_chars",
@@ -88,6 +93,8 @@ if __name__ == "__main__":  # only when run as a script: the tests import this m
         raise UserError(f"--max_tokens={max_tokens} exceeds --max_tokens_limit={max_tokens_limit}")
     if not 0 < port < 65536:
         raise UserError(f"--port must be between 1 and 65535, got {port}")
+    if not model_name:
+        raise UserError("--model_name must not be empty")
 
 logger = logging.getLogger("nanochat.chat_web")
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(nanochat.__file__)), "ui.html")  # shipped as package data
@@ -302,6 +309,9 @@ def describe_validation_error(errors):
 # The app
 
 app = FastAPI(title="nanochat", docs_url=None, redoc_url=None)  # no /docs: those pages load from a CDN
+mount(app, Settings(model_name=model_name, api_key=api_key, temperature=temperature, top_k=top_k, max_tokens=max_tokens,
+                    max_tokens_limit=max_tokens_limit, max_messages=max_messages, max_message_chars=max_message_chars,
+                    max_conversation_chars=max_conversation_chars))
 
 
 @app.exception_handler(RequestValidationError)

@@ -213,3 +213,99 @@ def chat_base(tiny_chat_base, isolated_env, monkeypatch):
     shutil.copytree(tiny_chat_base, isolated_env, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".lock"))
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     return isolated_env
+
+
+# -----------------------------------------------------------------------------
+# The web server (scripts/chat_web.py), shared by the test modules that talk to it
+
+HELLO = [{"role": "user", "content": "Hello! What is a list comprehension?"}]
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def chat_web_base(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
+    """A base dir holding the session's tokenizer and a depth-1 model trained for 10 steps, for the web
+    server's tests. Its context is 512 tokens, so that a reply can be long enough to be cut short by a client
+    that leaves."""
+    return build_checkpoints(tmp_path_factory.mktemp("chat_web_base"), pydocs_dir, small_tokenizer_dir,
+                             [*TINY_BASE, "--max_seq_len=512", "--device_batch_size=1", "--total_batch_size=512",
+                              "--num_iterations=10", "--eval_tokens=512"])
+
+
+class ChatWebServer:
+    """
+    The running server: its URL, its app, its worker pool and the one worker's engine and tokenizer, and `http`,
+    an httpx client kept open for the tests' plain requests. httpx.get() makes a client per call, and a client's
+    start-up is mostly loading the CA bundle, for TLS this plain-HTTP server never uses: hence verify=False in
+    every client the tests make.
+    """
+
+    def __init__(self, url, app, pool):
+        import httpx
+        self.url, self.app, self.pool = url, app, pool
+        self.engine, self.tokenizer = pool.workers[0].engine, pool.tokenizer
+        self.http = httpx.Client(timeout=60, verify=False)
+
+    def stats(self):
+        return self.http.get(self.url + "/stats").json()
+
+
+@pytest.fixture(scope="session")
+def chat_web_server(chat_web_base):
+    """scripts.chat_web's app with one CPU worker, served by uvicorn in a thread on a free port: started once
+    per session, for every test module that talks to the web server (one model build, one server)."""
+    import uvicorn
+
+    import scripts.chat_web as chat_web
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(chat_web_base))
+        pool = chat_web.WorkerPool(chat_web.load_workers("base", "cpu"))
+    chat_web.app.state.pool = pool
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(chat_web.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    served = ChatWebServer(f"http://127.0.0.1:{port}", chat_web.app, pool)
+    yield served
+    served.http.close()
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def engine_reply(served, messages, max_tokens, temperature, top_k, seed):
+    """What the engine itself generates for this request: (text, number of tokens)."""
+    prompt = served.tokenizer.render_for_completion({"messages": messages})
+    budget = min(max_tokens, served.engine.context_len - len(prompt))
+    results, _ = served.engine.generate_batch(prompt, max_tokens=budget, temperature=temperature, top_k=top_k, seed=seed)
+    return served.tokenizer.decode(results[0][len(prompt):]), len(results[0]) - len(prompt)
+
+
+def wait_idle(served, timeout=10):
+    """Wait until the server has no request generating or queued; returns its /stats."""
+    deadline = time.time() + timeout
+    while (stats := served.stats())["busy"] or stats["queue"]:
+        assert time.time() < deadline, stats
+        time.sleep(0.01)
+    return stats
+
+
+@pytest.fixture(scope="session")
+def long_seed(chat_web_server):
+    """A seed whose reply to HELLO (temperature 2, whole vocabulary) runs at least 300 of its 500 tokens, and that
+    length: most replies of this tiny model end much sooner, and a client that leaves must have something to cut."""
+    for seed in range(200):
+        _, n = engine_reply(chat_web_server, HELLO, 500, 2.0, 0, seed)
+        if n >= 300:
+            return seed, n
+    pytest.fail("no seed below 200 gives a reply of 300 tokens")

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,64 +18,20 @@ import time
 import httpx
 import pytest
 
-from conftest import REPO_ROOT, TINY_BASE, build_checkpoints
+from conftest import HELLO, REPO_ROOT, engine_reply, free_port, wait_idle
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
-HELLO = [{"role": "user", "content": "Hello! What is a list comprehension?"}]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def checkpoint_base(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
-    """A base dir holding the session's tokenizer and a depth-1 model trained for 10 steps (~10 s). Its context
-    is 512 tokens, so that a reply can be long enough to be cut short by a client that leaves."""
-    return build_checkpoints(tmp_path_factory.mktemp("chat_web_base"), pydocs_dir, small_tokenizer_dir,
-                             [*TINY_BASE, "--max_seq_len=512", "--device_batch_size=1", "--total_batch_size=512",
-                              "--num_iterations=10", "--eval_tokens=512"])
-
-
-class Served:
-    """The running server: its URL, its worker pool and the one worker's engine and tokenizer."""
-
-    def __init__(self, url, pool):
-        self.url, self.pool = url, pool
-        self.engine, self.tokenizer = pool.workers[0].engine, pool.tokenizer
-
-    def stats(self):
-        return httpx.get(self.url + "/stats", timeout=10).json()
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint_base):
-    """scripts.chat_web's app with one CPU worker, served by uvicorn in a thread on a free port."""
-    import uvicorn
-
-    import scripts.chat_web as chat_web
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(checkpoint_base))
-        pool = chat_web.WorkerPool(chat_web.load_workers("base", "cpu"))
-    chat_web.app.state.pool = pool
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(chat_web.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield Served(f"http://127.0.0.1:{port}", pool)
-    uv.should_exit = True
-    thread.join(timeout=10)
+@pytest.fixture
+def server(chat_web_server):
+    """The session's server (conftest.py), under the short name these tests use."""
+    return chat_web_server
 
 
 def post_chat(url, body, timeout=120):
     """POST /chat/completions. Returns (200, [events]) for a stream, or (status, JSON body) for a refusal."""
-    with httpx.Client(timeout=timeout) as client:
+    with httpx.Client(timeout=timeout, verify=False) as client:  # verify=False: see conftest.ChatWebServer
         with client.stream("POST", url + "/chat/completions", json=body) as response:
             if response.status_code != 200:
                 response.read()
@@ -93,22 +48,6 @@ def reply_text(events):
     tokens = events[:-1]
     assert all(set(e) == {"token", "gpu"} and e["token"] for e in tokens), tokens
     return "".join(e["token"] for e in tokens)
-
-
-def engine_reply(served, messages, max_tokens, temperature, top_k, seed):
-    """What the engine itself generates for this request: (text, number of tokens)."""
-    prompt = served.tokenizer.render_for_completion({"messages": messages})
-    budget = min(max_tokens, served.engine.context_len - len(prompt))
-    results, _ = served.engine.generate_batch(prompt, max_tokens=budget, temperature=temperature, top_k=top_k, seed=seed)
-    return served.tokenizer.decode(results[0][len(prompt):]), len(results[0]) - len(prompt)
-
-
-def wait_idle(served, timeout=10):
-    deadline = time.time() + timeout
-    while (stats := served.stats())["busy"] or stats["queue"]:
-        assert time.time() < deadline, stats
-        time.sleep(0.01)
-    return stats
 
 
 # -----------------------------------------------------------------------------
@@ -159,7 +98,7 @@ def test_a_bad_request_gets_400_naming_the_field(server, name):
 
 @pytest.mark.parametrize("raw", [b'{"messages": [', b"", b"not json", b'{"messages": [{"role": "user", "content": "hi"}],}'])
 def test_malformed_json_gets_400(server, raw):
-    response = httpx.post(server.url + "/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=10)
+    response = server.http.post(server.url + "/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=10)
     assert response.status_code == 400, response.text
     assert response.json()["detail"].startswith("body:")
 
@@ -180,12 +119,12 @@ def test_the_reply_streams_what_the_engine_generates_then_done(server):
 
 
 def test_health_stats_and_the_page(server):
-    assert httpx.get(server.url + "/health").json() == {"status": "ok", "workers": 1}
+    assert server.http.get(server.url + "/health").json() == {"status": "ok", "workers": 1}
     stats = server.stats()
     for key in ("workers", "busy", "queue", "requests_served", "tokens_generated", "tokens_per_second"):
         assert key in stats, stats
     assert stats["workers"] == 1 and stats["context_len"] == 512
-    page = httpx.get(server.url + "/")
+    page = server.http.get(server.url + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     html = page.text
     assert 'fetch("chat/completions"' in html  # relative: works behind a path prefix
@@ -229,22 +168,11 @@ def test_sixteen_concurrent_requests_on_one_worker_all_complete(server):
     assert peak["busy"] == 1 and peak["queue"] >= 1, peak  # one worker: the others waited in the queue
 
 
-@pytest.fixture(scope="module")
-def long_seed(server):
-    """A seed whose reply to HELLO (temperature 2, whole vocabulary) runs at least 300 of its 500 tokens, and that
-    length: most replies of this tiny model end much sooner, and a client that leaves must have something to cut."""
-    for seed in range(200):
-        _, n = engine_reply(server, HELLO, 500, 2.0, 0, seed)
-        if n >= 300:
-            return seed, n
-    pytest.fail("no seed below 200 gives a reply of 300 tokens")
-
-
 def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, long_seed):
     seed, full = long_seed
     body = {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 500, "seed": seed}
     before = wait_idle(server)
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, verify=False) as client:
         with client.stream("POST", server.url + "/chat/completions", json=body) as response:
             assert response.status_code == 200
             first = next(line for line in response.iter_lines() if line.startswith("data: "))
@@ -279,7 +207,7 @@ def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatc
     seed = next(s for s in range(200) if engine_reply(server, HELLO, 8, 1.0, 0, s)[1] >= 3)  # a reply that needs the gate
     body = {"messages": HELLO, "temperature": 1.0, "top_k": 0, "max_tokens": 8, "seed": seed}
     monkeypatch.setattr(server.engine, "generate", paced_generate)
-    with httpx.Client(timeout=30) as first, httpx.Client(timeout=30) as second:
+    with httpx.Client(timeout=30, verify=False) as first, httpx.Client(timeout=30, verify=False) as second:
         with first.stream("POST", server.url + "/chat/completions", json=body) as held:
             lines = held.iter_lines()  # kept: dropping the iterator would close the connection
             next(lines)  # the worker is generating for `first`, and waits at the gate
@@ -335,11 +263,11 @@ def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server
 # -----------------------------------------------------------------------------
 # The command line
 
-def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(checkpoint_base):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(checkpoint_base), OMP_NUM_THREADS="1")
+def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_web_base):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(chat_web_base), OMP_NUM_THREADS="1")
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
-                                "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env,
+                                "--host=0.0.0.0", f"--port={port}", "--api_key=s3cret", "--model_name=tiny"], cwd=REPO_ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 60
@@ -347,12 +275,16 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(checkp
             assert process.poll() is None, process.stdout.read()
             assert time.time() < deadline, "the server did not start"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, verify=False).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
         status, events = post_chat(f"http://127.0.0.1:{port}", {"messages": HELLO, "max_tokens": 5})
         assert status == 200 and events[-1] == {"done": True}
+        # --api_key and --model_name reach the OpenAI-compatible API
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer s3cret"}, timeout=10, verify=False)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10, verify=False).status_code == 401
         # the same port again: refused at once, in one line
         again = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
                                 "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
