@@ -12,14 +12,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from conftest import REPO_ROOT, TINY_BASE, build_checkpoints
+from conftest import run_script, start_script
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 HELLO = [{"role": "user", "content": "Hello! What is a list comprehension?"}]
@@ -32,12 +31,10 @@ def free_port():
 
 
 @pytest.fixture(scope="module")
-def checkpoint_base(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
-    """A base dir holding the session's tokenizer and a depth-1 model trained for 10 steps (~10 s). Its context
-    is 512 tokens, so that a reply can be long enough to be cut short by a client that leaves."""
-    return build_checkpoints(tmp_path_factory.mktemp("chat_web_base"), pydocs_dir, small_tokenizer_dir,
-                             [*TINY_BASE, "--max_seq_len=512", "--device_batch_size=1", "--total_batch_size=512",
-                              "--num_iterations=10", "--eval_tokens=512"])
+def checkpoint_base(tiny_models):
+    """The session's tiny base model of context 512 tokens (so that a reply can be long enough to be cut short by a
+    client that leaves): its base dir, read-only."""
+    return tiny_models("base512")
 
 
 class Served:
@@ -335,12 +332,12 @@ def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server
 # -----------------------------------------------------------------------------
 # The command line
 
+@pytest.mark.slow
 def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(checkpoint_base):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(checkpoint_base), OMP_NUM_THREADS="1")
+    env = {"NANOCHAT_BASE_DIR": checkpoint_base}
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
-                                "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = start_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0", f"--port={port}",
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 60
         while True:
@@ -354,8 +351,8 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(checkp
         status, events = post_chat(f"http://127.0.0.1:{port}", {"messages": HELLO, "max_tokens": 5})
         assert status == 200 and events[-1] == {"done": True}
         # the same port again: refused at once, in one line
-        again = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
-                                "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+        again = run_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0", f"--port={port}",
+                           env=env, timeout=60)
         assert again.returncode == 1
         assert again.stderr.strip().startswith("error: cannot listen on 0.0.0.0:") and "--port" in again.stderr
     finally:
@@ -369,9 +366,8 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(checkp
 
 
 def test_a_missing_checkpoint_is_one_line_naming_the_stage(tmp_path):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path / "empty"), OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--device_type=cpu", f"--port={free_port()}"],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = run_script("-m", "scripts.chat_web", "--device_type=cpu", f"--port={free_port()}",
+                        env={"NANOCHAT_BASE_DIR": tmp_path / "empty"}, timeout=60)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "python -m scripts.chat_sft" in lines[0], result.stderr
