@@ -12,14 +12,15 @@ import time
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The cores of one test process: all of them, or its share under pytest-xdist. A test that runs a script on "every
+# core", as a user would, gives it this many threads; more would only make the processes wait for each other.
+CORES = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def pytest_configure(config):
-    """Under pytest-xdist, each test process computes on its share of the cores (its subprocesses: one thread each)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
-        import torch
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    """This process computes on its share of the cores (the scripts it runs: one thread each, see script_env)."""
+    import torch
+    torch.set_num_threads(min(torch.get_num_threads(), CORES))
 
 
 def pytest_collection_modifyitems(config, items):

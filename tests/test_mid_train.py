@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_script, speedrun_env, start_script, wait_for_steps
+from conftest import CORES, REPO_ROOT, run_script, speedrun_env, start_script, wait_for_steps
 from test_base_train import assert_same_weights
 
 pytestmark = pytest.mark.slow  # every test here runs mid_train or the pipeline
@@ -108,7 +108,7 @@ def test_cpu_speedrun_smoke(pydocs_corpus, isolated_env, tmp_path):
     The pydocs corpus is there already (its build from nothing: test_dataset): `python -m nanochat.dataset` checks it."""
     repo_report = os.path.join(REPO_ROOT, "report.md")
     repo_report_before = os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None
-    result = run_script(os.path.join(REPO_ROOT, "speedrun.sh"), cwd=tmp_path, env=speedrun_env(OMP_NUM_THREADS="2"), timeout=600)
+    result = run_script(os.path.join(REPO_ROOT, "speedrun.sh"), cwd=tmp_path, env=speedrun_env(OMP_NUM_THREADS=CORES), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (isolated_env / "report" / "report.md").read_text()
     for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss",
