@@ -7,7 +7,8 @@
 #   cpu  any machine (made for 2 CPU cores, ~20 min for everything): the embedded pydocs corpus, a small tokenizer
 #        and a depth-4 model, the offline tasks for midtraining, SFT, RL and the evaluations; no download
 # Options (environment): WANDB_RUN=<name> logs to wandb (needs `wandb login`); NANOCHAT_BASE_DIR (default
-# ~/.cache/nanochat) is where data, tokenizer, checkpoints and the report go; NPROC = processes per node
+# ~/.cache/nanochat) is where data, tokenizer, checkpoints and the report go (the finished report.md and its
+# curves are also copied into the directory you run this script from); NPROC = processes per node
 # (default: every GPU); NANOCHAT_SKIP_SETUP=1 uses the current python instead of creating .venv;
 # NANOCHAT_SMOKE=1 shrinks the cpu profile to seconds (what the tests run).
 #
@@ -15,7 +16,9 @@
 # training stage stopped early by Ctrl-C / SIGTERM (it saves a checkpoint and exits 75; resume it with the
 # command it prints, then run the remaining stages by hand).
 set -euo pipefail
+RUN_DIR="$(pwd)"  # where the finished report is copied
 cd "$(dirname "$0")"
+REPO_DIR="$(pwd)"
 
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 WANDB_RUN="${WANDB_RUN:-dummy}"
@@ -120,8 +123,10 @@ else
 fi
 
 stage "report"
-python -m nanochat.report generate
-echo "speedrun: done in $((SECONDS / 60))m $((SECONDS % 60))s; report: $(pwd)/report.md"
+# `report generate` copies report.md and its curves into its working directory: the one this script was run from
+# (PYTHONPATH: this checkout's nanochat, whatever that directory holds)
+(cd "$RUN_DIR" && PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -m nanochat.report generate)
+echo "speedrun: done in $((SECONDS / 60))m $((SECONDS % 60))s; report: $RUN_DIR/report.md"
 echo "Talk to your model:"
 echo "    python -m scripts.chat_cli --source=$CHAT_SOURCE          # in the terminal"
 echo "    python -m scripts.chat_web --source=$CHAT_SOURCE          # in the browser: http://127.0.0.1:8000"

@@ -12,6 +12,21 @@ import time
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The cores of one test process: all of them, or its share under pytest-xdist. A test that runs a script on "every
+# core", as a user would, gives it this many threads; more would only make the processes wait for each other.
+CORES = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def pytest_configure(config):
+    """This process computes on its share of the cores (the scripts it runs: one thread each, see script_env)."""
+    import torch
+    torch.set_num_threads(min(torch.get_num_threads(), CORES))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (a stable sort): with several test processes, the long runs start at once and the short
+    tests fill in around them, instead of one long run starting last while the other processes sit idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)
@@ -92,14 +107,97 @@ def file_server(tmp_path):
     server.close()
 
 
-def run_torchrun(nproc, args, env=None, timeout=300, cwd=REPO_ROOT):
-    """Run `torchrun --standalone --nproc_per_node=nproc <args>` (CPU, gloo) and return the CompletedProcess."""
+# ---------------------------------------------------------------------------------------------
+# Running a script: the one way the tests start a process
+
+
+def script_command(args, nproc=1):
+    """The argv of `args`: a .sh file runs under bash; anything else (-m module, a .py file, -c code) under this
+    python, or under `torchrun --standalone --nproc_per_node=nproc` (CPU, gloo) when nproc > 1."""
+    args = [str(a) for a in args]
+    if args[0].endswith(".sh"):
+        assert nproc == 1, "a shell script is not launched by torchrun"
+        return ["bash", *args]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def script_env(env=None):
+    """This test's environment (its NANOCHAT_BASE_DIR, offline wandb, ...) with one thread per process and this
+    checkout first on PYTHONPATH (whatever the working directory), updated by `env` (a None value removes that
+    variable)."""
+    full = dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+    for key, value in (env or {}).items():
+        if value is None:
+            full.pop(key, None)
+        else:
+            full[key] = str(value)
+    return full
+
+
+def run_script(*args, nproc=1, env=None, timeout=300, cwd=REPO_ROOT, text=True, **kwargs):
+    """Run a script the way a user does (see script_command), from the repo root, in script_env(env); stdout and
+    stderr captured (as text, or bytes with text=False). Returns the CompletedProcess."""
     import subprocess
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + list(args)
-    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(script_command(args, nproc), cwd=cwd, env=script_env(env), capture_output=True, text=text,
+                          timeout=timeout, **kwargs)
+
+
+def start_script(*args, nproc=1, env=None, cwd=REPO_ROOT, **popen_kwargs):
+    """run_script's Popen: the script started and left running (for signals, servers, interactive input)."""
+    import subprocess
+    return subprocess.Popen(script_command(args, nproc), cwd=cwd, env=script_env(env), **popen_kwargs)
+
+
+def refusal_in_process(module, *args):
+    """
+    Run `python -m <module> <args>` inside this process, as far as its argument checks: returns the UserError it
+    raises before doing any work (fails if it raises none, or gets to compute_init). A test of a refused value
+    needs no process of its own, which costs 2-3 s of imports; subprocess tests prove that such an error is one
+    line on stderr and exit status 1. The script's changes to the logging setup and sys.excepthook are undone.
+    """
+    import logging
+    import runpy
+
+    from nanochat import common
+    logger = logging.getLogger("nanochat")
+    saved = sys.argv, sys.excepthook, list(logger.handlers), logger.propagate, logger.level
+
+    def no_work(*_, **__):
+        raise AssertionError(f"{module} {' '.join(args)} started working instead of refusing its arguments")
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(common, "compute_init", no_work)
+            sys.argv = [module, *args]
+            runpy.run_module(module, run_name="__main__")
+    except common.UserError as e:
+        return e
+    finally:
+        sys.argv, sys.excepthook, logger.handlers[:], logger.propagate = saved[:4]
+        logger.setLevel(saved[4])
+    pytest.fail(f"{module} {' '.join(args)} refused nothing")
+
+
+def wait_for_steps(path, n, proc, timeout=120):
+    """Wait until the metrics file `path` of the training run `proc` logs `n` steps; fail if the run ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and sum('"step_loss"' in line for line in path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.1)
+    pytest.fail("the run did not reach its steps in time")
+
+
+def speedrun_env(**overrides):
+    """The environment (for run_script's env) of speedrun.sh's cpu profile shrunk to seconds (NANOCHAT_SMOKE=1),
+    with this python and no venv set-up; `overrides` such as BASE_STEPS=... on top."""
+    return dict(NANOCHAT_PROFILE="cpu", NANOCHAT_SMOKE="1", NANOCHAT_SKIP_SETUP="1",
+                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **overrides)
 
 
 # The real task loaders' files (tests/fixtures/tasks/<owner>/<dataset>/...), in the published formats
@@ -118,6 +216,32 @@ def hub(file_server, monkeypatch):
     return file_server
 
 
+# ---------------------------------------------------------------------------------------------
+# What the tests build once per session: the pydocs corpus, a small tokenizer, tiny trained models
+
+
+def build_once(tmp_path_factory, name, build):
+    """
+    The directory `name` of this test session, made by build(path) (path does not exist yet) the first time a test
+    asks for it. Under pytest-xdist the session's workers share it: the first one builds it under a file lock, the
+    others wait and reuse it. A new session (a new base temp) always builds anew. Treat it as read-only.
+    """
+    import shutil
+
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's base temp, one level above each worker's
+    target, done = root / "built" / name, root / "built" / f"{name}.done"
+    target.parent.mkdir(exist_ok=True)
+    with FileLock(str(root / "built" / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)  # what a failed attempt left
+            build(target)
+            done.touch()
+    return target
+
+
 @pytest.fixture(scope="session")
 def pydocs_dir(tmp_path_factory):
     """
@@ -126,10 +250,12 @@ def pydocs_dir(tmp_path_factory):
     Treat it as read-only; tests get a private copy through `pydocs_corpus`.
     """
     from nanochat.pydocs import build_pydocs
-    base = tmp_path_factory.mktemp("pydocs_base")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(base))
-        return build_pydocs()
+
+    def build(base):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NANOCHAT_BASE_DIR", str(base))
+            assert build_pydocs() == str(base / "base_data" / "pydocs")
+    return str(build_once(tmp_path_factory, "pydocs_base", build) / "base_data" / "pydocs")
 
 
 @pytest.fixture
@@ -153,13 +279,15 @@ def small_tokenizer_dir(pydocs_dir, tmp_path_factory):
     """A 512-token tokenizer trained once per session on the pydocs training shards (the real tok_train path's
     Tokenizer, not a stub). Returns its directory; tests get a private copy through `trained_tokenizer`."""
     import pyarrow.parquet as pq
+
     from nanochat.tokenizer import Tokenizer
-    texts = []
-    for name in sorted(n for n in os.listdir(pydocs_dir) if n.startswith("shard_"))[:-1]:  # the last shard is validation
-        texts += pq.read_table(os.path.join(pydocs_dir, name), columns=["text"]).column("text").to_pylist()
-    out = tmp_path_factory.mktemp("tokenizer") / "tokenizer"
-    Tokenizer.train_from_iterator(iter(texts[:2000]), 512).save(str(out))
-    return out
+
+    def build(out):
+        texts = []
+        for name in sorted(n for n in os.listdir(pydocs_dir) if n.startswith("shard_"))[:-1]:  # the last shard is validation
+            texts += pq.read_table(os.path.join(pydocs_dir, name), columns=["text"]).column("text").to_pylist()
+        Tokenizer.train_from_iterator(iter(texts[:2000]), 512).save(str(out))
+    return build_once(tmp_path_factory, "tokenizer", build)
 
 
 @pytest.fixture
@@ -170,49 +298,59 @@ def trained_tokenizer(pydocs_corpus, small_tokenizer_dir, isolated_env):
     return isolated_env / "tokenizer"
 
 
-def build_checkpoints(base, pydocs_dir, tokenizer_dir, *stages):
-    """
-    Make `base` a base dir holding a copy of the pydocs corpus and of the tokenizer, then run each stage there,
-    one process after the other: `stages` are argument lists such as ["scripts.base_train", "--depth=1", ...]
-    (1 thread, wandb offline, no inherited torchrun variables). The way test modules make their tiny
-    checkpoints, once per module or session; tests copy the result. Returns `base`.
-    """
-    import shutil
-    import subprocess
-    shutil.copytree(pydocs_dir, base / "base_data" / "pydocs")
-    shutil.copytree(tokenizer_dir, base / "tokenizer")
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATASET="pydocs", OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    for args in stages:
-        result = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, f"{args[0]} failed: {result.stderr[-3000:]}"
-    return base
 
 
-# A tiny base model's training run, for build_checkpoints: depth 1, no periodic evaluation, sampling or CORE
-TINY_BASE = ["scripts.base_train", "--depth=1", "--eval_every=-1", "--sample_every=-1", "--core_metric_every=-1"]
+# The tiny models of the suite: {name: (the model it starts from, its stage's arguments)}. Depth 1, barely
+# trained (~5 s each on 2 cores): for testing the machinery, not quality. A model's base dir holds the pydocs
+# corpus, the small tokenizer, its checkpoints and those of the model it starts from.
+TINY_SIZES = ["--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256", "--eval_tokens=256"]
+TINY_BASE = ["-m", "scripts.base_train", "--depth=1", "--eval_every=-1", "--sample_every=-1", "--core_metric_every=-1"]
+TINY_MODELS = {
+    "base": (None, [*TINY_BASE, *TINY_SIZES, "--num_iterations=10", "--save_every=5"]),  # context 64; steps 5 and 10
+    "mid": ("base", ["-m", "scripts.mid_train", "--mixture=offline", *TINY_SIZES, "--num_iterations=10", "--eval_every=-1"]),
+    # context 512: long enough for a reply to be cut short (chat_web)
+    "base512": (None, [*TINY_BASE, "--max_seq_len=512", "--device_batch_size=1", "--total_batch_size=512",
+                       "--eval_tokens=512", "--num_iterations=10"]),
+    # its midtrained model: RL's arithmetic prompts (~60-100 tokens) leave it room to sample answers
+    "mid512": ("base512", ["-m", "scripts.mid_train", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2",
+                           "--total_batch_size=256", "--eval_tokens=256", "--num_iterations=10", "--eval_every=-1"]),
+}
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_base(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
-    """
-    A base dir holding the pydocs corpus, the small tokenizer, a depth-1 base model (context 128, 10 steps) and
-    its midtrained model (offline mixture, 10 steps): built once per session for the chat-stage tests, which
-    copy it (`chat_base`). The models are tiny and barely trained: for testing the machinery, not quality.
-    """
-    common = ["--max_seq_len=128", "--device_batch_size=2", "--total_batch_size=256", "--num_iterations=10", "--eval_tokens=256"]
-    return build_checkpoints(tmp_path_factory.mktemp("chat_base"), pydocs_dir, small_tokenizer_dir,
-                             [*TINY_BASE, *common], ["scripts.mid_train", "--mixture=offline", "--eval_every=-1", *common])
+def tiny_models(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
+    """tiny_models(name): the base dir of TINY_MODELS[name], trained once per session (see build_once). Read-only:
+    a test that writes gets its own copy through `tiny_model`."""
+    import shutil
+
+    def base_dir(name):
+        parent, stage = TINY_MODELS[name]
+
+        def build(target):
+            if parent:
+                shutil.copytree(base_dir(parent), target, ignore=shutil.ignore_patterns(".lock"))
+            else:
+                shutil.copytree(pydocs_dir, target / "base_data" / "pydocs")
+                shutil.copytree(small_tokenizer_dir, target / "tokenizer")
+            env = {"NANOCHAT_BASE_DIR": target, "NANOCHAT_DATASET": "pydocs", "WANDB_MODE": "offline",
+                   **dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))}
+            result = run_script(*stage, env=env, timeout=600)
+            assert result.returncode == 0, f"tiny model {name}: {result.stderr[-3000:]}"
+        return build_once(tmp_path_factory, f"model_{name}", build)
+    return base_dir
 
 
 @pytest.fixture
-def chat_base(tiny_chat_base, isolated_env, monkeypatch):
-    """This test's own copy of tiny_chat_base as its NANOCHAT_BASE_DIR (with NANOCHAT_DATASET=pydocs)."""
+def tiny_model(tiny_models, isolated_env, monkeypatch):
+    """tiny_model(name): this test's own copy of the session's tiny model `name` (corpus, tokenizer, checkpoints) as
+    its NANOCHAT_BASE_DIR, with NANOCHAT_DATASET=pydocs. Returns the base dir."""
     import shutil
-    shutil.copytree(tiny_chat_base, isolated_env, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".lock"))
-    monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
-    return isolated_env
+
+    def use(name):
+        shutil.copytree(tiny_models(name), isolated_env, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".lock"))
+        monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
+        return isolated_env
+    return use
 
 
 # -----------------------------------------------------------------------------
@@ -230,13 +368,10 @@ def free_port():
 
 
 @pytest.fixture(scope="session")
-def chat_web_base(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
-    """A base dir holding the session's tokenizer and a depth-1 model trained for 10 steps, for the web
-    server's tests. Its context is 512 tokens, so that a reply can be long enough to be cut short by a client
-    that leaves."""
-    return build_checkpoints(tmp_path_factory.mktemp("chat_web_base"), pydocs_dir, small_tokenizer_dir,
-                             [*TINY_BASE, "--max_seq_len=512", "--device_batch_size=1", "--total_batch_size=512",
-                              "--num_iterations=10", "--eval_tokens=512"])
+def chat_web_base(tiny_models):
+    """The session's tiny base model of context 512 tokens (so that a reply can be long enough to be cut short by a
+    client that leaves): its base dir, read-only."""
+    return tiny_models("base512")
 
 
 class ChatWebServer:

@@ -5,27 +5,23 @@ engine's reply to both exchanges), `clear` starts over, the context overflows gr
 and Ctrl-D behave, and a missing checkpoint is one line naming the stage to run.
 """
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from conftest import REPO_ROOT, TINY_BASE, build_checkpoints
+from conftest import run_script, start_script
 
 SAMPLING = ["--temperature=1.0", "--top_k=50"]
 
 
 @pytest.fixture(scope="module")
-def checkpoint_base(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
-    """A base dir holding the session's tokenizer and a depth-1 model trained for 10 steps, context 64 tokens."""
-    return build_checkpoints(tmp_path_factory.mktemp("chat_cli_base"), pydocs_dir, small_tokenizer_dir,
-                             [*TINY_BASE, "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
-                              "--num_iterations=10", "--eval_tokens=256"])
+def checkpoint_base(tiny_models):
+    """The session's tiny base model (depth 1, 10 steps, context 64 tokens): its base dir, read-only."""
+    return tiny_models("base")
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +51,8 @@ def expected_turn(engine, messages, max_tokens, seed, temperature=1.0, top_k=50)
 
 
 def chat_cli(base, *args, stdin=b"", timeout=120):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), OMP_NUM_THREADS="1")
     # bytes, decoded here: text mode would turn a "\r" the model wrote into "\n"
-    result = subprocess.run([sys.executable, "-m", "scripts.chat_cli", *args], cwd=REPO_ROOT, env=env, input=stdin,
-                            capture_output=True, timeout=timeout)
+    result = run_script("-m", "scripts.chat_cli", *args, env={"NANOCHAT_BASE_DIR": base}, input=stdin, text=False, timeout=timeout)
     return result.returncode, result.stdout.decode("utf-8"), result.stderr.decode("utf-8")
 
 
@@ -67,6 +61,7 @@ def seed_with_text(engine, messages, max_tokens):
     return next(s for s in range(200) if expected_turn(engine, messages, max_tokens, s)[0].strip())
 
 
+@pytest.mark.slow
 def test_p_answers_once_with_the_engines_reply_and_exits(checkpoint_base, engine):
     seed = seed_with_text(engine, [{"role": "user", "content": "Hello"}], 20)
     expected, _ = expected_turn(engine, [{"role": "user", "content": "Hello"}], 20, seed)
@@ -86,6 +81,7 @@ def parse_turns(out):
     return [(m.group(1), int(m.group(2))) for m in re.finditer(r"Assistant: (.*?)\n\[context: (\d+)/64 tokens[^\]]*\]", out, re.S)]
 
 
+@pytest.mark.slow
 def test_interactive_chat_keeps_the_conversation_clears_and_quits(checkpoint_base, engine):
     long_message = "tell me everything about " * 40
     follow_ups = [f"And then what happened on day {i}?" for i in range(6)]
@@ -112,10 +108,11 @@ def test_interactive_chat_keeps_the_conversation_clears_and_quits(checkpoint_bas
     assert "never read" not in out  # `quit` quit
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_the_prompt_stays_and_ctrl_d_exits(checkpoint_base):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(checkpoint_base), OMP_NUM_THREADS="1")
-    process = subprocess.Popen([sys.executable, "-m", "scripts.chat_cli", "--source=base", "--device_type=cpu", "--max_tokens=5"],
-                               cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = start_script("-m", "scripts.chat_cli", "--source=base", "--device_type=cpu", "--max_tokens=5",
+                           env={"NANOCHAT_BASE_DIR": checkpoint_base}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
     chunks = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: process.stdout.read1(4096), b"")), daemon=True)
     reader.start()

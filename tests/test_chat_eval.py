@@ -5,20 +5,18 @@ the report card of nanochat/report.py.
 
 Scoring is checked on rigged models whose answers are known by hand: a module whose logits count the tokens
 it has read, and a GPT whose weights make it a bigram table. The script runs end to end on a tiny midtrained
-checkpoint (depth 1, trained once per module), offline and with the real tasks served from local fixtures.
+checkpoint (the session's tiny midtrained model), offline and with the real tasks served from local fixtures.
 """
 
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO_ROOT, TINY_BASE, build_checkpoints, run_torchrun
+from conftest import run_script
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
@@ -27,9 +25,6 @@ from scripts.chat_eval import (CHATCORE_BASELINES, Progress, expand_short_flags,
                                score_categorical, score_generative, scores)
 from tasks.common import Task, render_mc
 from tasks.humaneval import HumanEval, build_program, extract_code
-
-CHAT_EVAL = [sys.executable, "-m", "scripts.chat_eval"]
-
 
 @pytest.fixture(scope="module")
 def tok(small_tokenizer_dir):
@@ -322,26 +317,14 @@ def test_report_card(isolated_env):
 # -----------------------------------------------------------------------------
 # The script end to end, on a tiny midtrained model
 
-@pytest.fixture(scope="module")
-def mid_checkpoint_dir(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
-    """A tiny base model (depth 1, 64-token context) midtrained for a few steps on the offline mixture, once per
-    module; tests copy it into their own base dir."""
-    sizes = ["--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256", "--eval_tokens=256"]
-    return build_checkpoints(tmp_path_factory.mktemp("chat_eval_base"), pydocs_dir, small_tokenizer_dir,
-                             [*TINY_BASE, *sizes, "--num_iterations=20"],
-                             ["scripts.mid_train", "--mixture=offline", *sizes, "--num_iterations=10", "--eval_every=-1"])
-
-
 @pytest.fixture
-def mid_model(mid_checkpoint_dir, isolated_env):
-    shutil.copytree(mid_checkpoint_dir / "tokenizer", isolated_env / "tokenizer")
-    shutil.copytree(mid_checkpoint_dir / "mid_checkpoints", isolated_env / "mid_checkpoints")
-    return isolated_env
+def mid_model(tiny_model):
+    """This test's copy of the session's tiny midtrained model (depth 1, context 64)."""
+    return tiny_model("mid")
 
 
-def chat_eval(*args, timeout=300):
-    return subprocess.run([*CHAT_EVAL, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+def chat_eval(*args, nproc=1, timeout=300):
+    return run_script("-m", "scripts.chat_eval", *args, nproc=nproc, timeout=timeout)
 
 
 def task_lines(out):
@@ -349,6 +332,7 @@ def task_lines(out):
     return dict(re.findall(r"^(\w[\w-]*): ([\d.]+% \(\d+/\d+\)) in ", out, re.MULTILINE))
 
 
+@pytest.mark.slow
 def test_offline_end_to_end_and_two_ranks_score_the_same(mid_model):
     args = ["-i", "mid", "-a", "offline", "--max_problems=5", "--max_new_tokens=24", "--batch_size=2"]
     result = chat_eval(*args, "--progress_every=0")
@@ -366,7 +350,7 @@ def test_offline_end_to_end_and_two_ranks_score_the_same(mid_model):
     assert re.search(r"^- Offline ChatCORE: -?[\d.]+$", section, re.MULTILINE) and "- ChatCORE:" not in section
     assert "| PydocsMC | categorical | 5 |" in section and "| 0.2500 |" in section  # 4 choices: chance is 1/4
 
-    two = run_torchrun(2, ["-m", "scripts.chat_eval", *args], timeout=300)
+    two = chat_eval(*args, nproc=2)
     assert two.returncode == 0, two.stderr
     assert task_lines(two.stdout) == lines  # rank r took problems r, r + 2, ...: the counts add up to one process's
     score = lambda text: re.search(r"^Offline ChatCORE: (.*)$", text, re.MULTILINE).group(1)
@@ -374,6 +358,7 @@ def test_offline_end_to_end_and_two_ranks_score_the_same(mid_model):
     assert "(2 rank(s)" in two.stdout
 
 
+@pytest.mark.slow
 def test_chatcore_tasks_from_the_hub(mid_model, hub):
     result = chat_eval("-i", "mid", "--max_problems=2", "--max_new_tokens=16")  # -a all is the default
     assert result.returncode == 0, result.stderr

@@ -5,14 +5,11 @@ must raise the reward.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_torchrun
+from conftest import run_script
 from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
 from test_loss import ToyModel
 
@@ -22,9 +19,16 @@ RL = ["-m", "scripts.chat_rl", "--source=mid", "--mixture=offline", "--prompts_p
       "--max_new_tokens=16", "--eval_examples=4", "--device_batch_size=4", "--temperature=1.0"]
 
 
-def run(args, timeout=300):
-    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.fixture
+def chat_base(tiny_model):
+    """This test's copy of the session's tiny midtrained model (depth 1, context 64), with corpus and tokenizer."""
+    return tiny_model("mid")
+
+
+@pytest.fixture
+def rl_base(tiny_model):
+    """This test's copy of the session's tiny midtrained model of context 512: room for RL's prompts and answers."""
+    return tiny_model("mid512")
 
 
 def step_losses(checkpoint_dir, key="step_loss"):
@@ -32,9 +36,10 @@ def step_losses(checkpoint_dir, key="step_loss"):
     return [r[key] for r in rows if key in r]
 
 
+@pytest.mark.slow
 def test_sft_trains_evaluates_and_resumes_exactly(chat_base):
     ckpt = chat_base / "chatsft_checkpoints" / "d1"
-    first = run([*SFT, "--num_iterations=6", "--save_every=3", "--eval_every=3"])
+    first = run_script(*SFT, "--num_iterations=6", "--save_every=3", "--eval_every=3")
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout
     assert "Examples per step 4 => gradient accumulation steps: 2" in out
@@ -46,7 +51,7 @@ def test_sft_trains_evaluates_and_resumes_exactly(chat_base):
     assert len(full_losses) == 6
     for f in ckpt.glob("*000006*"):
         f.unlink()
-    resumed = run([*SFT, "--num_iterations=6", "--resume_from_step=3", "--eval_every=3"])
+    resumed = run_script(*SFT, "--num_iterations=6", "--resume_from_step=3", "--eval_every=3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert step_losses(ckpt) == pytest.approx(full_losses, rel=1e-6)
     for k, v in torch.load(ckpt / "model_000006.pt").items():
@@ -57,8 +62,9 @@ def test_sft_trains_evaluates_and_resumes_exactly(chat_base):
     assert meta["step"] == 6 and meta["parent"]["source"] == "mid"
 
 
+@pytest.mark.slow
 def test_sft_batch_arithmetic_error_is_one_line(chat_base):
-    result = run([a for a in SFT if not a.startswith("--examples_per_step")] + ["--examples_per_step=5", "--num_iterations=2"])
+    result = run_script(*[a for a in SFT if not a.startswith("--examples_per_step")], "--examples_per_step=5", "--num_iterations=2")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "examples_per_step 5 is not a multiple of device_batch_size x world_size = 2 x 1 = 2" in lines[0]
@@ -112,19 +118,20 @@ def test_a_few_policy_gradient_steps_raise_the_reward_on_a_trivial_task(trained_
     assert 0.25 < early < 0.75 and late > early + 0.2, rewards_per_step  # starts near chance, ends well above
 
 
-def test_rl_resume_equals_the_uninterrupted_run(chat_base):
+@pytest.mark.slow
+def test_rl_resume_equals_the_uninterrupted_run(rl_base):
     """The problems and seeds of a step depend only on the step: a resumed RL run samples, rewards and trains
     exactly as the uninterrupted one (same answers, rewards and weights). The tiny model earns no reward, so its
     weights stay put; the optimizer state's part of a resume is the stage protocol's, proven by the other stages."""
-    ckpt = chat_base / "chatrl_checkpoints" / "d1"
-    full = run([*RL, "--num_iterations=4", "--save_every=2", "--eval_every=-1"])
+    ckpt = rl_base / "chatrl_checkpoints" / "d1"
+    full = run_script(*RL, "--num_iterations=4", "--save_every=2", "--eval_every=-1")
     assert full.returncode == 0, full.stderr[-3000:]
     full_rewards, full_weights = step_losses(ckpt, "reward"), torch.load(ckpt / "model_000004.pt")
     full_lengths = step_losses(ckpt, "answer_length")
     assert len(full_rewards) == 4 and len(set(full_lengths)) > 1  # the steps sampled different answers
     for f in ckpt.glob("*000004*"):
         f.unlink()
-    resumed = run([*RL, "--num_iterations=4", "--resume_from_step=2", "--save_every=2", "--eval_every=-1"])
+    resumed = run_script(*RL, "--num_iterations=4", "--resume_from_step=2", "--save_every=2", "--eval_every=-1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from step 2" in resumed.stdout
     assert step_losses(ckpt, "reward") == full_rewards and step_losses(ckpt, "answer_length") == full_lengths
@@ -132,17 +139,18 @@ def test_rl_resume_equals_the_uninterrupted_run(chat_base):
         assert torch.allclose(v, full_weights[k], rtol=1e-6, atol=0), k
 
 
-def test_chat_rl_end_to_end_on_two_ranks(chat_base):
-    result = run_torchrun(2, [*RL, "--num_iterations=3", "--save_every=-1", "--eval_every=-1"], timeout=300)
+@pytest.mark.slow
+def test_chat_rl_end_to_end_on_two_ranks(rl_base):
+    result = run_script(*RL, "--num_iterations=3", "--save_every=-1", "--eval_every=-1", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "Problems / step: 2 (1 per rank) x 4 sampled answers = 8 answers" in out
     assert "step 00003/00003 | mean reward:" in out and "pass@4:" in out
-    ckpt = chat_base / "chatrl_checkpoints" / "d1"
+    ckpt = rl_base / "chatrl_checkpoints" / "d1"
     meta = json.loads((ckpt / "meta_000003.json").read_text())
     assert meta["world_size"] == 2 and set(meta["pass_at_k"]) == {"1", "2", "3", "4"}
     assert (ckpt / "optim_000003_rank1.pt").exists()
     rewards = step_losses(ckpt, "reward")
     assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards)
-    section = (chat_base / "report" / "chat-rl.md").read_text()
+    section = (rl_base / "report" / "chat-rl.md").read_text()
     assert "- pass@1: " in section and "- pass@1 before RL: " in section

@@ -11,14 +11,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from conftest import HELLO, REPO_ROOT, engine_reply, free_port, wait_idle
+from conftest import HELLO, engine_reply, free_port, run_script, start_script, wait_idle
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 
@@ -263,12 +262,12 @@ def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server
 # -----------------------------------------------------------------------------
 # The command line
 
+@pytest.mark.slow
 def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_web_base):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(chat_web_base), OMP_NUM_THREADS="1")
+    env = {"NANOCHAT_BASE_DIR": chat_web_base}
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
-                                "--host=0.0.0.0", f"--port={port}", "--api_key=s3cret", "--model_name=tiny"], cwd=REPO_ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = start_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0", f"--port={port}",
+                           "--api_key=s3cret", "--model_name=tiny", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 60
         while True:
@@ -286,8 +285,8 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_w
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10, verify=False).status_code == 401
         # the same port again: refused at once, in one line
-        again = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--source=base", "--device_type=cpu",
-                                "--host=0.0.0.0", f"--port={port}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+        again = run_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0", f"--port={port}",
+                           env=env, timeout=60)
         assert again.returncode == 1
         assert again.stderr.strip().startswith("error: cannot listen on 0.0.0.0:") and "--port" in again.stderr
     finally:
@@ -301,9 +300,8 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_w
 
 
 def test_a_missing_checkpoint_is_one_line_naming_the_stage(tmp_path):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path / "empty"), OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--device_type=cpu", f"--port={free_port()}"],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = run_script("-m", "scripts.chat_web", "--device_type=cpu", f"--port={free_port()}",
+                        env={"NANOCHAT_BASE_DIR": tmp_path / "empty"}, timeout=60)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "python -m scripts.chat_sft" in lines[0], result.stderr

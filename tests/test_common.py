@@ -5,13 +5,12 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_torchrun
+from conftest import run_script, start_script
 from nanochat import common
 from nanochat.common import (ColoredFormatter, UserError, compute_init, download_file_with_lock, get_base_dir,
                              get_dist_info, print0)
@@ -29,7 +28,7 @@ def test_compute_init_plain_process(capsys):
 
 
 def test_compute_init_two_processes_over_gloo(tmp_path):
-    result = run_torchrun(2, ["tests/dist_common_worker.py", str(tmp_path / "out")])
+    result = run_script("tests/dist_common_worker.py", tmp_path / "out", nproc=2)
     assert result.returncode == 0, result.stderr
     infos = [json.load(open(tmp_path / f"out.rank{r}.json")) for r in range(2)]
     for r, info in enumerate(infos):
@@ -48,11 +47,9 @@ def test_two_nodes_rank_differs_from_local_rank(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
-             "--master_addr=127.0.0.1", f"--master_port={port}", "tests/dist_common_worker.py", str(tmp_path / "out")]
-            for n in range(2)]
-    procs = [subprocess.Popen(c, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    procs = [start_script("-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
+                          "--master_addr=127.0.0.1", f"--master_port={port}", "tests/dist_common_worker.py", tmp_path / "out",
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     infos = [json.load(open(tmp_path / f"out.rank{r}.json")) for r in range(2)]
@@ -71,10 +68,7 @@ def test_incomplete_torchrun_env_is_a_clear_error(monkeypatch):
 
 
 def test_incomplete_env_in_a_script_prints_one_line(tmp_path):
-    env = dict(os.environ, RANK="0")
-    env.pop("LOCAL_RANK", None)
-    result = subprocess.run([sys.executable, "-c", "from nanochat.common import compute_init; compute_init('cpu')"],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    result = run_script("-c", "from nanochat.common import compute_init; compute_init('cpu')", env={"RANK": "0", "LOCAL_RANK": None})
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: distributed launch is incomplete"), result.stderr
@@ -110,7 +104,7 @@ def test_importing_nanochat_leaves_root_logger_alone():
         "assert (list(root.handlers), root.level) == before, 'setup_default_logging changed the root logger'\n"
         "assert logging.getLogger('nanochat').handlers\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    result = run_script("-c", code)
     assert result.returncode == 0, result.stderr
 
 
@@ -186,7 +180,7 @@ def test_download_killed_with_sigkill_leaves_nothing_then_completes(file_server,
     file_server.slow_paths["/big.bin"] = 0.05
     final = isolated_env / "dl" / "big.bin"
     code = f"from nanochat.common import download_file_with_lock; download_file_with_lock('{file_server.url}/big.bin', 'dl/big.bin')"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT)
+    proc = start_script("-c", code)
     deadline = time.time() + 60
     while time.time() < deadline:  # wait until it is midway: a temp file with some bytes in it
         tmps = list((isolated_env / "dl").glob("big.bin.tmp*")) if (isolated_env / "dl").exists() else []

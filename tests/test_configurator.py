@@ -1,10 +1,8 @@
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import run_script
 from nanochat.common import UserError
 from nanochat.configurator import configure, parse_args
 
@@ -21,10 +19,10 @@ print("RESULT", depth, matrix_lr, run, compile, sorted(config))
 '''
 
 
-def run_script(tmp_path, *args):
+def run_toy(tmp_path, *args):
     path = tmp_path / "toy_train.py"
     path.write_text(SCRIPT)
-    return subprocess.run([sys.executable, str(path), *args], cwd=REPO_ROOT, capture_output=True, text=True)
+    return run_script(path, *args)
 
 
 def test_values_are_parsed_against_the_default_type():
@@ -76,7 +74,7 @@ def test_configure_updates_scope_and_returns_config():
 
 
 def test_script_help_lists_every_key(tmp_path):
-    result = run_script(tmp_path, "--help")
+    result = run_toy(tmp_path, "--help")
     assert result.returncode == 0
     out = result.stdout
     assert "A toy stage script." in out
@@ -87,14 +85,14 @@ def test_script_help_lists_every_key(tmp_path):
 
 
 def test_script_overrides_and_prints_them(tmp_path):
-    result = run_script(tmp_path, "--depth=4", "--matrix-lr=0.05", "--run=my=run")
+    result = run_toy(tmp_path, "--depth=4", "--matrix-lr=0.05", "--run=my=run")
     assert result.returncode == 0, result.stderr
     assert "Overriding: depth = 4 (default 20)" in result.stdout
     assert "RESULT 4 0.05 my=run True ['compile', 'depth', 'matrix_lr', 'run']" in result.stdout
 
 
 def test_script_unknown_key_is_one_line_error(tmp_path):
-    result = run_script(tmp_path, "--detph=4")
+    result = run_toy(tmp_path, "--detph=4")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "error: unknown config key 'detph' (did you mean --depth?); run with --help to list every key"]

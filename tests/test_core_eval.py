@@ -13,18 +13,17 @@ download and unzip it, then score two stand-in models whose answers are known by
                             CORE = (0.2 + 0.0 + 0.25) / 3 = 0.15
 """
 
+import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 import zipfile
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_torchrun
+from conftest import REPO_ROOT, build_once, run_script
 from nanochat.common import UserError
 from nanochat.core_eval import (PAD_SLACK, continuation_rows, evaluate_core, evaluate_task, fewshot_indices, load_bundle,
                                 load_task_data, pack_rows, prepare_bundle, render_prompts)
@@ -109,13 +108,16 @@ def served_bundle(file_server, monkeypatch):
 
 @pytest.fixture(scope="module")
 def offline_bundle(tmp_path_factory):
-    """The offline bundle, built once for this file in its own base dir; (directory, build seconds)."""
-    base = tmp_path_factory.mktemp("offline_bundle_base")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(base))
-        t0 = time.time()
-        directory = prepare_bundle("offline")
-        return directory, time.time() - t0
+    """The offline bundle, built once per test session (conftest.build_once) in its own base dir; (directory,
+    build seconds)."""
+    def build(base):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NANOCHAT_BASE_DIR", str(base))
+            t0 = time.time()
+            directory = prepare_bundle("offline")
+            (base / "build.json").write_text(json.dumps({"directory": directory, "seconds": time.time() - t0}))
+    build_info = json.loads((build_once(tmp_path_factory, "offline_bundle_base", build) / "build.json").read_text())
+    return build_info["directory"], build_info["seconds"]
 
 
 # -----------------------------------------------------------------------------
@@ -157,7 +159,7 @@ def test_killed_unzip_leaves_no_bundle(served_bundle, isolated_env):
             "    return extract(self, *args)\n"
             "zipfile.ZipFile._extract_member = dying\n"
             "prepare_bundle('dclm')\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    result = run_script("-c", code, timeout=120)
     assert result.returncode == -9, result.stderr
     leftovers = [d for d in os.listdir(isolated_env) if d.startswith("eval_bundle.tmp")]
     assert not (isolated_env / "eval_bundle").exists() and len(leftovers) == 1  # half a bundle, under a temp name
@@ -355,21 +357,13 @@ def test_offline_bundle_is_deterministic_fast_and_verbatim(offline_bundle, isola
 # scripts/base_eval end to end
 
 
-def test_base_eval_end_to_end(trained_tokenizer, isolated_env, served_bundle):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    train = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=1", "--max_seq_len=64",
-                            "--device_batch_size=4", "--total_batch_size=256", "--num_iterations=10", "--eval_every=-1",
-                            "--eval_tokens=256", "--sample_every=-1", "--core_metric_every=-1"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert train.returncode == 0, train.stderr[-3000:]
-    section = isolated_env / "report" / "base-model-evaluation.md"
+@pytest.mark.slow
+def test_base_eval_end_to_end(tiny_model, served_bundle):
+    base = tiny_model("base")
+    section = base / "report" / "base-model-evaluation.md"
 
     def base_eval(*args, nproc=1):
-        cmd = ["-m", "scripts.base_eval", "--device_type=cpu", *args]
-        if nproc == 1:
-            result = subprocess.run([sys.executable, *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
-        else:
-            result = run_torchrun(nproc, cmd, env=env)
+        result = run_script("-m", "scripts.base_eval", "--device_type=cpu", *args, nproc=nproc)
         assert result.returncode == 0, result.stderr[-3000:]
         report = section.read_text().split("\n", 2)[2]  # without the title and timestamp lines
         return result.stdout, report
@@ -387,6 +381,5 @@ def test_base_eval_end_to_end(trained_tokenizer, isolated_env, served_bundle):
     assert report2 == report1
     assert served_bundle.requests == {"/eval_bundle.zip": 1}
 
-    bad = subprocess.run([sys.executable, "-m", "scripts.base_eval", "--bundle=web"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=120, env=env)
+    bad = run_script("-m", "scripts.base_eval", "--bundle=web", timeout=120)
     assert bad.returncode == 1 and bad.stderr.strip() == "error: --bundle must be one of '', dclm, offline, got 'web'"

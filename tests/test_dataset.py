@@ -6,8 +6,6 @@ reading API (listing, row groups, rank striding).
 
 import hashlib
 import os
-import subprocess
-import sys
 import threading
 
 import pyarrow as pa
@@ -15,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import nanochat.common
+from conftest import run_script
 from nanochat import dataset, pydocs
 from nanochat.shards import ROW_GROUP_SIZE
 from nanochat.common import UserError
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _sha(path):
@@ -56,11 +54,9 @@ def _local(s):
 
 def test_pydocs_builds_offline_to_identical_bytes(pydocs_dir, tmp_path):
     # Second build in a fresh process: other hash seed, no network (proxies to a dead port), other base dir.
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path / "other_base"), NANOCHAT_DATASET="pydocs",
-               PYTHONHASHSEED="12345", HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9",
-               NANOCHAT_DATA_URL="http://127.0.0.1:9")
-    proc = subprocess.run([sys.executable, "-m", "nanochat.dataset"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = dict(NANOCHAT_BASE_DIR=tmp_path / "other_base", NANOCHAT_DATASET="pydocs", PYTHONHASHSEED="12345",
+               HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", NANOCHAT_DATA_URL="http://127.0.0.1:9")
+    proc = run_script("-m", "nanochat.dataset", env=env)
     assert proc.returncode == 0, proc.stderr
     other = tmp_path / "other_base" / "base_data" / "pydocs"
     names = sorted(os.listdir(pydocs_dir))  # the shards and their SHA256SUMS
@@ -196,9 +192,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
 
 
 def test_download_cli_fetches_train_and_fixed_val_then_nothing(tiny_fineweb):
-    env = dict(os.environ)
-    proc = subprocess.run([sys.executable, "-m", "nanochat.dataset", "-n", "2", "-w", "2"], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = run_script("-m", "nanochat.dataset", "-n", "2", "-w", "2", timeout=120)
     assert proc.returncode == 0, proc.stderr
     for s in range(3):
         assert _sha(_local(s)) == _sha(os.path.join(tiny_fineweb.root, dataset.shard_name(s)))
@@ -272,8 +266,7 @@ def test_missing_data_and_bad_input_errors(tiny_fineweb, monkeypatch):
 
 
 def test_missing_data_cli_prints_one_line_error(tiny_fineweb):
-    proc = subprocess.run([sys.executable, "-m", "nanochat.dataset"], cwd=REPO_ROOT, env=dict(os.environ),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script("-m", "nanochat.dataset", timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and "-n 8" in proc.stderr
 

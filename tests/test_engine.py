@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import build_once
 from nanochat.common import UserError
 from nanochat.calculator import use_calculator
 from nanochat.engine import Engine, KVCache, TextStreamer
@@ -26,34 +27,43 @@ def pydocs_texts(pydocs_dir, shard):
 
 
 @pytest.fixture(scope="module")
-def tiny(small_tokenizer_dir, pydocs_dir):
+def tiny(small_tokenizer_dir, pydocs_dir, tmp_path_factory):
     """
     A depth-2 GPT (4 query heads sharing 2 kv heads, so grouped-query attention is covered) trained for 100
-    AdamW steps (~5 s) on pydocs documents (each after a <|bos|>) with the session's 512-token tokenizer:
-    enough that greedy continuations are varied text-like token sequences, not one token repeated, so
-    "engine == naive" means something. It also learned to end documents, i.e. to emit <|bos|>.
-    Returns (model, tokenizer, held-out prompts as token lists).
+    AdamW steps (~5 s, once per test session: conftest.build_once) on pydocs documents (each after a <|bos|>)
+    with the session's 512-token tokenizer: enough that greedy continuations are varied text-like token
+    sequences, not one token repeated, so "engine == naive" means something. It also learned to end
+    documents, i.e. to emit <|bos|>. Returns (model, tokenizer, held-out prompts as token lists).
     """
     tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
     bos = tokenizer.get_bos_token_id()
-    data = torch.tensor([t for ids in tokenizer.encode(pydocs_texts(pydocs_dir, 0)[:600], prepend=bos) for t in ids])
     cfg = GPTConfig(sequence_len=SEQ_LEN, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2, n_embd=128)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    model.init_weights()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(100):
-        starts = torch.randint(0, len(data) - SEQ_LEN - 1, (16,), generator=gen).tolist()
-        batch = torch.stack([data[s:s + SEQ_LEN + 1] for s in starts])
-        loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    model.eval()
+
+    def train(path):
+        data = torch.tensor([t for ids in tokenizer.encode(pydocs_texts(pydocs_dir, 0)[:600], prepend=bos) for t in ids])
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        model.init_weights()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, betas=(0.9, 0.95))
+        gen = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(100):
+            starts = torch.randint(0, len(data) - SEQ_LEN - 1, (16,), generator=gen).tolist()
+            batch = torch.stack([data[s:s + SEQ_LEN + 1] for s in starts])
+            loss = model(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        torch.save({"model": model.state_dict(), "losses": losses}, path)
+
+    trained = torch.load(build_once(tmp_path_factory, "engine_tiny.pt", train))
+    losses = trained["losses"]
     assert losses[-1] < losses[0] - 1.5, losses  # it did learn something
+    model = GPT(cfg)
+    model.init_weights()  # also fills the rotary tables, which are buffers the state dict does not hold
+    model.load_state_dict(trained["model"])
+    model.eval()
     held_out = tokenizer.encode(pydocs_texts(pydocs_dir, -1)[:20], prepend=bos)  # validation shard
     prompts = [ids for ids in held_out if len(ids) > SEQ_LEN]
     return model, tokenizer, prompts

@@ -9,13 +9,12 @@ import io
 import os
 import resource
 import socket
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
+from conftest import start_script
 from nanochat.execution import ExecutionResult, execute_code
 
 
@@ -146,7 +145,7 @@ def test_humaneval_style_program():
 @pytest.fixture
 def victim():
     """A process that the program will try to kill, in a group of its own (a failed killpg hits only it)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    proc = start_script("-c", "import time; time.sleep(60)", start_new_session=True)
     yield proc
     proc.kill()
     proc.wait()

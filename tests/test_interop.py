@@ -4,7 +4,7 @@ logits, same greedy tokens, same token ids, same chat prompts as ours), scripts/
 directory, one written by transformers' save_pretrained and a checkpoint of karpathy/nanochat's layout, and an
 imported model keeps its own tokenizer. Bad input is one line and leaves nothing behind.
 
-One fp32 export of the session's tiny midtrained model (tiny_chat_base) is shared by the tests (`exported`).
+One fp32 export of the session's tiny midtrained model (conftest's tiny_models) is shared by the tests (`exported`).
 """
 
 import json
@@ -12,13 +12,12 @@ import os
 import pickle
 import runpy
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT
+from conftest import run_script
 from nanochat.common import UserError
 
 transformers = pytest.importorskip("transformers")
@@ -38,9 +37,7 @@ TEXTS = ["Hello world", "def f(x):\n    return x**2  # square\n", "  leading   a
 
 
 def run(module, *args, base, timeout=300):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), OMP_NUM_THREADS="1", NANOCHAT_DATASET="pydocs")
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_script("-m", module, *args, env={"NANOCHAT_BASE_DIR": base, "NANOCHAT_DATASET": "pydocs"}, timeout=timeout)
 
 
 def run_inprocess(module, *args, monkeypatch):
@@ -55,22 +52,28 @@ def one_line_error(result):
     return lines[0]
 
 
+@pytest.fixture
+def chat_base(tiny_model):
+    """This test's copy of the session's tiny midtrained model, as its NANOCHAT_BASE_DIR."""
+    return tiny_model("mid")
+
+
 @pytest.fixture(scope="session")
-def exported(tiny_chat_base, tmp_path_factory):
+def exported(tiny_models, tmp_path_factory):
     """The tiny midtrained model exported in fp32 (read-only)."""
     out = tmp_path_factory.mktemp("export") / "hf"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_chat_base))
+        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_models("mid")))
         run_inprocess("scripts.export_model", "--source=mid", f"--out={out}", "--dtype=float32", monkeypatch=mp)
     return out
 
 
 @pytest.fixture(scope="session")
-def ours(tiny_chat_base):
+def ours(tiny_models):
     """(model, tokenizer, meta) of the exported checkpoint, loaded by our code."""
     from nanochat.checkpoint_manager import load_model
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_chat_base))
+        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_models("mid")))
         return load_model("mid", "cpu", phase="eval")
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_torchrun
+from conftest import REPO_ROOT, run_script
 from nanochat.loss_eval import count_step_targets, supervised_loss
 
 
@@ -76,7 +76,7 @@ def test_three_ranks_equal_one_rank_with_accumulation(tmp_path):
     """1 rank x accumulation 3 == 3 ranks x accumulation 1 (rank r gets micro-batch r, C being fully masked)."""
     grad, _, total, logged = one_process(step_micro_batches())
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.environ.get("PYTHONPATH")]))}
-    result = run_torchrun(3, ["tests/dist_loss_worker.py", str(tmp_path)], env=env, timeout=120)
+    result = run_script("tests/dist_loss_worker.py", tmp_path, nproc=3, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
     for r, res in enumerate(ranks):

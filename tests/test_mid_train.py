@@ -1,45 +1,44 @@
 """
-scripts/mid_train end to end on CPU from a tiny base checkpoint: the offline mixture, per-rank batches, disjoint
-conversations across ranks, ranks with unequal data stopping together, and the held-out loss going down.
-Also the reduced CPU speedrun, end to end.
+scripts/mid_train end to end on CPU from the session's tiny base model: the offline mixture, per-rank batches,
+disjoint conversations across ranks, ranks with unequal data stopping together, the held-out loss going down,
+SIGTERM and an exact resume (on the same number of processes only). Also the reduced CPU speedrun, end to end.
 """
 
 import json
 import os
 import re
-import shutil
+import signal
 import subprocess
-import sys
 
 import pytest
+import torch
 
-from conftest import REPO_ROOT, TINY_BASE, build_checkpoints, run_torchrun
+from conftest import CORES, REPO_ROOT, run_script, speedrun_env, start_script, wait_for_steps
+from test_base_train import assert_same_weights
 
-MID = ["-m", "scripts.mid_train", "--mixture=offline", "--max_seq_len=64", "--device_batch_size=2", "--eval_tokens=512"]
+pytestmark = pytest.mark.slow  # every test here runs mid_train or the pipeline
 
-
-@pytest.fixture(scope="module")
-def base_checkpoint_dir(tmp_path_factory, small_tokenizer_dir, pydocs_dir):
-    """A tiny base model (depth 1) trained once per module; tests copy it into their own base dir."""
-    return build_checkpoints(tmp_path_factory.mktemp("mid_base"), pydocs_dir, small_tokenizer_dir,
-                             [*TINY_BASE, "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=256",
-                              "--num_iterations=30", "--eval_tokens=256"])
+MID = ["-m", "scripts.mid_train", "--mixture=offline", "--max_seq_len=64", "--device_batch_size=2", "--eval_tokens=512",
+       "--total_batch_size=256", "--eval_every=-1"]
 
 
 @pytest.fixture
-def base_model(base_checkpoint_dir, pydocs_corpus, isolated_env):
-    shutil.copytree(base_checkpoint_dir / "tokenizer", isolated_env / "tokenizer")
-    shutil.copytree(base_checkpoint_dir / "base_checkpoints", isolated_env / "base_checkpoints")
-    return isolated_env
+def base_model(tiny_model):
+    """This test's copy of the session's tiny base model (depth 1, context 64), with the pydocs corpus."""
+    return tiny_model("base")
 
 
-def mid(*args, timeout=300):
-    return subprocess.run([sys.executable, *MID, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+def mid(*args, nproc=1, timeout=300):
+    return run_script(*MID, *args, nproc=nproc, timeout=timeout)
+
+
+def step_losses(checkpoint_dir):
+    rows = [json.loads(line) for line in (checkpoint_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_loss"] for r in rows if "step_loss" in r]
 
 
 def test_mid_train_writes_a_checkpoint_and_lowers_the_held_out_loss(base_model):
-    result = mid("--total_batch_size=256", "--num_iterations=30", "--eval_every=-1")
+    result = mid("--num_iterations=30")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "Tokens / micro-batch / rank: 2 x 64 = 128" in out and "gradient accumulation steps: 2" in out
@@ -57,7 +56,7 @@ def test_mid_train_writes_a_checkpoint_and_lowers_the_held_out_loss(base_model):
 def test_two_ranks_read_disjoint_conversations_and_stop_together(base_model):
     # 7 conversations: rank 0 reads 0, 2, 4, 6 and rank 1 reads 1, 3, 5, so rank 1 runs out first; without the
     # last_step all_reduce rank 0 would go on alone and wait forever in its next collective (timeout here).
-    result = run_torchrun(2, [*MID, "--total_batch_size=256", "--max_conversations=7", "--eval_every=-1"], timeout=240)
+    result = mid("--max_conversations=7", nproc=2, timeout=240)
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
     for r in range(2):
@@ -77,12 +76,39 @@ def test_two_ranks_read_disjoint_conversations_and_stop_together(base_model):
     assert os.path.exists(meta_path.parent / f"optim_{meta['step']:06d}_rank1.pt")  # every rank's optimizer shard
 
 
-def test_cpu_speedrun_smoke(isolated_env, tmp_path):
-    """The cpu profile of speedrun.sh end to end, shrunk to seconds (NANOCHAT_SMOKE=1)."""
-    env = dict(os.environ, NANOCHAT_PROFILE="cpu", NANOCHAT_SMOKE="1", NANOCHAT_SKIP_SETUP="1", OMP_NUM_THREADS="2",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "speedrun.sh")], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=600)
+def test_sigterm_then_resume_equals_the_uninterrupted_run(base_model):
+    ckpt = base_model / "mid_checkpoints" / "d1"
+    steps = 60  # ~3 s of steps left when the SIGTERM comes after step 3
+    proc = start_script(*MID, f"--num_iterations={steps}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(ckpt / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert "got SIGTERM" in out + err and "--resume_from_step=" in out
+    stopped = json.loads(max(ckpt.glob("meta_*.json")).read_text())["step"]
+    assert 3 <= stopped < steps
+    resumed = mid(f"--num_iterations={steps}", f"--resume_from_step={stopped}")
+    assert resumed.returncode == 0, resumed.stderr
+    interrupted_losses = step_losses(ckpt)
+    interrupted_weights = torch.load(ckpt / f"model_{steps:06d}.pt")
+    # a world size other than the checkpoint's changes which conversations each rank reads: refused
+    for f in ckpt.glob(f"*{steps:06d}*"):
+        f.unlink()
+    two = mid(f"--num_iterations={steps}", f"--resume_from_step={stopped}", nproc=2)
+    assert two.returncode != 0 and "was trained with world_size=1, this run has world_size=2" in two.stderr
+    full = mid(f"--num_iterations={steps}", "--overwrite")
+    assert full.returncode == 0, full.stderr
+    full_losses = step_losses(ckpt)
+    assert len(full_losses) == steps and interrupted_losses == pytest.approx(full_losses, rel=1e-6)
+    assert_same_weights(interrupted_weights, torch.load(ckpt / f"model_{steps:06d}.pt"), rtol=1e-6, atol=0)
+
+
+def test_cpu_speedrun_smoke(pydocs_corpus, isolated_env, tmp_path):
+    """The cpu profile of speedrun.sh end to end, shrunk to seconds (NANOCHAT_SMOKE=1), run from another directory.
+    The pydocs corpus is there already (its build from nothing: test_dataset): `python -m nanochat.dataset` checks it."""
+    repo_report = os.path.join(REPO_ROOT, "report.md")
+    repo_report_before = os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None
+    result = run_script(os.path.join(REPO_ROOT, "speedrun.sh"), cwd=tmp_path, env=speedrun_env(OMP_NUM_THREADS=CORES), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (isolated_env / "report" / "report.md").read_text()
     for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss",
@@ -92,4 +118,7 @@ def test_cpu_speedrun_smoke(isolated_env, tmp_path):
                     "| pydocs-CORE |", "| Offline ChatCORE |"):
         assert section in report, section
     assert "python -m scripts.chat_cli --source=rl" in result.stdout and "python -m scripts.chat_web --source=rl" in result.stdout
-    assert os.path.exists(os.path.join(REPO_ROOT, "report.md"))  # speedrun copies the report to the repo root
+    # this run's report, copied into the directory speedrun.sh was run from (a fresh one), with its curves
+    assert (tmp_path / "report.md").read_text() == report and f"report: {tmp_path}/report.md" in result.stdout
+    assert (tmp_path / "report_base-model-training_loss.png").exists()
+    assert (os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None) == repo_report_before  # checkout untouched

@@ -5,13 +5,12 @@ tests/dist_optim_worker.py does the distributed part; these tests assert on what
 """
 
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_torchrun
+from conftest import build_once, run_script
 from nanochat.muon import DistMuon, Muon, zeropower_via_newtonschulz5
 
 # The band stated in zeropower_via_newtonschulz5's docstring: singular values s >= 0.0016 * ||G||_F
@@ -110,12 +109,15 @@ def test_dist_optimizers_need_a_process_group():
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def dist_results(request, tmp_path_factory):
-    """Run the worker once per world size; every test below checks a different part of its output."""
+    """Run the worker once per world size and test session (conftest.build_once); every test below checks a
+    different part of its output."""
     world_size = request.param
-    out_dir = tmp_path_factory.mktemp(f"dist_optim_{world_size}")
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
-    result = run_torchrun(world_size, ["tests/dist_optim_worker.py", str(out_dir)], env=env, timeout=120)
-    assert result.returncode == 0, f"worker failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+    def build(out_dir):
+        out_dir.mkdir()
+        result = run_script("tests/dist_optim_worker.py", out_dir, nproc=world_size, timeout=120)
+        assert result.returncode == 0, f"worker failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    out_dir = build_once(tmp_path_factory, f"dist_optim_{world_size}", build)
     return world_size, [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
 
 

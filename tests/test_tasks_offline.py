@@ -9,11 +9,10 @@ answer, calculator outputs are what Python computes, and the identity JSONL roun
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_script
 from nanochat.common import UserError
 from nanochat.pydocs import pydocs_entries
 from nanochat.tokenizer import get_tokenizer
@@ -25,7 +24,6 @@ from tasks.offline import offline_mixture, offline_tasks
 from tasks.pydocs_chat import PydocsChat, PydocsMC, entries, masked_documentation, summary, trim_doc
 from tasks.spellingbee import SimpleSpelling, SpellingBee, _code_use, spell, words
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -----------------------------------------------------------------------------
@@ -300,8 +298,7 @@ def test_generation_is_the_same_in_another_process():
     """String seeds, not hash(): a fresh interpreter with another PYTHONHASHSEED generates the same examples."""
     code = ("import json; from tasks.arithmetic import Arithmetic; from tasks.identity import Identity; "
             "print(json.dumps([Arithmetic('test', size=5)[4], Identity('train', size=5)[4]], sort_keys=True))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONHASHSEED": "123"})
+    out = run_script("-c", code, timeout=60, env={"PYTHONHASHSEED": "123"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == json.dumps([Arithmetic("test", size=5)[4], Identity("train", size=5)[4]], sort_keys=True)
 

@@ -11,13 +11,12 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import TASK_FIXTURES, TASK_REPOS
+from conftest import TASK_FIXTURES, TASK_REPOS, run_script
 from nanochat.common import UserError
 from nanochat.tokenizer import Tokenizer
 from tasks.arc import ARC
@@ -367,9 +366,7 @@ def test_main_prints_rendered_examples(hub, trained_tokenizer, restore_logging, 
 
 
 def test_python_m_gsm8k_without_tokenizer_prints_json(hub):
-    env = dict(os.environ, NANOCHAT_HF_URL=hub.url)  # the isolated base dir has no tokenizer
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-m", "tasks.gsm8k", "--split", "test", "-n", "1"], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=60)
+    # (hub sets NANOCHAT_HF_URL; the isolated base dir has no tokenizer)
+    result = run_script("-m", "tasks.gsm8k", "--split", "test", "-n", "1", timeout=60)
     assert result.returncode == 0, result.stderr
     assert "no trained tokenizer" in result.stdout and '"type": "python_output"' in result.stdout

@@ -12,6 +12,7 @@ import pytest
 import rustbpe
 from pydoc_data.topics import topics
 
+from conftest import run_script
 from nanochat.common import UserError
 from nanochat.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, get_token_bytes, get_tokenizer,
                                 get_tokenizer_dir)
@@ -283,16 +284,9 @@ def test_visualize_tokenization(tok):
 # -----------------------------------------------------------------------------
 # scripts/tok_train.py and scripts/tok_eval.py, end to end on the pydocs corpus
 
-def run_script(args, env_extra=None, timeout=120):
-    import subprocess
-    import sys
-    env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable] + args, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          env=env, capture_output=True, text=True, timeout=timeout)
-
-
+@pytest.mark.slow
 def test_tok_train_and_tok_eval_scripts(pydocs_corpus, isolated_env, tmp_path):
-    train = run_script(["-m", "scripts.tok_train", "--vocab-size=600", "--max-chars=300000", "--doc-cap=2000"])
+    train = run_script("-m", "scripts.tok_train", "--vocab-size=600", "--max-chars=300000", "--doc-cap=2000")
     assert train.returncode == 0, train.stderr
     assert "Trained on" in train.stdout and "300,000 chars" in train.stdout and "Vocab size: 600" in train.stdout
     assert "scripts.tok_eval" in train.stdout  # says what to run next
@@ -304,8 +298,8 @@ def test_tok_train_and_tok_eval_scripts(pydocs_corpus, isolated_env, tmp_path):
     # offline, nothing cached, downloads off: the comparison is skipped with a plain message, the table is there
     empty_cache = tmp_path / "tiktoken_cache"
     empty_cache.mkdir()
-    ev = run_script(["-m", "scripts.tok_eval", "--sample-chars=50000", "--download-reference=false"],
-                    {"TIKTOKEN_CACHE_DIR": str(empty_cache)})
+    ev = run_script("-m", "scripts.tok_eval", "--sample-chars=50000", "--download-reference=false",
+                    env={"TIKTOKEN_CACHE_DIR": empty_cache})
     assert ev.returncode == 0, ev.stderr
     assert "GPT-2/GPT-4 encodings unavailable offline (no cached tiktoken files); skipping comparison" in ev.stdout
     for row in ["english", "python", "math", "korean", "chinese", "numbers", "pydocs train", "pydocs val"]:
@@ -321,7 +315,7 @@ def test_tok_train_and_tok_eval_scripts(pydocs_corpus, isolated_env, tmp_path):
             "tiktoken.get_encoding = lambda name: enc\n"
             "sys.argv = ['tok_eval', '--sample-chars=50000']\n"
             "runpy.run_module('scripts.tok_eval', run_name='__main__')\n")
-    ev = run_script(["-c", stub], {"TIKTOKEN_CACHE_DIR": str(empty_cache)})
+    ev = run_script("-c", stub, env={"TIKTOKEN_CACHE_DIR": empty_cache})
     assert ev.returncode == 0, ev.stderr
     assert "unavailable" not in ev.stdout
     assert "GPT-2 tokens" in ev.stdout and "GPT-4 bytes/token" in ev.stdout
