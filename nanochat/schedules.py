@@ -6,14 +6,6 @@ SFT and RL over the whole run (warmdown_ratio=1: a linear decay from the first s
 """
 
 
-def check_schedule(warmup_ratio, warmdown_ratio):
-    """The warmup and the warmdown must not overlap (each is a fraction in [0, 1], checked by check_config)."""
-    if warmup_ratio + warmdown_ratio > 1:
-        from nanochat.common import UserError
-        raise UserError(f"--warmup_ratio + --warmdown_ratio = {warmup_ratio + warmdown_ratio:g} > 1: the warmup and the "
-                        f"warmdown would overlap")
-
-
 def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
     """
     Warmup, constant, warmdown ("trapezoid"), where the run is `num_iterations` steps long and `step` of them

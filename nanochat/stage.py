@@ -130,6 +130,15 @@ def compile_model(model, setting, device_type, dynamic=False):
 # The stage
 
 
+def check_stage_settings(config):
+    """The settings every training stage shares, checked right after its config is read (before any work)."""
+    if config["resume_from_step"] < -1:
+        raise UserError(f"--resume_from_step must be a checkpoint's step, or -1 to start a fresh run, got {config['resume_from_step']}")
+    if config["warmup_ratio"] + config["warmdown_ratio"] > 1:
+        raise UserError(f"--warmup_ratio + --warmdown_ratio = {config['warmup_ratio'] + config['warmdown_ratio']:g} > 1: "
+                        f"the warmup and the warmdown would overlap")
+
+
 class Stage:
     """
     One run of a training stage: its checkpoint directory (owned for the whole run), where it started from,
@@ -146,8 +155,6 @@ class Stage:
         self.rank = dist.get_rank() if _distributed() else 0
         self.dry_run = config.get("dry_run", False)  # everything runs, nothing is written
         self.resume_from_step = config["resume_from_step"]
-        if self.resume_from_step < -1:
-            raise UserError(f"--resume_from_step must be a checkpoint's step, or -1 to start a fresh run, got {self.resume_from_step}")
         self.resumed = self.resume_from_step >= 0
         self.wandb = init_wandb(config["run"], self.rank == 0, config, project=WANDB_PROJECTS[name])
         self.last_saved_step, self.data_settings, self.meta = None, None, None

@@ -26,9 +26,9 @@ from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, get_peak_flops
 from nanochat.loss_eval import evaluate_bpb
-from nanochat.schedules import check_schedule, lr_multiplier, muon_momentum, set_learning_rates
+from nanochat.schedules import lr_multiplier, muon_momentum, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
-from nanochat.stage import Stage, StopRequest, any_rank, compile_model, per_rank
+from nanochat.stage import Stage, StopRequest, any_rank, check_stage_settings, compile_model, per_rank
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -77,7 +77,7 @@ check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "tot
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "core_bundle": ("", "dclm", "offline")})
-check_schedule(warmup_ratio, warmdown_ratio)
+check_stage_settings(config)  # --resume_from_step, the schedule (nanochat/stage.py)
 model_tag = check_model_tag(model_tag or f"d{depth}")
 
 # -----------------------------------------------------------------------------

@@ -27,9 +27,9 @@ from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
 from nanochat.hardware import autocast_context
 from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
-from nanochat.schedules import check_schedule, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
+from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
-from nanochat.stage import Stage, StopRequest, any_rank, compile_model, sum_over_ranks
+from nanochat.stage import Stage, StopRequest, any_rank, check_stage_settings, compile_model, sum_over_ranks
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -71,7 +71,7 @@ check_config(config, positive=["prompts_per_step", "num_samples", "max_new_token
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "mixture": ("real", "offline"), "source": ("sft", "mid"),
                       "compile": ("auto", "true", "false")})
-check_schedule(warmup_ratio, warmdown_ratio)
+check_stage_settings(config)  # --resume_from_step, the schedule (nanochat/stage.py)
 if model_tag:
     check_model_tag(model_tag)
 

@@ -30,9 +30,9 @@ from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader
 from nanochat.hardware import autocast_context
 from nanochat.loss_eval import count_step_targets, evaluate_bpb, supervised_loss
-from nanochat.schedules import check_schedule, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
+from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
-from nanochat.stage import Stage, StopRequest, any_rank, compile_model, gather_from_ranks, per_rank
+from nanochat.stage import Stage, StopRequest, any_rank, check_stage_settings, compile_model, gather_from_ranks, per_rank
 from nanochat.tokenizer import get_token_bytes
 
 # -----------------------------------------------------------------------------
@@ -74,7 +74,7 @@ check_config(config, positive=["max_seq_len", "device_batch_size", "examples_per
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "mixture": ("real", "offline"), "source": ("mid", "base")})
-check_schedule(warmup_ratio, warmdown_ratio)
+check_stage_settings(config)  # --resume_from_step, the schedule (nanochat/stage.py)
 if model_tag:
     check_model_tag(model_tag)
 

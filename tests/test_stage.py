@@ -12,7 +12,8 @@ import torch
 from nanochat.common import UserError
 from nanochat.dataloader import ConversationLoader, pad_rows
 from nanochat.schedules import lr_multiplier, scale_initial_lrs, set_learning_rates
-from nanochat.stage import Stage, any_rank, compile_model, gather_from_ranks, per_rank, sum_over_ranks
+from nanochat.stage import (Stage, any_rank, check_stage_settings, compile_model, gather_from_ranks, per_rank,
+                            sum_over_ranks)
 from nanochat.tokenizer import Tokenizer
 
 
@@ -152,5 +153,12 @@ def test_a_diverged_run_is_stopped_and_never_saved(isolated_env, tok):
     with pytest.raises(UserError, match="step 2: the weights are not finite; nothing saved"):
         stage.save(2, optimizers, loop_state={})
     assert sorted(p.name for p in (isolated_env / "base_checkpoints" / "tiny").glob("meta_*")) == ["meta_000001.json"]
+
+
+def test_shared_settings_are_checked_before_any_work():
+    good = stage_config(warmup_ratio=0.2, warmdown_ratio=0.8)
+    check_stage_settings(good)
     with pytest.raises(UserError, match="--resume_from_step must be"):
-        Stage("mid", stage_config(resume_from_step=-3), "cpu")
+        check_stage_settings(dict(good, resume_from_step=-3))
+    with pytest.raises(UserError, match=r"--warmup_ratio \+ --warmdown_ratio = 1.1 > 1"):
+        check_stage_settings(dict(good, warmup_ratio=0.3))
