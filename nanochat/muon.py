@@ -71,9 +71,9 @@ def zeropower_via_newtonschulz5(G, steps=5):
     The iteration works on the wide side: a tall matrix (rows > cols) is transposed first, so X X^T is
     the smaller (cols x cols) Gram matrix, and transposed back at the end.
 
-    Precision: the dtype the model's matmuls run in (hardware.autocast_dtype; $NANOCHAT_DTYPE overrides it):
-    bf16 on CUDA (the iteration tolerates the rounding, see above, and it is faster than TF32), fp32 on CPU and
-    MPS, where a CPU without native bf16 would emulate it far slower (bench/RESULTS.md).
+    Precision: the dtype the model's matmuls run in (hardware.compute_dtype; $NANOCHAT_DTYPE overrides it):
+    bf16 on CUDA and on a CPU that does bf16 natively (the iteration tolerates the rounding, see above, and it is
+    faster than TF32 / fp32), fp32 on MPS and on a CPU without native bf16, which would emulate it far slower.
     Returns a tensor of G's shape and dtype.
     """
     if G.ndim not in (2, 3):
@@ -118,17 +118,35 @@ def _lr_scale(p):
     return math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
 
 
-def _muon_update(grad, momentum_buffer, momentum, nesterov, ns_steps):
+def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
     """
-    The Muon direction for one matrix (does not touch grad; updates momentum_buffer in place):
+    The direction Muon orthogonalises, for one matrix (does not touch grad; updates momentum_buffer in place):
       buf    <- momentum * buf + (1 - momentum) * grad          (buf.lerp_(grad, 1 - momentum))
       update <- (1 - momentum) * grad + momentum * buf           if nesterov (look one step ahead)
                 buf                                              otherwise
-      return zeropower_via_newtonschulz5(update)
     """
     momentum_buffer.lerp_(grad, 1 - momentum)
-    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    return zeropower_via_newtonschulz5(update, steps=ns_steps)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def _orthogonalise(updates, ns_steps):
+    """
+    zeropower_via_newtonschulz5 of every matrix of `updates`. On a CPU the matrices of one shape are stacked and
+    orthogonalised in one batched call: the same products, bit for bit (tests/test_optim.py), but one large
+    batched matmul keeps several threads busy where a loop of small ones makes them wait on each other (with two
+    threads on a busy machine, 3-4x faster; bench/RESULTS.md). On CUDA one call per matrix, as it always was.
+    """
+    if not updates or updates[0].device.type != "cpu":
+        return [zeropower_via_newtonschulz5(u, steps=ns_steps) for u in updates]
+    by_shape = {}
+    for i, u in enumerate(updates):
+        by_shape.setdefault(tuple(u.shape), []).append(i)
+    out = [None] * len(updates)
+    for indices in by_shape.values():
+        stacked = zeropower_via_newtonschulz5(torch.stack([updates[i] for i in indices]), steps=ns_steps)
+        for i, x in zip(indices, stacked.unbind(0)):
+            out[i] = x
+    return out
 
 
 def _momentum_state(opt, params, name_of):
@@ -169,13 +187,14 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            directions = []
+            for p in params:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                update = _muon_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"], group["ns_steps"])
+                directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]))
+            for p, update in zip(params, _orthogonalise(directions, group["ns_steps"])):
                 p.add_(update, alpha=-group["lr"] * _lr_scale(p))
         return loss
 
@@ -273,7 +292,10 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                update = _muon_update(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"], group["ns_steps"])
+                # One matrix at a time: the block's matrices belong to other ranks. (On a CPU each rank runs one
+                # thread under torchrun, where stacking measured no faster: bench/RESULTS.md.)
+                direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+                update = zeropower_via_newtonschulz5(direction, steps=group["ns_steps"])
                 p.add_(update, alpha=-group["lr"] * _lr_scale(p))
                 source = p
             else:
