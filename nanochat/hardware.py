@@ -46,7 +46,7 @@ def decide_compute_dtype(device_type, override, cpu_flags, probe):
     if device_type != "cpu":
         return torch.float32, f"fp32 on {device_type}"
     if not cpu_flags:
-        return torch.float32, f"this CPU has no native bf16 (none of the flags {', '.join(CPU_BF16_FLAGS)})"
+        return torch.float32, f"this CPU has no native bf16: none of the flags {', '.join(CPU_BF16_FLAGS)}"
     bf16_flops, fp32_flops = probe()
     speedup = bf16_flops / fp32_flops
     verdict = f"a bf16 matmul ran {speedup:.1f}x as fast as fp32's"
