@@ -131,12 +131,14 @@ def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
 
 def _orthogonalise(updates, ns_steps):
     """
-    zeropower_via_newtonschulz5 of every matrix of `updates`. On a CPU the matrices of one shape are stacked and
-    orthogonalised in one batched call: the same products, bit for bit (tests/test_optim.py), but one large
-    batched matmul keeps several threads busy where a loop of small ones makes them wait on each other (with two
-    threads on a busy machine, 3-4x faster; bench/RESULTS.md). On CUDA one call per matrix, as it always was.
+    zeropower_via_newtonschulz5 of every matrix of `updates`. On a CPU with several threads the matrices of one
+    shape are stacked and orthogonalised in one batched call: the same products (tests/test_optim.py), but a few
+    large batched matmuls keep the threads busy where a loop of small ones makes them wait on each other at every
+    op, which collapses as soon as another program wants a core (2 threads on a busy 2-core VM: 8x faster). With
+    one thread the loop is a few % faster, and on CUDA it is what always ran: one call per matrix there
+    (measured: bench/RESULTS.md).
     """
-    if not updates or updates[0].device.type != "cpu":
+    if not updates or updates[0].device.type != "cpu" or torch.get_num_threads() == 1:
         return [zeropower_via_newtonschulz5(u, steps=ns_steps) for u in updates]
     by_shape = {}
     for i, u in enumerate(updates):
@@ -292,8 +294,8 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                # One matrix at a time: the block's matrices belong to other ranks. (On a CPU each rank runs one
-                # thread under torchrun, where stacking measured no faster: bench/RESULTS.md.)
+                # One matrix at a time: the block's other matrices belong to other ranks (on a CPU, torchrun gives
+                # each rank one thread, where _orthogonalise would not stack either).
                 direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
                 update = zeropower_via_newtonschulz5(direction, steps=group["ns_steps"])
                 p.add_(update, alpha=-group["lr"] * _lr_scale(p))

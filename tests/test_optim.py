@@ -70,11 +70,19 @@ def test_newton_schulz_zero_and_rank_checks(dtype):
         zeropower_via_newtonschulz5(torch.ones(5))
 
 
-def test_muon_orthogonalises_each_shape_in_one_batched_call(dtype):
-    """Muon stacks the matrices of one shape (nanochat.muon._orthogonalise): the same results as one call each."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_muon_orthogonalises_each_shape_in_one_batched_call(dtype, threads):
+    """With several threads Muon stacks the matrices of one shape (nanochat.muon._orthogonalise), with one it
+    loops: the same results as one call each, either way."""
     gen = torch.Generator().manual_seed(3)
     updates = [torch.randn(s, generator=gen) for s in [(16, 8), (8, 32), (16, 8), (24, 8), (16, 8), (8, 32)]]
-    for u, x in zip(updates, _orthogonalise(updates, 5)):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        orthogonalised = _orthogonalise(updates, 5)
+    finally:
+        torch.set_num_threads(before)
+    for u, x in zip(updates, orthogonalised):
         torch.testing.assert_close(x, zeropower_via_newtonschulz5(u), rtol=1e-6, atol=1e-6)
 
 
