@@ -218,13 +218,9 @@ class GPT(nn.Module):
             # which recomputes the chunk's logits: a few % more compute (the lm_head forward, again) for
             # tens of GB less memory.
             rows = max(1, self.LOGITS_CHUNK_ELEMENTS // self.config.vocab_size)
-            pieces = []
-            for xc, tc in zip(flat_x.split(rows), flat_targets.split(rows)):
-                if torch.is_grad_enabled():
-                    pieces.append(checkpoint(self._per_token_loss, xc, tc, use_reentrant=False))
-                else:
-                    pieces.append(self._per_token_loss(xc, tc))
-            per_token = torch.cat(pieces)
+            loss_of = (lambda xc, tc: checkpoint(self._per_token_loss, xc, tc, use_reentrant=False)) \
+                if torch.is_grad_enabled() else self._per_token_loss
+            per_token = torch.cat([loss_of(xc, tc) for xc, tc in zip(flat_x.split(rows), flat_targets.split(rows))])
         if loss_reduction == "none":
             return per_token  # (B*T,), 0 at ignored targets
         if loss_reduction == "sum":
