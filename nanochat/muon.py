@@ -129,26 +129,20 @@ def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
-def _orthogonalise(updates, ns_steps):
+def _batches(params):
     """
-    zeropower_via_newtonschulz5 of every matrix of `updates`. On a CPU with several threads the matrices of one
-    shape are stacked and orthogonalised in one batched call: the same products (tests/test_optim.py), but a few
-    large batched matmuls keep the threads busy where a loop of small ones makes them wait on each other at every
-    op, which collapses as soon as another program wants a core (2 threads on a busy 2-core VM: 8x faster). With
-    one thread the loop is a few % faster, and on CUDA it is what always ran: one call per matrix there
-    (measured: bench/RESULTS.md).
+    The matrices Muon orthogonalises together, in one call. On a CPU with several threads, all those of one shape,
+    stacked: the same products (tests/test_optim.py), but a few large batched matmuls keep the threads busy where a
+    loop of small ones makes them wait on each other at every op, which collapses as soon as another program wants
+    a core (2 threads on a busy 2-core VM: 8x faster). With one thread the loop is a few % faster; on CUDA it is
+    what always ran, one matrix at a time, with one direction in memory at a time (measured: bench/RESULTS.md).
     """
-    if not updates or updates[0].device.type != "cpu" or torch.get_num_threads() == 1:
-        return [zeropower_via_newtonschulz5(u, steps=ns_steps) for u in updates]
+    if not params or params[0].device.type != "cpu" or torch.get_num_threads() == 1:
+        return [[p] for p in params]
     by_shape = {}
-    for i, u in enumerate(updates):
-        by_shape.setdefault(tuple(u.shape), []).append(i)
-    out = [None] * len(updates)
-    for indices in by_shape.values():
-        stacked = zeropower_via_newtonschulz5(torch.stack([updates[i] for i in indices]), steps=ns_steps)
-        for i, x in zip(indices, stacked.unbind(0)):
-            out[i] = x
-    return out
+    for p in params:
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+    return list(by_shape.values())
 
 
 def _momentum_state(opt, params, name_of):
@@ -189,15 +183,19 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            directions = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]))
-            for p, update in zip(params, _orthogonalise(directions, group["ns_steps"])):
-                p.add_(update, alpha=-group["lr"] * _lr_scale(p))
+            for batch in _batches([p for p in group["params"] if p.grad is not None]):
+                directions = []
+                for p in batch:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]))
+                if len(batch) == 1:
+                    updates = [zeropower_via_newtonschulz5(directions[0], steps=group["ns_steps"])]
+                else:
+                    updates = zeropower_via_newtonschulz5(torch.stack(directions), steps=group["ns_steps"]).unbind(0)
+                for p, update in zip(batch, updates):
+                    p.add_(update, alpha=-group["lr"] * _lr_scale(p))
         return loss
 
     def owned_state(self, name_of):
@@ -295,7 +293,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 # One matrix at a time: the block's other matrices belong to other ranks (on a CPU, torchrun gives
-                # each rank one thread, where _orthogonalise would not stack either).
+                # each rank one thread, where Muon would not stack either: _batches).
                 direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
                 update = zeropower_via_newtonschulz5(direction, steps=group["ns_steps"])
                 p.add_(update, alpha=-group["lr"] * _lr_scale(p))

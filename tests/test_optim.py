@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, run_torchrun
-from nanochat.muon import DistMuon, Muon, _orthogonalise, zeropower_via_newtonschulz5
+from nanochat.muon import DistMuon, Muon, _batches, zeropower_via_newtonschulz5
 
 # The band stated in zeropower_via_newtonschulz5's docstring: singular values s >= 0.0016 * ||G||_F
 # come out in [0.68, 1.21] (bf16: [0.67, 1.21]); none comes out above 1.21.
@@ -70,20 +70,35 @@ def test_newton_schulz_zero_and_rank_checks(dtype):
         zeropower_via_newtonschulz5(torch.ones(5))
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_muon_orthogonalises_each_shape_in_one_batched_call(dtype, threads):
-    """With several threads Muon stacks the matrices of one shape (nanochat.muon._orthogonalise), with one it
-    loops: the same results as one call each, either way."""
-    gen = torch.Generator().manual_seed(3)
-    updates = [torch.randn(s, generator=gen) for s in [(16, 8), (8, 32), (16, 8), (24, 8), (16, 8), (8, 32)]]
+def muon_steps(initial, grads, threads, steps=2):
+    """Muon's parameters after `steps` steps from `initial` with the same gradients each step, with `threads`."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        orthogonalised = _orthogonalise(updates, 5)
+        params = [torch.nn.Parameter(w.clone()) for w in initial]
+        batches = [len(batch) for batch in _batches(params)]
+        opt = Muon(params, lr=0.05)
+        for _ in range(steps):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
     finally:
         torch.set_num_threads(before)
-    for u, x in zip(updates, orthogonalised):
-        torch.testing.assert_close(x, zeropower_via_newtonschulz5(u), rtol=1e-6, atol=1e-6)
+    return params, batches
+
+
+def test_muon_with_several_threads_stacks_each_shape_with_the_same_result(dtype):
+    """With several threads Muon orthogonalises the matrices of one shape in one batched call (nanochat.muon._batches),
+    with one thread one at a time: the same steps either way."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(16, 8), (8, 32), (16, 8), (24, 8), (16, 8), (8, 32)]
+    initial, grads = [torch.randn(s, generator=gen) for s in shapes], [torch.randn(s, generator=gen) for s in shapes]
+    one, one_batches = muon_steps(initial, grads, threads=1)
+    several, several_batches = muon_steps(initial, grads, threads=2)
+    assert one_batches == [1] * 6 and several_batches == [3, 2, 1]
+    for a, b, w in zip(one, several, initial):
+        assert not torch.equal(a, w)
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
 
 
 def reference_newton_schulz(M, steps=5):
