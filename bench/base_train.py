@@ -1,14 +1,30 @@
 """
-Training-step benchmark on this machine: the pieces of scripts/base_train.py's loop (same model, optimizers,
-data loader, clipping, schedules), timed separately.
+Training-step benchmark on this machine, two ways.
+
+1. In this process: the pieces of scripts/base_train.py's loop (same model, optimizers, data loader, clipping,
+   schedules), timed separately.
 
     python bench/base_train.py                       # depth 4, T 512, vocab 8192, B=1 and B=8, CPU
     python bench/base_train.py --device_batch_sizes=8 --steps=5
 
-Prints per batch size: tokens/s, MFU against the fp32 matmul peak measured in the same run, time from process
-start to the start and the end of the first step (start-up: imports, tokenizer, model, data, peak measurement), and the share of step time spent outside forward/backward (optimizer,
-clipping, data, logging). Uses the pydocs corpus and a tokenizer of `vocab_size` in $NANOCHAT_BASE_DIR
-(default: a private bench directory), building them if missing.
+   Prints per batch size: tokens/s, MFU against the matmul peak of the compute dtype measured in the same run,
+   time from process start to the start and the end of the first step (start-up: imports, tokenizer, model, data,
+   peak measurement), and the share of step time spent outside forward/backward (optimizer, clipping, data,
+   logging).
+
+2. Old code against new (--compare=TREE, a checkout of the old code, e.g. `git worktree add /tmp/base-08257cc
+   08257cc`): `python -m scripts.base_train` itself, with the same sizes, in that tree and in this one, in turn,
+   `repeats` rounds (bench/ab.py: why interleaved). Each tree decides its own compute dtype, as a user's run would.
+
+    python bench/base_train.py --compare=/tmp/base-08257cc --depth=4 --device_batch_sizes=1 --total_batch_size=512 --vocab_size=4096
+    python bench/base_train.py --compare=/tmp/base-08257cc --depth=8 --device_batch_sizes=8 --total_batch_size=8192
+
+   Prints per tree: the compute dtype line, tokens/s and MFU (medians over the steps after the first, then over the
+   rounds), the time from process start to the end of the first step, and peak memory (RSS), with the CPU model,
+   its bf16 flags and the load; then new / old.
+
+Uses the pydocs corpus and a tokenizer of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench
+directory), building them if missing.
 """
 
 import time
@@ -40,6 +56,9 @@ device_batch_sizes = "1,8"  # comma-separated B values to measure
 total_batch_size = 4096  # tokens per optimizer step (as in the CPU speedrun)
 steps = 4  # timed steps per B (after one warm-up step)
 device_type = "cpu"
+compare = ""  # comma-separated checkouts of other code to run scripts.base_train in, against this one (mode 2)
+repeats = 3  # mode 2: rounds, each running every tree once
+threads = 0  # mode 2: OMP_NUM_THREADS of the runs (0 = leave it)
 config = configure(globals())
 
 ddp, rank, local_rank, world_size, device = compute_init(device_type)
@@ -51,6 +70,51 @@ if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")) or tokenizer.get_
     texts = (doc for batch in parquets_iter_batched("train") for doc in batch)
     tokenizer = Tokenizer.train_from_iterator(texts, vocab_size)
     tokenizer.save(tok_dir)
+
+
+def compare_trees():
+    """Mode 2: scripts.base_train in every tree, interleaved; the summary table, then exit."""
+    import re
+    import sys
+
+    from ab import interleaved, label, machine_line, median, run_in_tree, trees_to_compare  # bench/ab.py
+
+    trees = trees_to_compare(compare)
+    env = {"NANOCHAT_BASE_DIR": os.environ["NANOCHAT_BASE_DIR"], "NANOCHAT_DATASET": "pydocs", "NANOCHAT_DTYPE":
+           os.environ.get("NANOCHAT_DTYPE", ""), **({"OMP_NUM_THREADS": str(threads)} if threads > 0 else {})}
+    number = lambda text: float(text.replace(",", ""))
+    for B in [int(b) for b in device_batch_sizes.split(",")]:
+        argv = [sys.executable, "-m", "scripts.base_train", f"--depth={depth}", f"--max_seq_len={max_seq_len}",
+                f"--device_batch_size={B}", f"--total_batch_size={total_batch_size}", f"--num_iterations={steps + 1}",
+                "--eval_every=-1", f"--eval_tokens={B * max_seq_len}", "--core_metric_every=-1", "--sample_every=-1",
+                "--dry_run=True", "--run=dummy", "--model_tag=bench", f"--device_type={device_type}"]
+        print0(f"\n{' '.join(argv[1:])}  ({steps} timed steps after the first, {repeats} rounds)\n{machine_line()}")
+
+        def measure(tree):
+            out, first_step_end = run_in_tree(tree, argv, env, first_line=r"^step 0*1/")
+            steps_seen = [dict(dt=number(m[0]) / 1000, mfu=number(m[1])) for m in
+                          re.findall(r"\| dt: ([\d.,]+)ms \| tok/sec: [\d,]+ \| mfu %: ([\d.]+)", out)][1:]
+            dt = median(st["dt"] for st in steps_seen)
+            return dict(dtype=re.search(r"^Compute dtype: .*$", out, re.M)[0], tok_s=total_batch_size / dt,
+                        mfu=median(st["mfu"] for st in steps_seen), first_step=first_step_end,
+                        memory=re.search(r"^Peak memory: ([\d,]+) MiB", out, re.M)[1])
+
+        results = interleaved(trees, repeats, measure)
+        print0("\n| code | compute dtype | tok/s (rounds) | MFU | process start -> end of step 1 | peak RSS |")
+        print0("|---|---|---|---|---|---|")
+        for tree, rows in results.items():
+            print0(f"| {label(tree)} | {rows[0]['dtype'].removeprefix('Compute dtype: ')} | "
+                   f"{median(r['tok_s'] for r in rows):,.0f} ({', '.join(format(r['tok_s'], ',.0f') for r in rows)}) | "
+                   f"{median(r['mfu'] for r in rows):.1f}% | {median(r['first_step'] for r in rows):.1f} s | "
+                   f"{median(number(r['memory']) for r in rows):,.0f} MiB |")
+        old, new = results[trees[0]], results[trees[-1]]
+        print0(f"B={B}: new / old tokens/s {median(r['tok_s'] for r in new) / median(r['tok_s'] for r in old):.2f}x; "
+               f"{machine_line()}")
+    sys.exit(0)
+
+
+if compare:
+    compare_trees()  # mode 2, then exit
 peak_flops, peak_source = get_peak_flops(device, dtype)
 print0(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}, peak {peak_flops / 1e9:.1f} GFLOP/s ({peak_source})")
 

@@ -19,7 +19,15 @@ path), and GPT.decode_step with the weight matrices as nn.Linear stores them (ou
 copies (on CPU stored (in, out)), to show what the lean step and the layout are each worth.
 Random weights (the speed does not depend on them) and a random prompt; the tokenizer (needed for its
 special tokens) is the pydocs one of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench
-directory), trained if missing. Under CUDA the engine runs under bf16 autocast, as the chat scripts do.
+directory), trained if missing. The engine runs under autocast in the compute dtype (nanochat/hardware.py), as
+the chat scripts do: bf16 on CUDA and on a CPU with native bf16.
+
+Old code against new (--compare=TREE, a checkout of the old code, e.g. `git worktree add /tmp/base-08257cc 08257cc`):
+this benchmark with `repeats=1` and no naive generation, run with that tree's nanochat and with this one's, in turn,
+`--rounds` times (bench/ab.py: why interleaved); prints the median decode tokens/s per batch size and thread count
+and TTFT per tree, the compute dtype each chose, new / old, the CPU model, its bf16 flags and the load:
+
+    python bench/engine.py --compare=/tmp/base-08257cc --threads=1 --rounds=5
 """
 
 import os
@@ -54,7 +62,45 @@ threads = "1,2"  # comma-separated torch thread counts to measure with (0 = leav
 repeats = 3  # runs per measurement; the median is reported
 naive = True  # also time naive generation (GPT.generate) at batch 1
 device_type = "cpu"  # cpu | cuda
+compare = ""  # comma-separated checkouts of other code to measure against this one, interleaved
+rounds = 5  # with compare: rounds, each running every tree once
 config = configure(globals())
+
+
+def compare_trees():
+    """This benchmark in every tree (its nanochat), interleaved; the summary table, then exit."""
+    import re
+    import sys
+
+    from ab import interleaved, label, machine_line, median, run_in_tree, trees_to_compare  # bench/ab.py
+
+    trees = trees_to_compare(compare)
+    keep = {k: v for k, v in config.items() if k not in ("compare", "rounds", "repeats", "naive")}
+    argv = [sys.executable, os.path.abspath(__file__), *(f"--{k}={v}" for k, v in keep.items()), "--repeats=1", "--naive=False"]
+    print0(f"bench/engine.py {' '.join(argv[2:])} in each tree, {rounds} rounds\n{machine_line()}")
+
+    def measure(tree):
+        out, _ = run_in_tree(tree, argv, {"NANOCHAT_BASE_DIR": os.environ["NANOCHAT_BASE_DIR"]})
+        rates = {f"{m[0]} B={m[1]}": float(m[2].replace(",", "")) for m in
+                 re.findall(r"^\[(\d+ threads?)\] engine B=(\d+): decode ([\d,]+) tok/s", out, re.M)}
+        ttft = {f"{m[0]} B={m[1]} TTFT": float(m[2]) for m in
+                re.findall(r"^\[(\d+ threads?)\] engine B=(\d+): .*TTFT ([\d.]+) ms", out, re.M)}
+        return dict(dtype=re.search(r"matmul dtype (\S+),", out)[1], **rates, **ttft)
+
+    results = interleaved(trees, rounds, measure)
+    keys = [k for k in results[trees[0]][0] if k != "dtype"]
+    print0("\n| code | dtype | " + " | ".join(k.replace("B=", "decode B=") + (" (ms)" if "TTFT" in k else " (tok/s)") for k in keys) + " |")
+    print0("|---" * (len(keys) + 2) + "|")
+    for tree, rows in results.items():
+        print0(f"| {label(tree)} | {rows[0]['dtype']} | " + " | ".join(f"{median(r[k] for r in rows):,.1f}" for k in keys) + " |")
+    old, new = results[trees[0]], results[trees[-1]]
+    print0("new / old: " + ", ".join(f"{k} {median(r[k] for r in new) / median(r[k] for r in old):.2f}x" for k in keys if "TTFT" not in k))
+    print0(machine_line())
+    sys.exit(0)
+
+
+if compare:
+    compare_trees()
 
 device = torch.device(device_type)
 tok_dir = get_tokenizer_dir()

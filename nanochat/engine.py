@@ -213,12 +213,15 @@ class Engine:
         """
         model.decode_weights(), made again only when the weights changed since the last call: every parameter
         keeps its identity and its version counter (torch bumps it at every in-place change, such as an
-        optimizer step or load_state_dict). On CPU they are copies (the size of the model), so a server
-        answering many requests, or RL sampling between updates, makes them once per change, not per call.
+        optimizer step or load_state_dict), or the dtype in use changed. On CPU they are copies (the size of the
+        model), so a server answering many requests, or RL sampling between updates, makes them once per change,
+        not per call.
         """
-        key = tuple((id(p), p._version) for p in self.model.parameters())
+        head = self.model.lm_head.weight
+        dtype = torch.get_autocast_dtype(head.device.type) if torch.is_autocast_enabled(head.device.type) else head.dtype
+        key = (dtype, *((id(p), p._version) for p in self.model.parameters()))
         if key != self._weights_key:
-            self._weights, self._weights_key = self.model.decode_weights(), key
+            self._weights, self._weights_key = self.model.decode_weights(dtype), key
         return self._weights
 
     def _check_arguments(self, tokens, num_samples, max_tokens, temperature, top_k, seed):

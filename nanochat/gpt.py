@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nanochat.common import UserError, print0
+from nanochat.softcap_loss import softcapped_cross_entropy
 
 
 @dataclass
@@ -217,13 +218,9 @@ class GPT(nn.Module):
             # which recomputes the chunk's logits: a few % more compute (the lm_head forward, again) for
             # tens of GB less memory.
             rows = max(1, self.LOGITS_CHUNK_ELEMENTS // self.config.vocab_size)
-            pieces = []
-            for xc, tc in zip(flat_x.split(rows), flat_targets.split(rows)):
-                if torch.is_grad_enabled():
-                    pieces.append(checkpoint(self._per_token_loss, xc, tc, use_reentrant=False))
-                else:
-                    pieces.append(self._per_token_loss(xc, tc))
-            per_token = torch.cat(pieces)
+            loss_of = (lambda xc, tc: checkpoint(self._per_token_loss, xc, tc, use_reentrant=False)) \
+                if torch.is_grad_enabled() else self._per_token_loss
+            per_token = torch.cat([loss_of(xc, tc) for xc, tc in zip(flat_x.split(rows), flat_targets.split(rows))])
         if loss_reduction == "none":
             return per_token  # (B*T,), 0 at ignored targets
         if loss_reduction == "sum":
@@ -255,6 +252,8 @@ class GPT(nn.Module):
         return self.SOFTCAP * torch.tanh(logits / self.SOFTCAP)
 
     def _per_token_loss(self, x, targets):
+        if x.device.type == "cpu":  # eager there: the same loss in fewer passes over the logits (the file says why)
+            return softcapped_cross_entropy(x, self.lm_head.weight, targets, self.SOFTCAP)
         return F.cross_entropy(self._softcapped_logits(x), targets, ignore_index=-1, reduction="none")
 
     # ------------------------------------------------------------------------------------------
@@ -348,19 +347,19 @@ class GPT(nn.Module):
         return self._softcapped_logits(self._final_hidden(idx, kv_cache)[:, -1])
 
     @torch.no_grad()
-    def decode_weights(self):
+    def decode_weights(self, dtype=None):
         """
         The matrices decode_step multiplies by: ([(c_q, c_k, c_v, attn.c_proj, c_fc, mlp.c_proj) per layer],
-        lm_head), each (out, in) as nn.Linear keeps it. On CUDA they are the parameters themselves. On CPU
-        they are copies with the same shape and values stored transposed (column-major): decoding multiplies
-        one row per sample by every matrix, a matrix-vector product whose speed is how fast the matrix
-        streams from memory, and MKL streams a matrix laid out (in, out) faster than (out, in) once it no
-        longer fits in cache (measured, for single matrices and whole decoding steps: bench/RESULTS.md).
-        Copies go stale when the weights change: make them again after an update (the Engine does, whenever
-        a parameter's version counter has moved since it last made them).
+        lm_head), each (out, in) as nn.Linear keeps it. On CUDA the parameters themselves. On CPU copies in `dtype`
+        (default the weights'; the Engine passes the compute dtype) stored transposed (column-major), same shape and
+        values: decoding multiplies one row per sample by every matrix, a matrix-vector product as fast as the
+        matrix streams from memory, and MKL streams (in, out) faster than (out, in) once it no longer fits in cache
+        (bench/RESULTS.md). bf16 copies halve the bytes, and spare autocast a cast of every matrix at every step
+        (it keeps the casts of parameters only). Stale once the weights change: the Engine makes them again
+        whenever a parameter's version counter has moved since it last made them.
         """
         if self.lm_head.weight.device.type == "cpu":
-            prep = lambda w: w.detach().t().contiguous().t()
+            prep = lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t()
         else:
             prep = lambda w: w
         matrices = lambda b: (b.attn.c_q, b.attn.c_k, b.attn.c_v, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)

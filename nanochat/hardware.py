@@ -1,10 +1,14 @@
 """
-What the hardware can do: the dtype to compute in (autocast_dtype) and the peak FLOP/s that MFU (model FLOPs
-utilisation) is measured against (get_peak_flops).
+What the hardware can do: the dtype to compute in (compute_dtype: decided here, once, for training, Muon, the
+evaluations and the Engine) and the peak FLOP/s that MFU (model FLOPs utilisation) is measured against
+(get_peak_flops).
 """
 
+import functools
 import json
 import os
+import platform
+import subprocess
 import time
 from contextlib import nullcontext
 
@@ -14,21 +18,64 @@ from filelock import FileLock
 from nanochat.common import UserError, get_base_dir
 from nanochat.files import atomic_write
 
+# A CPU does bf16 natively if it multiplies bf16 matrices in hardware: x86 AVX512-BF16 (AMD Zen 4 and later,
+# Intel Cooper Lake) or AMX-BF16 (Intel Xeon since Sapphire Rapids); Arm's BF16 extension ("bf16" in Linux's
+# Features line; FEAT_BF16 on macOS: Apple M2 and later). Without them PyTorch emulates bf16, far slower than fp32.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+BF16_MIN_SPEEDUP = 1.5  # bf16 only where the probe finds its matmul clearly faster than fp32's
 
-def autocast_dtype(device_type):
+
+def decide_compute_dtype(device_type, override, cpu_flags, probe):
     """
-    The dtype matmuls run in, by device. bf16 autocast on CUDA GPUs that do bf16 natively (SM80+: A100,
-    H100); fp32 on CPU and MPS, where a CPU without native bf16 would emulate it far slower (bench/RESULTS.md).
-    $NANOCHAT_DTYPE=bfloat16|float32 overrides. Weights and optimizer state always stay fp32.
+    (dtype, why): the dtype the matmuls run in. Every input is given, so the tests can drive every answer:
+      override  $NANOCHAT_DTYPE ("" if unset): bfloat16 or float32 wins over everything else
+      cpu_flags the native-bf16 flags the CPU reports (cpu_bf16_flags()); only read for device "cpu"
+      probe     () -> (bf16 FLOP/s, fp32 FLOP/s) of a short matmul; called only for a CPU with such flags
+    CUDA: bf16 where the GPU does it natively (SM80+: A100, H100). MPS: fp32. A CPU: bf16 when it has the flags and
+    its bf16 matmul is clearly faster than fp32's (a flag alone does not say that PyTorch's kernels use it).
+    Weights and optimizer state stay fp32 whatever this says.
     """
-    override = os.environ.get("NANOCHAT_DTYPE")
     if override:
         if override not in ("bfloat16", "float32"):
             raise UserError(f"NANOCHAT_DTYPE={override!r}: use bfloat16 or float32")
-        return getattr(torch, override)
-    if device_type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+        return getattr(torch, override), f"NANOCHAT_DTYPE={override}"
+    if device_type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "a CUDA GPU with native bf16"
+        return torch.float32, "a CUDA GPU without native bf16"
+    if device_type != "cpu":
+        return torch.float32, f"fp32 on {device_type}"
+    if not cpu_flags:
+        return torch.float32, f"this CPU has no native bf16: none of the flags {', '.join(CPU_BF16_FLAGS)}"
+    bf16_flops, fp32_flops = probe()
+    speedup = bf16_flops / fp32_flops
+    verdict = f"a bf16 matmul ran {speedup:.1f}x as fast as fp32's"
+    if speedup >= BF16_MIN_SPEEDUP:
+        return torch.bfloat16, f"native bf16 on this CPU ({', '.join(cpu_flags)}); {verdict}"
+    return torch.float32, f"this CPU reports {', '.join(cpu_flags)}, but {verdict} (bf16 needs {BF16_MIN_SPEEDUP}x)"
+
+
+def compute_dtype(device_type):
+    """(dtype, why) on this machine: decide_compute_dtype with $NANOCHAT_DTYPE, the CPU's flags and the probe
+    (measured once per machine, thread count and torch version: bf16_probe). Decided once per process."""
+    return _decided(device_type, os.environ.get("NANOCHAT_DTYPE", ""), torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _decided(device_type, override, threads):
+    flags = cpu_bf16_flags() if device_type == "cpu" and not override else ()
+    return decide_compute_dtype(device_type, override, flags, bf16_probe)
+
+
+def autocast_dtype(device_type):
+    """The dtype matmuls run in on this device (compute_dtype, without the reason)."""
+    return compute_dtype(device_type)[0]
+
+
+def compute_dtype_line(device_type):
+    """The start-up line every stage prints: which dtype, and why."""
+    dtype, why = compute_dtype(device_type)
+    return f"Compute dtype: {str(dtype).removeprefix('torch.')} ({why}; weights and optimizer state stay fp32)"
 
 
 def autocast_context(device_type):
@@ -36,6 +83,68 @@ def autocast_context(device_type):
     nothing for fp32. Reusable: enter it around every forward (and the backward follows the forward's dtypes)."""
     dtype = autocast_dtype(device_type)
     return dtype, (torch.amp.autocast(device_type=device_type, dtype=dtype) if dtype != torch.float32 else nullcontext())
+
+
+def cpu_bf16_flags():
+    """The native-bf16 flags of CPU_BF16_FLAGS this CPU reports (Linux: /proc/cpuinfo; macOS: sysctl); () if none."""
+    if platform.system() == "Darwin":
+        return ("bf16",) if _sysctl("hw.optional.arm.FEAT_BF16") == "1" else ()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return bf16_flags_in(f.read())
+    except OSError:
+        return ()
+
+
+def bf16_flags_in(cpuinfo):
+    """The flags of CPU_BF16_FLAGS on the "flags" (x86) or "Features" (Arm) lines of a /proc/cpuinfo text."""
+    found = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            found.update(line.split(":", 1)[1].split())
+    return tuple(flag for flag in CPU_BF16_FLAGS if flag in found)
+
+
+def _sysctl(name):
+    try:
+        return subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def bf16_probe(n=1024):
+    """
+    (bf16 FLOP/s, fp32 FLOP/s) of an n^3 matmul on the CPU, measured once per CPU model, thread count and torch
+    version and kept in <base_dir>/compute_dtype.json (a fraction of a second on a CPU with native bf16; never
+    run on one without). A CPU emulating bf16 is far slower in bf16 than in fp32, one doing it natively several times
+    faster (bench/RESULTS.md).
+    """
+    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    entry, _ = _kept_per_machine("compute_dtype.json", key, lambda known: known or {
+        "bfloat16": measure_matmul_flops("cpu", torch.bfloat16, n=n, repeats=3),
+        "float32": measure_matmul_flops("cpu", torch.float32, n=n, repeats=3)})
+    return entry["bfloat16"], entry["float32"]
+
+
+def _kept_per_machine(filename, key, update):
+    """
+    One entry per machine key in <base_dir>/<filename>, shared by every process on the machine (under a file lock:
+    the ranks of a torchrun start together). Returns (update(the entry kept so far, or None), the file's path) and
+    keeps the new entry.
+    """
+    path = os.path.join(get_base_dir(), filename)
+    with FileLock(path + ".lock"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                known = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+        entry = update(known.get(key))
+        if entry != known.get(key):
+            known[key] = entry
+            with atomic_write(path, "w") as f:
+                json.dump(known, f, indent=2)
+    return entry, path
 
 
 PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU
@@ -107,19 +216,7 @@ def get_peak_flops(device, dtype):
             measured = max(measured, threads * measure_matmul_flops(device, dtype, n=1024, repeats=8))
         finally:
             torch.set_num_threads(threads)
-    path = os.path.join(get_base_dir(), "peak_flops.json")
-    key = f"{hardware} | {dtype_name}"
-    with FileLock(path + ".lock"):
-        try:
-            with open(path, encoding="utf-8") as f:
-                known = json.load(f)
-        except (OSError, ValueError):
-            known = {}
-        best = max(measured, float(known.get(key, 0.0)))
-        if best > known.get(key, 0.0):
-            known[key] = best
-            with atomic_write(path, "w") as f:
-                json.dump(known, f, indent=2)
+    best, path = _kept_per_machine("peak_flops.json", f"{hardware} | {dtype_name}", lambda known: max(measured, known or 0.0))
     return best, (f"measured: best {dtype_name} matmul on {hardware} (this run {measured:.3e}; "
                   f"the best of every run on this machine is kept in {path})")
 
@@ -133,6 +230,6 @@ def cpu_model_name():
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-    return platform.processor() or platform.machine()
+    brand = _sysctl("machdep.cpu.brand_string") if platform.system() == "Darwin" else ""  # "Apple M2 Pro"
+    return brand or platform.processor() or platform.machine()
 

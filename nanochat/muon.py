@@ -71,9 +71,9 @@ def zeropower_via_newtonschulz5(G, steps=5):
     The iteration works on the wide side: a tall matrix (rows > cols) is transposed first, so X X^T is
     the smaller (cols x cols) Gram matrix, and transposed back at the end.
 
-    Precision: the dtype the model's matmuls run in (hardware.autocast_dtype; $NANOCHAT_DTYPE overrides it):
-    bf16 on CUDA (the iteration tolerates the rounding, see above, and it is faster than TF32), fp32 on CPU and
-    MPS, where a CPU without native bf16 would emulate it far slower (bench/RESULTS.md).
+    Precision: the dtype the model's matmuls run in (hardware.compute_dtype; $NANOCHAT_DTYPE overrides it):
+    bf16 on CUDA and on a CPU that does bf16 natively (the iteration tolerates the rounding, see above, and it is
+    faster than TF32 / fp32), fp32 on MPS and on a CPU without native bf16, which would emulate it far slower.
     Returns a tensor of G's shape and dtype.
     """
     if G.ndim not in (2, 3):
@@ -118,17 +118,31 @@ def _lr_scale(p):
     return math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
 
 
-def _muon_update(grad, momentum_buffer, momentum, nesterov, ns_steps):
+def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
     """
-    The Muon direction for one matrix (does not touch grad; updates momentum_buffer in place):
+    The direction Muon orthogonalises, for one matrix (does not touch grad; updates momentum_buffer in place):
       buf    <- momentum * buf + (1 - momentum) * grad          (buf.lerp_(grad, 1 - momentum))
       update <- (1 - momentum) * grad + momentum * buf           if nesterov (look one step ahead)
                 buf                                              otherwise
-      return zeropower_via_newtonschulz5(update)
     """
     momentum_buffer.lerp_(grad, 1 - momentum)
-    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    return zeropower_via_newtonschulz5(update, steps=ns_steps)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def _batches(params):
+    """
+    The matrices Muon orthogonalises together, in one call. On a CPU with several threads, all those of one shape,
+    stacked: the same products (tests/test_optim.py), but a few large batched matmuls keep the threads busy where a
+    loop of small ones makes them wait on each other at every op, which collapses as soon as another program wants
+    a core (2 threads on a busy 2-core VM: 8x faster). With one thread the loop is a few % faster; on CUDA it is
+    what always ran, one matrix at a time, with one direction in memory at a time (measured: bench/RESULTS.md).
+    """
+    if not params or params[0].device.type != "cpu" or torch.get_num_threads() == 1:
+        return [[p] for p in params]
+    by_shape = {}
+    for p in params:
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+    return list(by_shape.values())
 
 
 def _momentum_state(opt, params, name_of):
@@ -169,14 +183,19 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                update = _muon_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"], group["ns_steps"])
-                p.add_(update, alpha=-group["lr"] * _lr_scale(p))
+            for batch in _batches([p for p in group["params"] if p.grad is not None]):
+                directions = []
+                for p in batch:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]))
+                if len(batch) == 1:
+                    updates = [zeropower_via_newtonschulz5(directions[0], steps=group["ns_steps"])]
+                else:
+                    updates = zeropower_via_newtonschulz5(torch.stack(directions), steps=group["ns_steps"]).unbind(0)
+                for p, update in zip(batch, updates):
+                    p.add_(update, alpha=-group["lr"] * _lr_scale(p))
         return loss
 
     def owned_state(self, name_of):
@@ -273,7 +292,10 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                update = _muon_update(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"], group["ns_steps"])
+                # One matrix at a time: the block's other matrices belong to other ranks (on a CPU, torchrun gives
+                # each rank one thread, where Muon would not stack either: _batches).
+                direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+                update = zeropower_via_newtonschulz5(direction, steps=group["ns_steps"])
                 p.add_(update, alpha=-group["lr"] * _lr_scale(p))
                 source = p
             else:

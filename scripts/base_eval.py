@@ -14,10 +14,10 @@ Prints a table per task (accuracy, centered accuracy) and the score, and writes 
 
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print_banner
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0, print_banner
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
-from nanochat.hardware import autocast_context
+from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.report import get_report
 
 device_type = ""  # cuda | cpu | mps; empty = autodetect
@@ -35,7 +35,8 @@ check_config(config, positive=["device_batch_tokens"], positive_or_unset=["max_p
 print_banner()
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)
-_, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
+_, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
+print0(compute_dtype_line(device_type))
 
 bundle = bundle or default_bundle_kind()
 bundle_dir = prepare_bundle(bundle)  # before loading the model: a missing network fails fast

@@ -11,7 +11,7 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
-from nanochat.hardware import autocast_context
+from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
@@ -26,7 +26,8 @@ check_config(config, positive=["device_batch_size", "split_tokens"], choices={"d
 
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)
-_, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
+_, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
+print0(compute_dtype_line(device_type))
 
 model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=model_tag or None, step=step)
 sequence_len = model.config.sequence_len

@@ -24,7 +24,7 @@ from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundl
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
 from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
-from nanochat.hardware import autocast_context, get_peak_flops
+from nanochat.hardware import autocast_context, compute_dtype_line, get_peak_flops
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.schedules import lr_multiplier, muon_momentum, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
@@ -86,12 +86,12 @@ print_banner()
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
-compute_dtype, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
+compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("base", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 # The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
 core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_metric_every > 0 else None
-print0(f"Compute dtype: {str(compute_dtype).removeprefix('torch.')} (weights and optimizer state stay fp32)")
+print0(compute_dtype_line(device_type))
 
 # -----------------------------------------------------------------------------
 # 3. Tokenizer and model

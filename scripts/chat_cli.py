@@ -26,7 +26,7 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autodetect_device_type, compute_init, setup_default_logging
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, TextStreamer
-from nanochat.hardware import autocast_dtype
+from nanochat.hardware import autocast_dtype, compute_dtype_line
 
 
 def prompt_flag_to_key(argv):
@@ -68,10 +68,11 @@ with contextlib.redirect_stdout(sys.stdout if {"-h", "--help"} & set(_argv) else
                  choices={"source": ("base", "mid", "sft", "rl"), "device_type": ("", "cuda", "cpu", "mps")})
     device_type = device_type or autodetect_device_type()
     _, _, _, _, device = compute_init(device_type)
+    print(compute_dtype_line(device_type))
     model, tokenizer, meta = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
 sys.stderr.write(_status.getvalue())
 engine = Engine(model, tokenizer)
-compute_dtype = autocast_dtype(device_type)  # bf16 on recent GPUs, fp32 on CPU / MPS
+compute_dtype = autocast_dtype(device_type)  # decided by what the device does: nanochat/hardware.py
 
 
 def fit_to_context(messages):

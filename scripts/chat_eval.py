@@ -192,7 +192,7 @@ def main(argv=None):
     from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, setup_default_logging
     from nanochat.configurator import check_config, configure
     from nanochat.engine import Engine
-    from nanochat.hardware import autocast_context
+    from nanochat.hardware import autocast_context, compute_dtype_line
     from nanochat.report import get_report
 
     setup_default_logging()  # from here on a UserError prints one line, not a traceback
@@ -204,6 +204,7 @@ def main(argv=None):
     device_kind = device_type or autodetect_device_type()
     ddp, rank, _, world_size, device = compute_init(device_kind)
     _, autocast = autocast_context(device_kind)
+    print0(compute_dtype_line(device_kind))
     tasks = load_tasks(task_name)  # before the model: a missing download fails fast
     offline = task_name == "offline"
     model, tokenizer, meta = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)

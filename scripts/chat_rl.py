@@ -25,7 +25,7 @@ from nanochat.common import UserError, autodetect_device_type, compute_init, pri
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
-from nanochat.hardware import autocast_context
+from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
 from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
@@ -81,7 +81,8 @@ print_banner()
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
 master_process = ddp_rank == 0
-compute_dtype, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
+compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
+print0(compute_dtype_line(device_type))
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("rl", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 

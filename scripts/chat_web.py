@@ -60,7 +60,7 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autodetect_device_type, compute_init, print0
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, TextStreamer
-from nanochat.hardware import autocast_dtype
+from nanochat.hardware import autocast_dtype, compute_dtype_line
 from nanochat.openai_api import Settings, mount
 
 # -----------------------------------------------------------------------------
@@ -114,7 +114,7 @@ class Worker:
         self.index, self.engine = index, engine
         device = engine.model.lm_head.weight.device
         self.device_type = device.type
-        self.dtype = autocast_dtype(device.type)  # bf16 on recent GPUs, fp32 on CPU / MPS
+        self.dtype = autocast_dtype(device.type)  # decided by what the device does: nanochat/hardware.py
         # on CUDA the thread's current device is the worker's GPU, so nothing lands on GPU 0 by default
         setup = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nanochat-worker{index}",
@@ -408,6 +408,7 @@ if __name__ == "__main__":
     check_port_free(host, port)
     device_type = device_type or autodetect_device_type()
     compute_init(device_type)
+    print0(compute_dtype_line(device_type))
     app.state.pool = WorkerPool(load_workers(source, device_type, num_gpus, model_tag, step))
     if host not in ("127.0.0.1", "localhost", "::1"):
         print0(f"WARNING: listening on {host}:{port}, beyond this machine: anyone who can reach it can use the model "

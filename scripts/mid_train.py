@@ -23,7 +23,7 @@ from nanochat.checkpoint_manager import check_model_tag
 from nanochat.common import UserError, autodetect_device_type, compute_init, get_base_dir, print0, print_banner
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
-from nanochat.hardware import autocast_context, get_peak_flops
+from nanochat.hardware import autocast_context, compute_dtype_line, get_peak_flops
 from nanochat.loss_eval import count_step_targets, evaluate_bpb, supervised_loss
 from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
 from nanochat.sharding import clip_grad_norm_
@@ -77,7 +77,8 @@ print_banner()
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
 master_process = ddp_rank == 0  # only rank 0 prints, logs to wandb, writes the checkpoint's model and meta
-compute_dtype, autocast_ctx = autocast_context(device_type)  # bf16 on modern GPUs, fp32 on CPU/MPS
+compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
+print0(compute_dtype_line(device_type))
 synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("mid", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 

@@ -14,6 +14,7 @@ Every rank writes OUT_DIR/rank{r}.pt with the results of two scenarios; the test
    load_optimizer_shards(every rank's file) -> 2 more steps, next to 4 uninterrupted steps; the same
    resumed in one process (Muon + torch AdamW), and from one process's checkpoint into W ranks. A missing
    rank file must raise UserError.
+Newton-Schulz runs in the compute dtype ($NANOCHAT_DTYPE: the test runs the worker in fp32 and in bf16).
 """
 
 import os
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from nanochat.adamw import DistAdamW
 from nanochat.common import UserError
+from nanochat.hardware import autocast_dtype
 from nanochat.muon import DistMuon, Muon
 from nanochat.sharding import load_optimizer_shards, optimizer_shard
 
@@ -115,7 +117,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     all_ranks = list(range(world_size))
-    result = {"world_size": world_size}
+    result = {"world_size": world_size, "compute_dtype": str(autocast_dtype("cpu")).removeprefix("torch.")}
 
     # 1. distributed vs single-process reference, 5 steps
     muon, adamw = make_params()

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import time
@@ -105,6 +106,42 @@ def test_help_and_one_line_errors(trained_tokenizer):
     assert len(lines) == 1, bad_batch.stderr
     assert "total_batch_size 100 is not a multiple of device_batch_size x max_seq_len x world_size = 2 x 32 x 1 = 64" in lines[0]
     assert "--total_batch_size=64 or --total_batch_size=128" in lines[0]
+
+
+# The N-ranks and resume properties in bf16 (fp32: test_training_core and the test above). Tolerances in bf16: the
+# losses to rel 1e-4; the RMS of each matrix's difference to 6e-4 (measured: <= 2.7e-4 after 6 steps; one Muon step
+# moves a weight of this model by an RMS of ~2.5e-3); the embedding's to 1% of its RMS (measured: 0.4%). A last-bit
+# difference of an fp32 weight (the ranks sum gradients in another order) can round it to another bf16 number in the
+# next forward, a 2^-8 difference of a product, which Newton-Schulz in bf16 carries into the matrices; and AdamW
+# moves each entry of the embedding by ~lr whatever its gradient's size, so a rare token's row whose tiny gradient is
+# mostly rounding can move another way (elementwise, one entry of 0.86 here). Resume stays exact: the resumed run
+# does the same operations on the same numbers.
+@pytest.mark.slow
+def test_bf16_two_ranks_equal_one_rank_and_resume_is_exact(trained_tokenizer, isolated_env, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    monkeypatch.setenv("NANOCHAT_PEAK_FLOPS", "1e11")  # a CPU without native bf16 would spend a while measuring it
+    single = base_train("--num_iterations=6", "--model_tag=single", "--save_every=3")
+    assert single.returncode == 0, single.stderr
+    assert "Compute dtype: bfloat16 (NANOCHAT_DTYPE=bfloat16" in single.stdout
+    single_losses = train_losses(isolated_env, "single")
+    ddp = run_script("-m", "scripts.base_train", *with_defaults(TINY, ["--num_iterations=6", "--model_tag=ddp"]), nproc=2)
+    assert ddp.returncode == 0, ddp.stderr
+    assert "gradient accumulation steps: 1" in ddp.stdout
+    assert train_losses(isolated_env, "ddp") == pytest.approx(single_losses, rel=1e-4)
+    single_weights, ddp_weights = weights(isolated_env, 6, "single"), weights(isolated_env, 6, "ddp")
+    for k, w in single_weights.items():
+        rms_difference = (w - ddp_weights[k]).pow(2).mean().sqrt()
+        if k == "transformer.wte.weight":  # AdamW, per-entry scaled: see above
+            assert rms_difference < 0.01 * w.pow(2).mean().sqrt(), k
+        else:
+            assert rms_difference < 6e-4, k
+    # resumed from the single run's step 3, as if it had died after that save
+    resumed = isolated_env / "base_checkpoints" / "resumed"
+    shutil.copytree(isolated_env / "base_checkpoints" / "single", resumed, ignore=shutil.ignore_patterns("*000006*", ".lock"))
+    again = base_train("--num_iterations=6", "--model_tag=resumed", "--resume_from_step=3")
+    assert again.returncode == 0, again.stderr
+    assert train_losses(isolated_env, "resumed") == pytest.approx(single_losses, rel=1e-6)
+    assert_same_weights(single_weights, weights(isolated_env, 6, "resumed"), rtol=1e-6, atol=0)
 
 
 @pytest.mark.slow

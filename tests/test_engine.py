@@ -181,6 +181,30 @@ def test_decode_step_equals_full_forward(tiny, batch):
         model.decode_step(idx[:, 0], cache, weights)
 
 
+def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
+    """Under bf16 autocast (the compute dtype of a CPU with native bf16) the engine's decode weights are bf16 copies,
+    made once, and made again in fp32 when it runs without autocast; the bf16 step's logits stay within bf16
+    rounding of the fp32 forward's, and greedy decoding still runs to the end."""
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (tokens,), _ = engine_stream(engine, prompts[0][:10], max_tokens=20, temperature=0)
+        layers, head = engine._decode_weights()
+        assert head.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for layer in layers for w in layer)
+        assert engine._decode_weights()[1] is head
+    assert len(tokens) > 0 and engine._decode_weights()[1].dtype == torch.float32
+    cfg, idx = model.config, torch.tensor([prompts[1][:20]])
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache(1, cfg.n_kv_head, 20, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.prefill(idx[:, :10], cache)
+            weights = model.decode_weights(torch.bfloat16)
+            for t in range(10, 20):
+                logits = model.decode_step(idx[:, t], cache, weights)
+                assert (logits - full[:, t]).abs().max() < 0.03 * full[:, t].abs().max()  # measured: < 0.005
+
+
 def test_prefill_is_replicated_for_every_sample(tiny):
     model, _, prompts = tiny
     cfg = model.config

@@ -2,9 +2,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanochat.engine import KVCache
 from nanochat.gpt import GPT, GPTConfig, config_from_depth
+from nanochat.softcap_loss import softcapped_cross_entropy
 
 
 def make_model(**overrides):
@@ -166,3 +168,31 @@ def test_chunked_loss_equals_whole_batch_loss(monkeypatch):
     with torch.no_grad():
         assert torch.allclose(model(idx, targets, loss_reduction="none"), torch.cat([
             model(idx[i:i + 1], targets[i:i + 1], loss_reduction="none") for i in range(4)]), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, loss_tol, grad_tol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 0.05, 0.02)])
+def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol):
+    """nanochat/softcap_loss.py (the CPU's training loss) against F.cross_entropy(15 tanh(z / 15)) in float64: the
+    per-row losses, 0 at ignored rows, and the gradients of x and the head for an uneven upstream gradient. Under
+    bf16 autocast the head's matmul is bf16 (errors of ~1% allowed), the rest fp32."""
+    torch.manual_seed(0)
+    x = torch.randn(48, 32, requires_grad=True)
+    head = (torch.randn(300, 32) * 0.6).requires_grad_()  # logits of up to ~15: the softcap bends them
+    targets = torch.randint(0, 300, (48,))
+    targets[5:11] = -1
+    upstream = torch.linspace(0.1, 2.0, 48)
+    x64, head64 = x.detach().double().requires_grad_(), head.detach().double().requires_grad_()
+    z = x64 @ head64.t()
+    expected = F.cross_entropy(GPT.SOFTCAP * torch.tanh(z / GPT.SOFTCAP), targets, ignore_index=-1, reduction="none")
+    (expected * upstream.double()).sum().backward()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = softcapped_cross_entropy(x, head, targets, GPT.SOFTCAP)
+    assert loss.dtype == torch.float32 and torch.all(loss[5:11] == 0)
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=loss_tol, atol=loss_tol)
+    (loss * upstream).sum().backward()
+    for got, want in ((x.grad, x64.grad), (head.grad, head64.grad)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < grad_tol
+    with pytest.raises(RuntimeError, match="twice"):
+        loss = softcapped_cross_entropy(x, head, targets, GPT.SOFTCAP)
+        loss.sum().backward(retain_graph=True)
+        loss.sum().backward()

@@ -1,0 +1,110 @@
+"""
+Where a training step's time goes, by the PyTorch profiler: the step of scripts/base_train.py (its model, optimizers,
+clipping, the micro-steps under autocast in the compute dtype of nanochat/hardware.py), on random tokens (the
+values do not change the time). After `warmup` steps, one step is timed `repeats` times without the profiler (the
+median is the step time) and once with it; prints per region (forward, backward, clipping, AdamW, Muon) its wall
+time and the ops that take it (self time), and the share of the step per kind of op.
+
+    python bench/profile_step.py --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512   # seed command
+    python bench/profile_step.py --depth=4 --max_seq_len=512 --device_batch_size=8 --total_batch_size=4096  # CPU speedrun
+    python bench/profile_step.py --depth=8 --max_seq_len=512 --device_batch_size=8 --total_batch_size=8192
+    NANOCHAT_DTYPE=float32 python bench/profile_step.py ...    # the same in the other dtype
+"""
+
+import collections
+import contextlib
+import io
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ab import machine_line  # bench/ab.py
+from nanochat.common import print0
+from nanochat.configurator import configure
+from nanochat.gpt import GPT, config_from_depth
+from nanochat.hardware import autocast_context, compute_dtype_line
+from nanochat.sharding import clip_grad_norm_
+
+depth = 4  # model depth
+max_seq_len = 512  # T
+vocab_size = 4096  # the CPU speedrun's vocabulary
+device_batch_size = 1  # B
+total_batch_size = 512  # tokens per optimizer step
+warmup = 2  # untimed steps first
+repeats = 3  # timed steps without the profiler
+top = 8  # ops listed per region
+config = configure(globals())
+
+# What each op is, for the shares (anything else: elementwise and the rest)
+KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+         "attention": ("aten::_scaled_dot_product",),
+         "softcapped loss over the vocabulary": ("aten::tanh", "aten::exp", "aten::log", "aten::_log_softmax", "aten::nll_loss",
+                                                 "aten::scatter_add_", "aten::gather", "aten::addcmul", "aten::tanh_backward",
+                                                 "aten::_log_softmax_backward_data"),
+         "dtype casts": ("aten::_to_copy", "aten::copy_")}
+
+_, autocast = autocast_context("cpu")
+print0(f"{compute_dtype_line('cpu')}\n{machine_line()}; {torch.get_num_threads()} torch threads")
+torch.manual_seed(0)
+model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len))
+model.init_weights()
+with contextlib.redirect_stdout(io.StringIO()):  # setup_optimizers prints its summary
+    adamw, muon = model.setup_optimizers()
+accum = total_batch_size // (device_batch_size * max_seq_len)
+x = torch.randint(0, vocab_size, (device_batch_size, max_seq_len))
+y = torch.randint(0, vocab_size, (device_batch_size, max_seq_len))
+
+
+def step():
+    for _ in range(accum):
+        with record_function("forward"), autocast:
+            loss = model(x, y)
+        with record_function("backward"):
+            (loss / accum).backward()
+    with record_function("clipping"):
+        clip_grad_norm_([adamw, muon], 1.0)
+    with record_function("AdamW"):
+        adamw.step()
+    with record_function("Muon"):
+        muon.step()
+    model.zero_grad(set_to_none=True)
+    loss.item()
+
+
+for _ in range(warmup):
+    step()
+times = []
+for _ in range(repeats):
+    t0 = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t0)
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    step()
+
+# Attribute every op to the region it started in (regions do not nest)
+events = prof.events()
+regions = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.name in ("forward", "backward", "clipping", "AdamW", "Muon")]
+wall, by_region, by_kind = collections.Counter(), collections.defaultdict(collections.Counter), collections.Counter()
+for name, start, end in regions:
+    wall[name] += (end - start) / 1000
+for e in events:
+    if not e.name.startswith("aten::"):
+        continue
+    for name, start, end in regions:
+        if start <= e.time_range.start < end:
+            by_region[name][e.name] += e.self_cpu_time_total / 1000
+            kind = next((k for k, prefixes in KINDS.items() if e.name.startswith(prefixes)), "elementwise and the rest")
+            by_kind[kind] += e.self_cpu_time_total / 1000
+            break
+step_ms = 1000 * statistics.median(times)
+print0(f"\ndepth {depth}, B {device_batch_size} x T {max_seq_len}, {accum} micro-step(s), vocab {vocab_size}: step "
+       f"{step_ms:.0f} ms (median of {repeats}: {', '.join(f'{1000 * t:.0f}' for t in times)}), "
+       f"{total_batch_size / statistics.median(times):,.0f} tok/s; the profiled step took {sum(wall.values()):.0f} ms in its regions")
+for name in ("forward", "backward", "clipping", "AdamW", "Muon"):
+    ops = by_region[name]
+    print0(f"  {name}: {wall[name]:.0f} ms ({100 * wall[name] / sum(wall.values()):.0f}%)  " +
+           ", ".join(f"{op.removeprefix('aten::')} {ms:.0f}" for op, ms in ops.most_common(top)))
+total = sum(by_kind.values())
+print0("  by kind of op (self time): " + ", ".join(f"{kind} {100 * ms / total:.0f}%" for kind, ms in by_kind.most_common()))

@@ -1,0 +1,92 @@
+"""
+The compute dtype (nanochat/hardware.py): decided by what the device does. decide_compute_dtype takes every input
+(the override, the CPU's flags, the probe), so both answers are tested on any machine; the machine's own answer,
+the probe's cache and the start-up line too.
+"""
+
+import json
+
+import pytest
+import torch
+
+from nanochat.common import UserError
+from nanochat.hardware import (autocast_context, bf16_flags_in, bf16_probe, compute_dtype, compute_dtype_line,
+                               cpu_bf16_flags, decide_compute_dtype)
+
+# /proc/cpuinfo lines of real CPUs (shortened): an Intel Xeon of the Sapphire Rapids generation, an AMD Zen 4, an
+# AWS Graviton3, and an AMD EPYC VM that hides AVX-512 (this repository's 2-core VM)
+SAPPHIRE_RAPIDS = "flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8\n"
+ZEN4 = "flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+GRAVITON3 = "Features\t: fp asimd sve sve2 bf16 i8mm\n"
+NO_BF16_VM = "model name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma f16c vaes\n"
+
+
+def never(*_):
+    raise AssertionError("the probe must not run here")
+
+
+def test_cpu_flags_are_read_from_cpuinfo():
+    assert bf16_flags_in(SAPPHIRE_RAPIDS) == ("avx512_bf16", "amx_bf16")
+    assert bf16_flags_in(ZEN4) == ("avx512_bf16",)
+    assert bf16_flags_in(GRAVITON3) == ("bf16",)
+    assert bf16_flags_in(NO_BF16_VM) == ()
+    assert bf16_flags_in("model name\t: bf16 in a name is not a flag\n") == ()
+
+
+def test_a_cpu_without_native_bf16_computes_in_fp32_without_probing():
+    dtype, why = decide_compute_dtype("cpu", "", (), never)
+    assert dtype == torch.float32 and "no native bf16" in why
+
+
+def test_a_cpu_with_native_bf16_computes_in_bf16_when_the_probe_confirms():
+    dtype, why = decide_compute_dtype("cpu", "", ("amx_bf16",), lambda: (850e9, 115e9))
+    assert dtype == torch.bfloat16
+    assert "amx_bf16" in why and "7.4x" in why
+
+
+def test_flags_without_a_faster_bf16_matmul_stay_fp32():
+    # e.g. a torch build whose kernels do not use the instructions: the flag alone decides nothing
+    dtype, why = decide_compute_dtype("cpu", "", ("avx512_bf16",), lambda: (120e9, 100e9))
+    assert dtype == torch.float32 and "1.2x" in why
+
+
+def test_the_override_wins_both_ways():
+    assert decide_compute_dtype("cpu", "float32", ("amx_bf16",), never) == (torch.float32, "NANOCHAT_DTYPE=float32")
+    assert decide_compute_dtype("cpu", "bfloat16", (), never) == (torch.bfloat16, "NANOCHAT_DTYPE=bfloat16")
+    assert decide_compute_dtype("cuda", "float32", (), never)[0] == torch.float32
+    with pytest.raises(UserError, match="use bfloat16 or float32"):
+        decide_compute_dtype("cpu", "fp16", (), never)
+
+
+def test_cuda_and_mps_ignore_cpu_flags():
+    # CUDA as before: bf16 exactly where torch says the GPU does it (no GPU here: fp32); no CPU probe
+    cuda = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    assert decide_compute_dtype("cuda", "", ("amx_bf16",), never)[0] == cuda
+    assert decide_compute_dtype("mps", "", ("bf16",), never)[0] == torch.float32
+
+
+def test_this_machine_and_the_override_in_the_environment(monkeypatch, isolated_env):
+    monkeypatch.delenv("NANOCHAT_DTYPE", raising=False)
+    dtype, why = compute_dtype("cpu")
+    if not cpu_bf16_flags():
+        assert dtype == torch.float32 and not (isolated_env / "compute_dtype.json").exists()  # nothing probed
+    assert compute_dtype_line("cpu") == f"Compute dtype: {str(dtype).removeprefix('torch.')} ({why}; weights and optimizer state stay fp32)"
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    dtype, context = autocast_context("cpu")
+    assert dtype == torch.bfloat16
+    with context:
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
+    assert autocast_context("cpu")[0] == torch.float32
+
+
+def test_the_probe_is_measured_once_per_machine(isolated_env):
+    first = bf16_probe(n=64)  # small: this test must be quick where bf16 is emulated
+    assert all(flops > 0 for flops in first)
+    cache = json.loads((isolated_env / "compute_dtype.json").read_text())
+    (key, entry), = cache.items()
+    assert f"{torch.get_num_threads()} threads" in key and torch.__version__ in key
+    assert bf16_probe(n=64) == first
+    entry["bfloat16"] = 1.0
+    (isolated_env / "compute_dtype.json").write_text(json.dumps({key: entry}))
+    assert bf16_probe() == (1.0, entry["float32"])
