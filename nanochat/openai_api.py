@@ -47,7 +47,6 @@ import logging
 import threading
 import time
 import uuid
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -110,8 +109,7 @@ class Job:
         worker = self.worker
 
         def call():
-            bf16 = worker.dtype != torch.float32
-            with torch.amp.autocast(worker.device_type, dtype=worker.dtype) if bf16 else nullcontext():
+            with worker.autocast():
                 return fn(*args)
         return await asyncio.wrap_future(worker.thread.submit(call))
 

@@ -20,13 +20,12 @@ import io
 import random
 import sys
 
-import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autodetect_device_type, compute_init, setup_default_logging
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, TextStreamer
-from nanochat.hardware import autocast_dtype, compute_dtype_line
+from nanochat.hardware import autocast_context, compute_dtype_line
 
 
 def prompt_flag_to_key(argv):
@@ -72,7 +71,6 @@ with contextlib.redirect_stdout(sys.stdout if {"-h", "--help"} & set(_argv) else
     model, tokenizer, meta = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
 sys.stderr.write(_status.getvalue())
 engine = Engine(model, tokenizer)
-compute_dtype = autocast_dtype(device_type)  # decided by what the device does: nanochat/hardware.py
 
 
 def fit_to_context(messages):
@@ -98,7 +96,7 @@ def stream_reply(prompt_ids, budget):
     pieces, n_tokens = [], 0
     reply_seed = seed if seed >= 0 else random.randrange(2**31)
     generation = engine.generate(prompt_ids, max_tokens=budget, temperature=temperature, top_k=top_k, seed=reply_seed)
-    autocast = torch.amp.autocast(device_type, dtype=compute_dtype) if compute_dtype != torch.float32 else contextlib.nullcontext()
+    _, autocast = autocast_context(device_type)  # the compute dtype: decided by what the device does
     try:
         with autocast:  # around the whole iteration: each step runs inside the loop
             for token_column, _ in generation:

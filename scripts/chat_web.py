@@ -47,7 +47,6 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import torch
 from fastapi import FastAPI, HTTPException, Request
@@ -60,7 +59,7 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autodetect_device_type, compute_init, print0
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, TextStreamer
-from nanochat.hardware import autocast_dtype, compute_dtype_line
+from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.openai_api import Settings, mount
 
 # -----------------------------------------------------------------------------
@@ -114,12 +113,16 @@ class Worker:
         self.index, self.engine = index, engine
         device = engine.model.lm_head.weight.device
         self.device_type = device.type
-        self.dtype = autocast_dtype(device.type)  # decided by what the device does: nanochat/hardware.py
         # on CUDA the thread's current device is the worker's GPU, so nothing lands on GPU 0 by default
         setup = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nanochat-worker{index}",
                                          initializer=setup[0], initargs=setup[1])
         self.tokens_generated = 0  # written by self.thread only
+
+    def autocast(self):
+        """A fresh autocast context in the compute dtype (nanochat/hardware.py), entered in this worker's thread around
+        a whole generation: autocast state is per thread, and one context object must not be entered twice at once."""
+        return autocast_context(self.device_type)[1]
 
     def start(self, prompt, sampling, stop):
         """
@@ -135,9 +138,8 @@ class Worker:
 
         def run():
             outcome = None
-            autocast = torch.amp.autocast(self.device_type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
             try:
-                with autocast:  # per thread, so entered here, around the whole generation
+                with self.autocast():  # per thread, so entered here, around the whole generation
                     while not stop.is_set():
                         step = next(generation, None)
                         if step is None:
