@@ -1,11 +1,14 @@
 """
-AdamW for the embedding and lm_head, and DistAdamW, its sharded version for data-parallel training.
+AdamW for the embedding and lm_head (AdamW, one process), and DistAdamW, its sharded version for
+data-parallel training (torchrun). GPT.setup_optimizers picks one. See nanochat/muon.py for why the model
+uses two optimizers (Muon for the matrices in the transformer blocks, AdamW for wte and lm_head).
 
-In a single process nanochat uses torch.optim.AdamW directly (GPT.setup_optimizers picks it): nothing
-to add. Under torchrun it uses DistAdamW below, which computes exactly the same AdamW update
-(same formulas as torch.optim.AdamW, results equal to fp32 rounding) on the rank-averaged gradient,
-but shards the optimizer state and the update work across ranks. See nanochat/muon.py for why the
-model uses two optimizers (Muon for the matrices in the transformer blocks, AdamW for wte and lm_head).
+Both apply the same function, adamw_update_, to the same numbers: AdamW to whole tensors, DistAdamW to
+each rank's slice of rows of the rank-averaged gradient. So one process with gradient accumulation and N
+ranks train bit-identical weights (when the averaged gradients are bit-identical: tests/test_base_train.py),
+in bf16 too, where a last-bit difference of a weight would grow. torch.optim.AdamW computes the same formulas
+with other kernels (fused, foreach) whose rounding differs in the last bit; results agree with it to fp32
+rounding (tests/test_optim.py).
 
 The AdamW update, per parameter, at step t (1, 2, ...), with lr, betas (b1, b2), eps and weight decay wd:
     p        <- p * (1 - lr * wd)                       decoupled weight decay (the "W" in AdamW)
@@ -22,7 +25,63 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.sharding import ShardedGradients, all_gather_single, pad_rows, reduce_scatter_single
+from nanochat.sharding import ShardedGradients, all_gather_single, pad_rows, reduce_scatter_single, rows_of
+
+
+def adamw_update_(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay):
+    """One AdamW step (the formulas above), in place on p, exp_avg and exp_avg_sq: step t (1, 2, ...) with
+    gradient g. Elementwise: a slice of rows gets exactly the numbers the whole tensor would."""
+    beta1, beta2 = betas
+    p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** t
+    bias_correction2 = 1 - beta2 ** t
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def _adamw_state(like):
+    return {"step": 0, "exp_avg": torch.zeros_like(like), "exp_avg_sq": torch.zeros_like(like)}
+
+
+class AdamW(torch.optim.Optimizer):
+    """
+    AdamW in one process: adamw_update_ on every parameter that has a gradient. param_groups, lr, betas, eps
+    and weight_decay as for torch.optim.AdamW; each group's lr is read at every step. State per parameter:
+    the step count and the two moments (fp32, the parameter's shape).
+    """
+
+    def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(_adamw_state(p))
+                state["step"] += 1
+                adamw_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
+                              group["betas"], group["eps"], group["weight_decay"])
+
+    def owned_state(self, name_of):
+        """Every parameter's state (one process holds it all), whole, from row 0; see nanochat.sharding."""
+        rows = lambda t: t.view(1) if t.ndim == 0 else t  # noqa: E731
+        return {name_of[p]: {"row_start": 0, "step": state["step"], "exp_avg": rows(state["exp_avg"]),
+                             "exp_avg_sq": rows(state["exp_avg_sq"])}
+                for group in self.param_groups for p in group["params"] if (state := self.state.get(p))}
+
+    def load_owned_state(self, name_of, full_state):
+        for group in self.param_groups:
+            for p in group["params"]:
+                full = full_state(name_of[p])
+                if full is not None:
+                    self.state[p] = {"step": int(full["step"]),
+                                     **{k: full[k].view_as(p).to(p.device, p.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}}
 
 
 class DistAdamW(ShardedGradients, torch.optim.Optimizer):
@@ -83,6 +142,12 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                 pending.append(dict(group=group, p=p, rows_per_rank=rows_per_rank, padded=grad, grad=grad_slice, work=work))
         return pending
 
+    def _owned_rows(self, entry):
+        """(parameter, first row, averaged gradient rows) of the rows of `entry` this rank owns (not the padding)."""
+        start = dist.get_rank() * entry["rows_per_rank"]
+        keep = min(entry["rows_per_rank"], rows_of(entry["p"]).size(0) - start)
+        return (entry["p"], start, rows_of(self._averaged(entry)[:keep])) if keep > 0 else None
+
     @torch.no_grad()
     def step(self):
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -100,21 +165,10 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
 
             state = self.state[p]
             if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p_slice)
-                state["exp_avg_sq"] = torch.zeros_like(p_slice)
+                state.update(_adamw_state(p_slice))
             state["step"] += 1
-            t = state["step"]
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-
-            p_slice.mul_(1 - lr * wd)
-            exp_avg.lerp_(g, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            bias_correction1 = 1 - beta1 ** t
-            bias_correction2 = 1 - beta2 ** t
-            denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-            p_slice.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+            adamw_update_(p_slice, g, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
+                          group["betas"], group["eps"], group["weight_decay"])
 
             # p_slice is a view into `full`: gathering into `full` leaves our slice in place
             gathers.append((p_rows, full, all_gather_single(full, p_slice, async_op=True)))

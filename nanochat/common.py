@@ -299,8 +299,9 @@ def compute_init(device_type="cuda"):
         raise UserError("torchrun is not supported on MPS (a Mac has one GPU and no MPS process-group backend); "
                         "run the script with plain `python -m scripts.X` instead")
 
-    # Same seed on every rank: every rank builds bit-identical initial weights, so no broadcast is needed.
-    # Ranks read different data because the loaders shard by rank, not because of their seeds.
+    # Same seed on every rank, for whatever draws from the global RNG. The initial weights do not: they have a
+    # generator of their own (GPT.init_weights), the same on every rank, so no broadcast is needed. Ranks read
+    # different data because the loaders shard by rank, not because of their seeds.
     torch.manual_seed(42)
     if device_type == "cuda":
         torch.cuda.manual_seed(42)
@@ -327,6 +328,10 @@ def compute_init(device_type="cuda"):
     # No barrier needed: init_process_group returns when every rank has joined, and _print_topology's
     # all_gather_object is itself a collective every rank must reach.
     _print_topology(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device)
+    # The compute dtype: one decision for the whole run, rank 0's, sent to every rank here, where every rank is
+    # (nanochat/hardware.py; imported here because hardware.py imports this module)
+    from nanochat.hardware import compute_dtype
+    compute_dtype(device_type)
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 
 

@@ -164,8 +164,10 @@ class GPT(nn.Module):
         self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
 
     @torch.no_grad()
-    def init_weights(self):
+    def init_weights(self, seed=42):
         """
+        The initial weights, drawn from a generator of their own seeded with `seed`: they depend on nothing else (not on
+        what else drew from the global RNG first in this process, such as a measurement), and every rank draws the same.
         Initialisation scheme:
         - wte: N(0, 1). The embedding output is RMS-normalised right away, so its scale is free; unit
           variance keeps it well away from the norm's epsilon.
@@ -175,13 +177,14 @@ class GPT(nn.Module):
           Each block then starts as the identity and the model starts with uniform predictions, so the
           initial loss is exactly ln(vocab_size).
         """
-        nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
+        rng = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+        nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0, generator=rng)
         for block in self.transformer.h:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
                 fan_out, fan_in = lin.weight.shape
                 std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
                 bound = math.sqrt(3.0) * std  # uniform(-a, a) has std a / sqrt(3)
-                nn.init.uniform_(lin.weight, -bound, bound)
+                nn.init.uniform_(lin.weight, -bound, bound, generator=rng)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
         nn.init.zeros_(self.lm_head.weight)
@@ -297,7 +300,7 @@ class GPT(nn.Module):
         average gradients across ranks inside step() and shard the optimizer state and update compute.
         Every group gets "initial_lr" so the training loop can set lr = initial_lr * schedule multiplier.
         """
-        from nanochat.adamw import DistAdamW
+        from nanochat.adamw import AdamW, DistAdamW
         from nanochat.muon import DistMuon, Muon
 
         matrix_params = [p for p in self.transformer.h.parameters()]
@@ -314,11 +317,7 @@ class GPT(nn.Module):
         ]
         distributed = dist.is_available() and dist.is_initialized()
         adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
-        if distributed:
-            adamw = DistAdamW(adam_groups, **adamw_kwargs)
-        else:
-            fused = self.lm_head.weight.device.type == "cuda"
-            adamw = torch.optim.AdamW(adam_groups, fused=fused, **adamw_kwargs)
+        adamw = (DistAdamW if distributed else AdamW)(adam_groups, **adamw_kwargs)
         muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95)
         optimizers = [adamw, muon]
         for opt in optimizers:

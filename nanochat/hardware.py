@@ -13,6 +13,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from filelock import FileLock
 
 from nanochat.common import UserError, get_base_dir
@@ -56,15 +57,26 @@ def decide_compute_dtype(device_type, override, cpu_flags, probe):
 
 
 def compute_dtype(device_type):
-    """(dtype, why) on this machine: decide_compute_dtype with $NANOCHAT_DTYPE, the CPU's flags and the probe
-    (measured once per machine, thread count and torch version: bf16_probe). Decided once per process."""
-    return _decided(device_type, os.environ.get("NANOCHAT_DTYPE", ""), torch.get_num_threads())
+    """
+    (dtype, why) on this machine: decide_compute_dtype with $NANOCHAT_DTYPE, the CPU's flags and the probe
+    (measured once per machine, thread count and torch version: bf16_probe). Decided once per process; under
+    torchrun it is rank 0's decision, sent to the other ranks (one dtype for the whole run: a rank that measured
+    the probe on its own could come out differently). compute_init makes that first, collective call, so that
+    every rank makes it at the same point.
+    """
+    return _decided(device_type, os.environ.get("NANOCHAT_DTYPE", ""))
 
 
 @functools.lru_cache(maxsize=None)
-def _decided(device_type, override, threads):
-    flags = cpu_bf16_flags() if device_type == "cpu" and not override else ()
-    return decide_compute_dtype(device_type, override, flags, bf16_probe)
+def _decided(device_type, override):
+    distributed = dist.is_available() and dist.is_initialized()
+    decision = [None]
+    if not distributed or dist.get_rank() == 0:
+        flags = cpu_bf16_flags() if device_type == "cpu" and not override else ()
+        decision = [decide_compute_dtype(device_type, override, flags, bf16_probe)]
+    if distributed:
+        dist.broadcast_object_list(decision, src=0)  # a CUDA process group sends it through the current device
+    return decision[0]
 
 
 def autocast_dtype(device_type):
@@ -112,17 +124,26 @@ def _sysctl(name):
         return ""
 
 
-def bf16_probe(n=1024):
+def bf16_probe(n=1024, rounds=5):
     """
     (bf16 FLOP/s, fp32 FLOP/s) of an n^3 matmul on the CPU, measured once per CPU model, thread count and torch
     version and kept in <base_dir>/compute_dtype.json (a fraction of a second on a CPU with native bf16; never
     run on one without). A CPU emulating bf16 is far slower in bf16 than in fp32, one doing it natively several times
-    faster (bench/RESULTS.md).
+    faster (bench/RESULTS.md). The two dtypes are timed in turns, `rounds` times, and the best of each counts: a
+    moment when another program took the CPU slows both, not the ratio.
     """
+    def measure():
+        operands = {dtype: _random_matrices("cpu", dtype, n) for dtype in (torch.bfloat16, torch.float32)}
+        for a, b in operands.values():
+            a @ b  # warm-up
+        best = dict.fromkeys(operands, float("inf"))
+        for _ in range(rounds):
+            for dtype, (a, b) in operands.items():
+                best[dtype] = min(best[dtype], _time_matmul(a, b, lambda: None))
+        return {str(dtype).removeprefix("torch."): 2 * n ** 3 / seconds for dtype, seconds in best.items()}
+
     key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    entry, _ = _kept_per_machine("compute_dtype.json", key, lambda known: known or {
-        "bfloat16": measure_matmul_flops("cpu", torch.bfloat16, n=n, repeats=3),
-        "float32": measure_matmul_flops("cpu", torch.float32, n=n, repeats=3)})
+    entry, _ = _kept_per_machine("compute_dtype.json", key, lambda known: known or measure())
     return entry["bfloat16"], entry["float32"]
 
 
@@ -153,21 +174,29 @@ PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU
 }
 
 
+def _random_matrices(device, dtype, n):
+    """Two random n x n matrices from a private generator: a measurement never moves the global RNG, whose state
+    decides the weights a run initialises (a probe made in one run and read from the cache in the next would
+    otherwise give the two runs different weights)."""
+    rng = torch.Generator(device=device).manual_seed(0)
+    return tuple(torch.randn(n, n, device=device, dtype=dtype, generator=rng) for _ in range(2))
+
+
+def _time_matmul(a, b, sync):
+    sync()
+    t0 = time.perf_counter()
+    a @ b
+    sync()
+    return time.perf_counter() - t0
+
+
 def measure_matmul_flops(device, dtype, n=1024, repeats=5):
     """Best observed FLOP/s of an n x n x n matmul on `device` in `dtype` (a few warm-ups, then timed runs)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a, b = _random_matrices(device, dtype, n)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(2):
         a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / min(_time_matmul(a, b, sync) for _ in range(repeats))
 
 
 def get_peak_flops(device, dtype):

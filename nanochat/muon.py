@@ -275,6 +275,11 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 blocks.append(dict(group=group, block=block, grad=owned_grad, work=work))
         return blocks
 
+    def _owned_rows(self, entry):
+        """(matrix, 0, its averaged gradient) of the matrix of block `entry` this rank owns, if any."""
+        rank = dist.get_rank()
+        return (entry["block"][rank], 0, self._averaged(entry)) if rank < len(entry["block"]) else None
+
     @torch.no_grad()
     def step(self):
         rank, world_size = dist.get_rank(), dist.get_world_size()

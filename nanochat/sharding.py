@@ -60,14 +60,15 @@ class ShardedGradients:
     so that gradient clipping can look at the averaged gradient between averaging and updating:
 
         opt.reduce_gradients()            issue the async reduce_scatters (step() does it if you do not)
-        opt.owned_grad_sq_norm()          sum of squares of this rank's averaged pieces; summed over
-                                          ranks it is the squared norm of the averaged gradient
+        opt.owned_gradient_rows()         the rows of the averaged gradient this rank owns (clipping
+                                          adds up their squares)
         opt.scale_gradients(scale)        multiply this rank's averaged pieces (the clip factor)
         opt.step()                        update the owned parts, all_gather the weights
 
     A subclass implements _launch_reduce_scatters() -> list of dicts with at least "grad" (the owned piece
-    being received) and "work" (the async handle), plus owned_state(name_of) and load_owned_state(...) for
-    checkpoints (see optimizer_shard / load_optimizer_shards below).
+    being received) and "work" (the async handle), _owned_rows(entry) -> (parameter, first row, averaged rows)
+    or None, plus owned_state(name_of) and load_owned_state(...) for checkpoints (see optimizer_shard /
+    load_optimizer_shards below).
     """
 
     _pending = None
@@ -84,12 +85,11 @@ class ShardedGradients:
             entry["averaged"] = True
         return entry["grad"]
 
-    def owned_grad_sq_norm(self):
+    def owned_gradient_rows(self):
+        """(parameter, first row, its rows of the averaged gradient) for every piece this rank owns."""
         self.reduce_gradients()
-        total = torch.zeros((), dtype=torch.float32, device=self._pending[0]["grad"].device)
-        for entry in self._pending:
-            total += self._averaged(entry).float().square().sum()
-        return total
+        pieces = [self._owned_rows(entry) for entry in self._pending]
+        return [piece for piece in pieces if piece is not None]
 
     def scale_gradients(self, scale):
         self.reduce_gradients()
@@ -102,31 +102,56 @@ class ShardedGradients:
         return pending
 
 
+def rows_of(t):
+    """t as rows: a matrix as it is, a vector as rows of one entry, a scalar as one row."""
+    return t.reshape(t.size(0) if t.ndim else 1, -1)
+
+
 def clip_grad_norm_(optimizers, max_norm):
     """
-    Clip the gradient of the whole model to norm `max_norm`; returns the norm before clipping (a tensor).
+    Clip the gradient of the whole model to norm `max_norm`; returns the norm before clipping (a 0-d tensor).
+    Every rank then scales the gradient it will use by the same factor, min(1, max_norm / (norm + 1e-6)), as
+    torch's clip_grad_norm_ does.
 
-    The norm that matters is the norm of the gradient the optimizers will use: the average over all ranks.
-    In one process that is simply the .grad of every parameter (torch's clip_grad_norm_). Under torchrun each
-    rank's .grad holds only its own data's gradient, so a norm of it would differ per rank, and the ranks
-    would clip by different factors. Instead the Dist optimizers first average the gradients (their
-    reduce_scatter, started here; each rank then holds the averaged gradient of its own share), each rank
-    sums the squares of its share, one all_reduce adds the shares up: the exact norm of the averaged
-    gradient, the same number on every rank, at the cost of one scalar all_reduce. Every rank then scales
-    its share by the same factor, min(1, max_norm / (norm + 1e-6)), exactly as torch's clip_grad_norm_ does
-    in one process.
+    The norm that matters is the norm of the gradient the optimizers will use: the average over all ranks. In
+    one process that is every parameter's .grad. Under torchrun each rank's .grad holds only its own data's
+    gradient, so the Dist optimizers first average the gradients (their reduce_scatters, started here), after
+    which each rank holds the averaged gradient of its own share of the rows (nanochat/sharding.py).
+
+    How the squares are added up is the same for any number of ranks: every row of every parameter gets its own
+    slot in one vector, each rank fills the slots of the rows it holds (one process: all of them), one all_reduce
+    completes it (a slot is filled by one rank only: adding the others' zeros is exact), and the vector is summed.
+    So one process and N ranks get the same norm to the last bit, and the same clipped gradient: the training
+    does not depend on how it was placed (tests/test_base_train.py). A norm added up from each rank's partial sum
+    would differ in its last bit, enough for bf16 to make the runs drift apart.
     """
-    if not all(hasattr(opt, "owned_grad_sq_norm") for opt in optimizers):
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    for opt in optimizers:
-        opt.reduce_gradients()  # issue every optimizer's reduce_scatters before waiting on any of them
-    sq_norm = sum(opt.owned_grad_sq_norm() for opt in optimizers)
-    dist.all_reduce(sq_norm)
-    norm = sq_norm.sqrt()
+    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    first_row, total = {}, 0
+    for p in params:  # the same parameters in the same order on every rank
+        first_row[p] = total
+        total += rows_of(p).size(0)
+    row_sq = torch.zeros(total, dtype=torch.float32, device=params[0].device)
+    distributed = all(hasattr(opt, "owned_gradient_rows") for opt in optimizers)
+    if distributed:
+        for opt in optimizers:
+            opt.reduce_gradients()  # issue every optimizer's reduce_scatters before waiting on any of them
+        pieces = [piece for opt in optimizers for piece in opt.owned_gradient_rows()]
+    else:
+        pieces = [(p, 0, rows_of(p.grad)) for p in params if p.grad is not None]
+    for p, row, grad_rows in pieces:
+        start = first_row[p] + row
+        row_sq[start:start + grad_rows.size(0)] = grad_rows.float().square().sum(dim=1)
+    if distributed:
+        dist.all_reduce(row_sq)
+    norm = row_sq.sum().sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for opt in optimizers:
-        opt.scale_gradients(scale)
+    if distributed:
+        for opt in optimizers:
+            opt.scale_gradients(scale)
+    else:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
     return norm
 
 

@@ -104,7 +104,7 @@ print0(f"Model: depth {depth} -> n_embd {model_config.n_embd}, {model_config.n_h
 with torch.device("meta"):  # build without allocating, then materialise on the device and initialise once
     model = GPT(model_config)
 model.to_empty(device=device)
-model.init_weights()  # identical on every rank: compute_init seeded every rank the same
+model.init_weights()  # identical on every rank and in every run: drawn from a generator of its own, seeded
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
 model, use_compile = compile_model(orig_model, compile, device_type)
 num_params = orig_model.num_params()

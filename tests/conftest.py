@@ -3,6 +3,7 @@ Shared test fixtures. Tests never touch the network or the user's ~/.cache: ever
 NANOCHAT_BASE_DIR, and downloads are served by a local HTTP server on 127.0.0.1.
 """
 
+import contextlib
 import http.server
 import os
 import sys
@@ -135,6 +136,25 @@ def script_env(env=None):
         else:
             full[key] = str(value)
     return full
+
+
+@contextlib.contextmanager
+def computed_as_in_scripts():
+    """
+    Inside it, this process computes as the scripts it starts do: one thread (script_env) and the compute dtype
+    (nanochat/hardware.py: bf16 autocast on a CPU with native bf16, else nothing). A test that predicts a script's
+    numbers computes them in here: in bf16 a matmul's rounding depends on the thread count, in fp32 it does not.
+    """
+    import torch
+
+    from nanochat.hardware import autocast_context
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with autocast_context("cpu")[1]:
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_script(*args, nproc=1, env=None, timeout=300, cwd=REPO_ROOT, text=True, **kwargs):
@@ -419,10 +439,12 @@ def chat_web_server(chat_web_base):
 
 
 def engine_reply(served, messages, max_tokens, temperature, top_k, seed):
-    """What the engine itself generates for this request: (text, number of tokens)."""
+    """What the engine itself generates for this request, computed as the worker computes it (in its compute dtype,
+    in this process: the same threads): (text, number of tokens)."""
     prompt = served.tokenizer.render_for_completion({"messages": messages})
     budget = min(max_tokens, served.engine.context_len - len(prompt))
-    results, _ = served.engine.generate_batch(prompt, max_tokens=budget, temperature=temperature, top_k=top_k, seed=seed)
+    with served.pool.workers[0].autocast():
+        results, _ = served.engine.generate_batch(prompt, max_tokens=budget, temperature=temperature, top_k=top_k, seed=seed)
     return served.tokenizer.decode(results[0][len(prompt):]), len(results[0]) - len(prompt)
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import compute_cleanup, compute_init
+from nanochat.hardware import compute_dtype
 
 ddp, rank, local_rank, world_size, device = compute_init("cpu")
 # every rank contributes its rank: the sum proves the gloo process group really connects them
@@ -18,5 +19,6 @@ dist.all_gather(gathered, w)
 same_init = all(torch.equal(g, gathered[0]) for g in gathered)
 with open(f"{sys.argv[1]}.rank{rank}.json", "w") as f:
     json.dump(dict(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, device=str(device),
-                   backend=dist.get_backend(), rank_sum=t.item(), same_init=same_init), f)
+                   backend=dist.get_backend(), rank_sum=t.item(), same_init=same_init,
+                   compute_dtype=[str(compute_dtype("cpu")[0]), compute_dtype("cpu")[1]]), f)
 compute_cleanup()

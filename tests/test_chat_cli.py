@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import run_script, start_script
+from conftest import computed_as_in_scripts, run_script, start_script
 
 SAMPLING = ["--temperature=1.0", "--top_k=50"]
 
@@ -42,11 +42,12 @@ def expected_turn(engine, messages, max_tokens, seed, temperature=1.0, top_k=50)
     prompt = engine.tokenizer.render_for_completion({"messages": messages})
     budget = min(max_tokens, engine.context_len - len(prompt))
     ids, n = [], 0
-    for column, _ in engine.generate(prompt, max_tokens=budget, temperature=temperature, top_k=top_k, seed=seed):
-        n += 1
-        if column[0] in engine.end_tokens:
-            break
-        ids.append(column[0])
+    with computed_as_in_scripts():
+        for column, _ in engine.generate(prompt, max_tokens=budget, temperature=temperature, top_k=top_k, seed=seed):
+            n += 1
+            if column[0] in engine.end_tokens:
+                break
+            ids.append(column[0])
     return engine.tokenizer.decode(ids), len(prompt) + n
 
 

@@ -41,19 +41,23 @@ def test_compute_init_two_processes_over_gloo(tmp_path):
     assert result.stdout.count(" cpu ") >= 2
 
 
-def test_two_nodes_rank_differs_from_local_rank(tmp_path):
-    """Two 'machines' (two torchrun launchers, one process each): on node 1, RANK=1 but LOCAL_RANK=0."""
+def test_two_nodes_rank_differs_from_local_rank_and_share_rank_0s_compute_dtype(tmp_path):
+    """Two 'machines' (two torchrun launchers, one process each): on node 1, RANK=1 but LOCAL_RANK=0. The compute
+    dtype is one decision for the run, rank 0's: node 1, told otherwise by its own NANOCHAT_DTYPE, computes in rank
+    0's dtype too (machines that decided apart could compute in different dtypes)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [start_script("-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
                           "--master_addr=127.0.0.1", f"--master_port={port}", "tests/dist_common_worker.py", tmp_path / "out",
+                          env={"NANOCHAT_DTYPE": ("bfloat16", "float32")[n]},
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     infos = [json.load(open(tmp_path / f"out.rank{r}.json")) for r in range(2)]
     assert [(i["rank"], i["local_rank"], i["world_size"]) for i in infos] == [(0, 0, 2), (1, 0, 2)]
+    assert [i["compute_dtype"] for i in infos] == [["torch.bfloat16", "NANOCHAT_DTYPE=bfloat16"]] * 2
 
 
 def test_incomplete_torchrun_env_is_a_clear_error(monkeypatch):

@@ -11,7 +11,7 @@ import torch
 
 from nanochat.common import UserError
 from nanochat.hardware import (autocast_context, bf16_flags_in, bf16_probe, compute_dtype, compute_dtype_line,
-                               cpu_bf16_flags, decide_compute_dtype)
+                               cpu_bf16_flags, decide_compute_dtype, get_peak_flops)
 
 # /proc/cpuinfo lines of real CPUs (shortened): an Intel Xeon of the Sapphire Rapids generation, an AMD Zen 4, an
 # AWS Graviton3, and an AMD EPYC VM that hides AVX-512 (this repository's 2-core VM)
@@ -90,3 +90,13 @@ def test_the_probe_is_measured_once_per_machine(isolated_env):
     entry["bfloat16"] = 1.0
     (isolated_env / "compute_dtype.json").write_text(json.dumps({key: entry}))
     assert bf16_probe() == (1.0, entry["float32"])
+
+
+def test_measuring_the_hardware_leaves_the_global_rng_alone(isolated_env, monkeypatch):
+    # The global RNG decides a run's initial weights: a measurement that drew from it (the probe, in the one run
+    # that measures it; the peak FLOP/s, in every run) would make the run's numbers depend on it
+    monkeypatch.delenv("NANOCHAT_PEAK_FLOPS", raising=False)
+    before = torch.get_rng_state()
+    bf16_probe(n=64)
+    get_peak_flops("cpu", torch.float32)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -209,9 +209,10 @@ def test_a_failing_generation_is_an_error_and_the_server_goes_on(chat_web_server
 # Completions, as lm-evaluation-harness's local-completions calls them
 
 def model_logprobs(server, ids):
-    """The model's log-probabilities of each token of ids after the ones before it, from its own forward pass."""
+    """The model's log-probabilities of each token of ids after the ones before it, from its own forward pass in the
+    worker's compute dtype."""
     model = server.engine.model
-    with torch.no_grad():
+    with torch.no_grad(), server.pool.workers[0].autocast():
         logprobs = torch.log_softmax(model(torch.tensor([ids]))[0], dim=-1)
     return logprobs, [logprobs[j - 1, ids[j]].item() for j in range(1, len(ids))]
 

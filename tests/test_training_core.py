@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, TINY_SIZES, refusal_in_process, run_script, speedrun_env, start_script, wait_for_steps
-from test_base_train import TINY, assert_same_weights, base_train, metrics, train_losses, weights, with_defaults
+from test_base_train import TINY, base_train, metrics, train_losses, weights, with_defaults
 
 from nanochat.common import UserError
 
@@ -172,8 +172,29 @@ def test_report_figures_have_sensible_precision_and_never_show_inf():
 # Resume on any world size (the optimizer state is re-sharded; the data of a step does not depend on it)
 
 
+def assert_same_training(a, b):
+    """
+    The weights of two fp32 runs whose steps added the same gradients up in another order. The matrices and lm_head
+    agree to fp32 rounding (measured: max 2.2e-7). The embedding agrees as a whole (the RMS of the difference
+    below 1e-5 of its RMS; measured: 9.1e-7 at most), but AdamW divides each entry's step by that entry's own
+    gradient scale, which turns a last-bit difference of a small gradient into a larger one of a few entries
+    (measured: 1.8e-4 at most, on an AMD EPYC with AVX-512, where the bound used before, 1e-4 relative + 1e-5,
+    allowed 1.6e-4 for that entry).
+    """
+    for k in a:
+        difference = a[k] - b[k]
+        if k == "transformer.wte.weight":
+            assert difference.pow(2).mean().sqrt() < 1e-5 * a[k].pow(2).mean().sqrt(), k
+            assert difference.abs().max() < 1e-3, k
+        else:
+            assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), (k, difference.abs().max().item())
+
+
 @pytest.mark.slow
-def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(trained_tokenizer, isolated_env):
+def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(trained_tokenizer, isolated_env, monkeypatch):
+    # fp32: 6 micro-steps on one rank, 3 on each of 2 or 2 on each of 3 add the same gradients up in other orders,
+    # equal to fp32 rounding; bf16 would grow those last bits (the bit-exact split in bf16: test_base_train)
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
     args = ["--total_batch_size=384", "--num_iterations=6", "--save_every=3"]  # 6 data slots: 1, 2 or 3 ranks
     full = base_train(*args, "--model_tag=full")
     assert full.returncode == 0, full.stderr
@@ -191,7 +212,7 @@ def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(
         assert m["step_loss"] == pytest.approx(sum(m["rank_losses"]) / 2, abs=1e-6)
     assert all(m["rank_losses"][0] != m["rank_losses"][1] for m in rows[1:])  # (step 1: both exactly ln(vocab))
     assert [m["step_loss"] for m in rows] == pytest.approx(full_losses, rel=1e-5)
-    assert_same_weights(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "two_then_one"), rtol=1e-4, atol=1e-5)
+    assert_same_training(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "two_then_one"))
     assert os.path.exists(ckpts / "two_then_one" / "optim_000006_rank1.pt")  # every rank's optimizer shard
 
     # 2 ranks for 3 steps, then 1 rank
@@ -201,7 +222,7 @@ def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(
     assert one.returncode == 0, one.stderr
     assert "Resuming a run of 2 process(es) on 1" in one.stdout
     assert train_losses(isolated_env, "two_then_one") == pytest.approx(full_losses, rel=1e-5)
-    assert_same_weights(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "two_then_one"), rtol=1e-4, atol=1e-5)
+    assert_same_training(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "two_then_one"))
 
     # 1 rank for 3 steps (the full run's step-3 checkpoint), then 3 ranks
     shutil.copytree(ckpts / "full", ckpts / "one_then_three", ignore=shutil.ignore_patterns("*000006*", ".lock"))
@@ -210,7 +231,7 @@ def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(
     assert three.returncode == 0, three.stderr
     assert "Resuming a run of 1 process(es) on 3" in three.stdout
     assert train_losses(isolated_env, "one_then_three") == pytest.approx(full_losses, rel=1e-5)
-    assert_same_weights(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "one_then_three"), rtol=1e-4, atol=1e-5)
+    assert_same_training(weights(isolated_env, 6, "full"), weights(isolated_env, 6, "one_then_three"))
 
 
 # ---------------------------------------------------------------------------------------------
