@@ -418,6 +418,32 @@ def chat_web_server(chat_web_base):
     thread.join(timeout=10)
 
 
+def document_ends(model, tokenizer, pydocs_dir, count, max_tokens=120):
+    """
+    `count` texts after which `model`'s greedy next token is <|bos|>, the token that starts a document: where a base
+    model ends the one it reads. Each is the start of a document of the pydocs validation shard (one per document),
+    cut after whole tokens that encode gives back unchanged, at most `max_tokens` long. [(text, its ids)], the ids
+    without <|bos|>.
+    """
+    import pyarrow.parquet as pq
+    import torch
+    bos = tokenizer.get_bos_token_id()
+    shard = sorted(n for n in os.listdir(pydocs_dir) if n.startswith("shard_"))[-1]
+    found = []
+    for doc in pq.read_table(os.path.join(pydocs_dir, shard), columns=["text"]).column("text").to_pylist():
+        ids = tokenizer.encode(doc, prepend=bos)[:max_tokens + 1]
+        with torch.no_grad():
+            greedy = model(torch.tensor([ids], device=model.lm_head.weight.device))[0].argmax(dim=-1).tolist()
+        for end in range(2, len(ids) + 1):  # greedy[end - 1]: the token the model expects after ids[:end]
+            text = tokenizer.decode(ids[1:end])
+            if greedy[end - 1] == bos and tokenizer.encode(text) == ids[1:end]:
+                found.append((text, ids[1:end]))
+                break
+        if len(found) == count:
+            return found
+    pytest.fail(f"fewer than {count} pydocs documents have a place where the model expects <|bos|> next")
+
+
 def engine_reply(served, messages, max_tokens, temperature, top_k, seed):
     """What the engine itself generates for this request: (text, number of tokens)."""
     prompt = served.tokenizer.render_for_completion({"messages": messages})
