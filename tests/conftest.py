@@ -418,6 +418,21 @@ def chat_web_server(chat_web_base):
     thread.join(timeout=10)
 
 
+def wait_serving(process, url, timeout=60):
+    """Wait until the chat_web started as `process` (start_script, its output piped) answers {url}/health; fail if it
+    ends first or takes longer than `timeout` seconds."""
+    import httpx
+    deadline = time.time() + timeout
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        assert time.time() < deadline, "the server did not start"
+        try:
+            if httpx.get(url + "/health", timeout=2, verify=False).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 def document_ends(model, tokenizer, pydocs_dir, count, max_tokens=120):
     """
     `count` texts after which `model`'s greedy next token is <|bos|>, the token that starts a document: where a base

@@ -1,37 +1,43 @@
 """
 EleutherAI's lm-evaluation-harness (the real one: `python -m lm_eval`, a dev dependency) scores the session's tiny
-base model as nanochat does through `--model hf` on the exported directory, with the README's setting for each
-kind of task. Every log-likelihood the harness logs (--log_samples) must equal our own scoring of the same text
-within 1e-3: the tokenizer's ids after one <|bos|>, the model's fp32 forward pass, the sum of the log-probabilities
-of the continuation's tokens (of the whole document, for rolling perplexity).
+base model as nanochat does, through both paths the README shows: the OpenAI-compatible server (scripts.chat_web,
+the README's `--model local-completions` command) and `--model hf` on the exported directory (with the README's
+setting for each kind of task). Every log-likelihood the harness logs (--log_samples) must equal our own scoring of
+the same text within 1e-3: the tokenizer's ids after one <|bos|>, the model's fp32 forward pass, the sum of the
+log-probabilities of the continuation's tokens (of the whole document, for rolling perplexity).
 
 The tasks are local (tests/fixtures/lm_eval: a multiple-choice task and a rolling-perplexity task, read with
 --include_path; no Hub, HF_*_OFFLINE=1), with rows added here where the model's greedy next token is <|bos|>: a
-document, and a multiple-choice answer, that end where the model would end them.
+document, and a multiple-choice answer, that end where the model would end them. The server used to lose a token's
+log-probability there (it returned no completion token, and the harness drops the last token it gets).
 """
 
 import glob
 import json
 import os
 import shutil
+import signal
+import subprocess
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT, document_ends, run_script
+from conftest import REPO_ROOT, document_ends, free_port, run_script, start_script, wait_serving
 
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install -e '.[dev]'")
 
 TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "lm_eval")
 TOLERANCE = 1e-3  # nats, per request
-# The README's commands, as written there
+# The README's commands, as written there (a model of context 2048; the tiny model's is 512)
+SERVER_ARGS = "model=nanochat,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,max_length=2047,num_concurrent=1"
+SERVER_COMMAND = f"lm_eval --model local-completions --tasks arc_easy,hellaswag,wikitext --model_args \\\n  {SERVER_ARGS}"
 HF_CHOICE_COMMAND = "lm_eval --model hf --model_args pretrained=nanochat-d20-base,dtype=float32 --tasks arc_easy,hellaswag"
 HF_ROLLING_COMMAND = "lm_eval --model hf --model_args pretrained=nanochat-d20-base,dtype=float32,add_bos_token=False --tasks wikitext"
 
 
 @pytest.fixture(scope="module")
 def ours(chat_web_base):
-    """(model, tokenizer) of the tiny base model (chat_web's), as our code loads it: fp32 weights, and no
+    """(model, tokenizer) of the tiny base model the server serves, as our code loads it: fp32 weights, and no
     autocast here, so an fp32 forward pass."""
     from nanochat.checkpoint_manager import load_model
     with pytest.MonkeyPatch.context() as mp:
@@ -99,6 +105,30 @@ def differences(ours, logged):
     """{task: the largest |harness - ours| over its requests}"""
     return {task: max(abs(value - our_loglikelihood(ours, context, continuation)) for context, continuation, value in rows)
             for task, rows in logged.items()}
+
+
+@pytest.mark.slow
+def test_lm_eval_through_the_server_scores_as_nanochat(ours, tasks, chat_web_base, tmp_path):
+    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
+    assert SERVER_COMMAND in readme
+    port = free_port()
+    server = start_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", f"--port={port}",
+                          env={"NANOCHAT_BASE_DIR": chat_web_base, "NANOCHAT_DTYPE": "float32"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_serving(server, f"http://127.0.0.1:{port}")
+        command = SERVER_COMMAND.replace(":8000/", f":{port}/").replace("max_length=2047", "max_length=511")
+        command = command.replace("arc_easy,hellaswag,wikitext", "nanochat_choice,nanochat_docs")
+        logged = run_lm_eval(command, tasks, tmp_path / "out")
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate()
+    worst = differences(ours, logged)
+    assert max(worst.values()) <= TOLERANCE, worst
 
 
 @pytest.fixture(scope="module")
