@@ -22,17 +22,27 @@ How nanochat reads the requests:
 - Chat: the messages are rendered by tokenizer.render_for_completion, as the chat page's are: <|bos|>, a leading
   system (or developer) message merged into the first user message as "system\\n\\nuser", then user and
   assistant turns alternating, ending with the user's, then <|assistant_start|>.
-- Completions: a token-id prompt is used verbatim. A text prompt is encoded with nanochat's tokenizer after a
-  <|bos|>, because every document the model was trained on starts with one; with echo, that <|bos|> is echoed
-  too (as "<|bos|>" in text and tokens), so the echo is exactly what the model read.
+- Completions: the model reads every prompt after a <|bos|>, as every document it was trained on starts with
+  one. A prompt (text, or token ids) that does not start with <|bos|> gets one put in front, which the model
+  reads but which is not the client's: it is not echoed, has no place in `logprobs` and is not counted in
+  usage.prompt_tokens, so that echo and logprobs cover exactly the tokens sent and the first of them gets a real
+  log-probability. A prompt of token ids that starts with <|bos|> is read as it is. Text is encoded with
+  nanochat's tokenizer (a special token's name written in text stays text). This is what makes
+  lm-evaluation-harness score as nanochat does: its remote tokenizer never adds special tokens, so a
+  multiple-choice context comes as ids without <|bos|>, and a rolling-perplexity window comes with its prefix
+  token, <|bos|> (/tokenizer_info), first. A prompt as the model reads it must fit in the context.
 - logprobs: the model's own log-probabilities (log-softmax of its logits, before temperature and top_k), from
-  one forward pass over prompt + completion. token_logprobs[j] is that of token j after the tokens before it
-  (null for the first token of a prompt, which has nothing before it); top_logprobs[j] holds the `logprobs`
-  most likely tokens at that position and the token itself; text_offset[j] is where token j starts in `text`.
-  Tokens are shown as tokenizer.id_to_token does (a part of a multi-byte character as \\xNN escapes).
-- finish_reason: "stop" when the model ended its turn (<|assistant_end|>, or <|bos|> for a base model) or a
-  stop string was reached, "length" at max_tokens or the end of the context. usage counts the prompt's tokens
-  and the tokens generated (not the end-of-turn token).
+  one forward pass over prompt + completion. token_logprobs[j] is that of token j after the tokens the model read
+  before it (null for a <|bos|> the prompt starts with: nothing predicts it); top_logprobs[j] holds the
+  `logprobs` most likely tokens at that position and the token itself; text_offset[j] is where token j starts in
+  `text`. Tokens are shown as tokenizer.id_to_token does (a part of a multi-byte character as \\xNN escapes).
+- finish_reason: "stop" when the model ended its turn (<|assistant_end|>, or <|bos|> for a base model: the end
+  of a document) or a stop string was reached, "length" at max_tokens or the end of the context. The token that
+  ended the turn is the last token of a completion's `logprobs` (tokens, token_logprobs, top_logprobs), as vLLM
+  reports its end-of-sequence token, but not part of its `text`; usage.completion_tokens counts it, so that it
+  counts the tokens `logprobs` reports. lm-evaluation-harness needs that token: it asks for one token after an
+  echoed prompt and reads token_logprobs[ctxlen:-1], so a completion without a token would cost it the prompt's
+  last one. Chat's usage counts the reply's tokens, without the end of the turn (a chat reply has no token list).
 
 Errors are {"error": {"message", "type", "param", "code"}}: 400 for a bad request (never 422: OpenAI's client
 would not say which field; never 500: it would retry), 401 for a missing or wrong key when Settings.api_key is
@@ -145,6 +155,7 @@ class ReplyText:
 @dataclass
 class Reply:
     tokens: list = field(default_factory=list)  # the token ids generated (not the end-of-turn token)
+    end_token: int = None  # the token that ended the turn (<|assistant_end|> or <|bos|>), if one did
     finish_reason: str = None  # "stop" or "length"; None while generating, and if the client left
     cut: bool = False  # a stop string ended it
 
@@ -160,6 +171,9 @@ async def reply_pieces(job, request, prompt, sampling, stops, reply):
     while (token := await tokens.get()) is not None:
         if isinstance(token, Exception):
             raise token
+        if token in job.worker.engine.end_tokens:  # the model ended its turn: not text, and the last token
+            reply.end_token = token
+            continue
         reply.tokens.append(token)
         piece = text.put(token)
         if piece:
@@ -173,8 +187,8 @@ async def reply_pieces(job, request, prompt, sampling, stops, reply):
     if piece:
         yield piece
     reply.cut = text.stopped
-    # the worker sends every token but the one that ends the turn: max_tokens of them means the limit ended it
-    reply.finish_reason = "length" if len(reply.tokens) == sampling["max_tokens"] and not text.stopped else "stop"
+    # neither the end of the turn nor a stop string: max_tokens (which the end of the context caps) ended it
+    reply.finish_reason = "stop" if text.stopped or reply.end_token is not None else "length"
 
 
 @torch.inference_mode()
@@ -194,7 +208,7 @@ def logprobs_report(model, tokenizer, ids, start, top_n):
         report["tokens"].append(tokenizer.id_to_token(ids[j]))
         report["text_offset"].append(offset)
         offset += len(streamer.put(ids[j]))
-        if j == 0:  # the first token of the prompt: nothing predicts it
+        if j == 0:  # the <|bos|> the prompt starts with: nothing predicts it
             report["token_logprobs"].append(None)
             report["top_logprobs"].append(None)
             continue
@@ -325,14 +339,15 @@ async def completions(request: Request):
     if top_n is not None and not 0 <= top_n <= MAX_LOGPROBS:
         raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {top_n}")
     prompts = completion_prompts(body, settings, pool)
-    if sampling["max_tokens"] > 0 and max(len(p) for p in prompts) >= pool.context_len:
-        raise bad("prompt", f"a prompt of {max(len(p) for p in prompts):,} tokens fills the model's context "
-                            f"({pool.context_len:,}): no room for max_tokens", code="context_length_exceeded")
+    longest = max(len(prompt) for prompt, _ in prompts)
+    if sampling["max_tokens"] > 0 and longest >= pool.context_len:
+        raise bad("prompt", f"a prompt of {longest:,} tokens as the model reads it (<|bos|> first) fills the model's "
+                            f"context ({pool.context_len:,}): no room for max_tokens", code="context_length_exceeded")
     choices, generated = [], 0
     async with Job(pool) as job:
         try:
-            for index, prompt in enumerate(prompts):
-                choice = await complete(job, request, prompt, dict(sampling), stops, echo, top_n)
+            for index, (prompt, added) in enumerate(prompts):
+                choice = await complete(job, request, prompt, added, dict(sampling), stops, echo, top_n)
                 if choice is None:
                     return Response(status_code=499)  # the client left
                 generated += choice.pop("generated")
@@ -342,11 +357,15 @@ async def completions(request: Request):
             raise APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error") from e
         job.outcome = "served"
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": settings.model_name, "choices": choices, "usage": usage(sum(len(p) for p in prompts), generated)}
+            "model": settings.model_name, "choices": choices,
+            "usage": usage(sum(len(prompt) - added for prompt, added in prompts), generated)}
 
 
-async def complete(job, request, prompt, sampling, stops, echo, top_n):
-    """One choice of /v1/completions: the continuation of `prompt`, its log-probabilities if asked; None if the client left."""
+async def complete(job, request, prompt, added, sampling, stops, echo, top_n):
+    """
+    One choice of /v1/completions: the continuation of `prompt` (as the model reads it: its first `added` tokens
+    were put there by the server, not sent), its log-probabilities if asked; None if the client left.
+    """
     tokenizer, reply = job.pool.tokenizer, Reply()
     sampling["max_tokens"] = min(sampling["max_tokens"], job.pool.context_len - len(prompt))
     text = ""
@@ -362,14 +381,16 @@ async def complete(job, request, prompt, sampling, stops, echo, top_n):
                 break
             kept.append(token)
             offset += len(streamer.put(token))
+    elif reply.end_token is not None:
+        kept = kept + [reply.end_token]
     logprobs = None
     if top_n is not None:
         logprobs = await job.run(logprobs_report, job.worker.engine.model, tokenizer, prompt + kept,
-                                 0 if echo else len(prompt), top_n)
+                                 added if echo else len(prompt), top_n)
     if echo:
-        text = tokenizer.decode(prompt) + text
+        text = tokenizer.decode(prompt[added:]) + text
     return {"text": text, "logprobs": logprobs, "finish_reason": reply.finish_reason or "length",
-            "generated": len(reply.tokens)}
+            "generated": len(reply.tokens) + (reply.end_token is not None)}
 
 
 # lm-evaluation-harness's remote tokenizer (tokenizer_backend=remote) reads these, at the server's root, as vLLM
@@ -385,7 +406,7 @@ async def tokenizer_info(request: Request):
 async def tokenize(request: Request):
     """{"prompt": text, "add_special_tokens": true} -> {"tokens": [...]}. Special tokens written in the text
     ("<|bos|>") are read as such, as Hugging Face tokenizers do (the harness finds the BOS id this way);
-    add_special_tokens puts a <|bos|> first, as a text prompt of /v1/completions gets."""
+    add_special_tokens puts a <|bos|> first, as the model reads every prompt of /v1/completions."""
     pool = request.app.state.pool
     body = await read_body(request, request.app.state.openai)
     text = get(body, "prompt", "str")

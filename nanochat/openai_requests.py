@@ -193,8 +193,11 @@ def chat_prompt(body, settings, pool):
 
 
 def completion_prompts(body, settings, pool):
-    """The prompts of a completions request as token lists: a string, a list of strings, a list of token ids, or
-    a list of such lists. Token ids are used verbatim; text gets <|bos|> first (see the module docstring)."""
+    """
+    The prompts of a completions request (a string, a list of strings, a list of token ids, or a list of such
+    lists) as the model reads them: a list of (tokens, added), where `added` is 1 if the server put the <|bos|>
+    that tokens starts with in front of what was sent, 0 if the prompt started with it (see openai_api's docstring).
+    """
     prompt = body.get("prompt")
     single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
     if single:
@@ -203,18 +206,22 @@ def completion_prompts(body, settings, pool):
         raise bad("prompt", "missing or empty: send a string, a list of token ids, or a list of either")
     if len(prompt) > MAX_PROMPTS:
         raise bad("prompt", f"{len(prompt)} prompts, at most {MAX_PROMPTS} are accepted")
-    tokens = []
+    bos = pool.tokenizer.get_bos_token_id()
+    prompts = []
     for i, p in enumerate(prompt):
         where = "prompt" if single else f"prompt[{i}]"
         if isinstance(p, str):
             if len(p) > settings.max_conversation_chars:
                 raise bad(where, f"{len(p):,} characters, at most {settings.max_conversation_chars:,} are accepted")
-            p = pool.tokenizer.encode(p, prepend="<|bos|>")
+            p = pool.tokenizer.encode(p)
         elif not isinstance(p, list) or not p:
             raise bad(where, "must be a string or a non-empty list of token ids")
         elif not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < pool.vocab_size for t in p):
             raise bad(where, f"token ids must be integers in [0, {pool.vocab_size}) (the model's vocabulary)")
+        added = int(not p or p[0] != bos)
+        p = [bos] * added + p
         if len(p) > pool.context_len:
-            raise bad(where, f"{len(p):,} tokens, and the model's context holds {pool.context_len:,}", code="context_length_exceeded")
-        tokens.append(p)
-    return tokens
+            raise bad(where, f"{len(p):,} tokens as the model reads it (<|bos|> first), and the model's context holds "
+                             f"{pool.context_len:,}", code="context_length_exceeded")
+        prompts.append((p, added))
+    return prompts

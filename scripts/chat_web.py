@@ -127,7 +127,8 @@ class Worker:
     def start(self, prompt, sampling, stop):
         """
         Start generating the reply to `prompt` in this worker's thread. Returns an asyncio.Queue that receives
-        each token id of the reply as soon as it is sampled, then None at the end (the end of the turn,
+        each token id of the reply as soon as it is sampled, the token that ends the turn included (one of
+        engine.end_tokens: the caller decides whether to show it), then None at the end (the end of the turn,
         max_tokens, the end of the context), or the exception that ended it. Setting the threading.Event `stop`
         ends the generation before its next step. The thread never waits for the event loop: it computes
         the next token while the loop sends the last one.
@@ -146,9 +147,9 @@ class Worker:
                             break
                         self.tokens_generated += 1
                         token = step[0][0]
+                        loop.call_soon_threadsafe(tokens.put_nowait, token)
                         if token in self.engine.end_tokens:
                             break
-                        loop.call_soon_threadsafe(tokens.put_nowait, token)
             except Exception as e:
                 outcome = e
             finally:
@@ -367,6 +368,8 @@ async def stream_reply(request, pool, prompt, sampling):
         while (token := await tokens.get()) is not None:
             if isinstance(token, Exception):
                 raise token
+            if token in worker.engine.end_tokens:  # the end of the turn is not text
+                continue
             sent += 1
             text = streamer.put(token)
             if text:

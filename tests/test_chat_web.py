@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from conftest import HELLO, engine_reply, free_port, run_script, start_script, wait_idle
+from conftest import HELLO, engine_reply, free_port, run_script, start_script, wait_idle, wait_serving
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 
@@ -269,15 +269,7 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_w
     process = start_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0", f"--port={port}",
                            "--api_key=s3cret", "--model_name=tiny", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            assert time.time() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, verify=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_serving(process, f"http://127.0.0.1:{port}")
         status, events = post_chat(f"http://127.0.0.1:{port}", {"messages": HELLO, "max_tokens": 5})
         assert status == 200 and events[-1] == {"done": True}
         # --api_key and --model_name reach the OpenAI-compatible API

@@ -4,13 +4,13 @@ real uvicorn server on 127.0.0.1 (conftest.chat_web_server: a tiny trained model
 a whole reply and a streamed one (the engine's tokens, usage counts, stop strings, whole characters only), bad
 requests (400 naming the field), an unknown model (404), the API key (401), a client that leaves, a failing
 generation, and /v1/completions as lm-evaluation-harness's `local-completions` calls it (token-id prompts, echo,
-logprobs equal to the model's own forward pass).
+logprobs equal to the model's own forward pass after one <|bos|>, the token that ends a document reported).
 """
 
 import pytest
 import torch
 
-from conftest import HELLO, engine_reply, wait_idle
+from conftest import HELLO, document_ends, engine_reply, wait_idle
 
 openai = pytest.importorskip("openai", reason="needs the openai pip package: pip install openai")
 
@@ -244,12 +244,50 @@ def test_loglikelihood_requests_get_the_models_own_logprobs(chat_web_server):
         top = report["top_logprobs"][j]
         assert max(top.values()) == pytest.approx(logprobs[j - 1].max().item(), abs=1e-5)
         assert tokenizer.id_to_token(ids[j]) in top
-    assert choice["text"] == tokenizer.decode(ids + [generated]) and choice["index"] == 0
+    if generated in chat_web_server.engine.end_tokens:  # the end of the document is a token, but not text
+        assert choice["text"] == tokenizer.decode(ids) and choice["finish_reason"] == "stop"
+    else:
+        assert choice["text"] == tokenizer.decode(ids + [generated]) and choice["finish_reason"] == "length"
     assert report["text_offset"][0] == 0 and report["text_offset"] == sorted(report["text_offset"])
     assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
+    # the same prompt without its <|bos|>, as lm-eval's remote tokenizer sends a context: the model reads one all the
+    # same, which is neither echoed nor counted, and the first token sent gets its log-probability after it
+    payload["prompt"] = [ids[1:]]
+    bare = chat_web_server.http.post(chat_web_server.url + "/v1/completions", json=payload).json()
+    assert bare["choices"][0]["logprobs"]["tokens"] == report["tokens"][1:]
+    assert bare["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(report["token_logprobs"][1:], abs=1e-5)
+    assert bare["choices"][0]["text"] == choice["text"][len("<|bos|>"):]
+    assert bare["usage"]["prompt_tokens"] == len(ids) - 1
 
 
-def test_text_prompts_start_with_bos_and_are_continued(chat_web_server, client):
+def test_a_completion_that_ends_the_document_reports_its_end_token(chat_web_server, chat_web_base):
+    """Where the model's greedy next token is <|bos|> (the end of the document), the one token lm-eval asks for is
+    that <|bos|>: token_logprobs has one entry per prompt token and one more, as the harness reads it
+    (token_logprobs[ctxlen:-1]), and the text stays without it."""
+    tokenizer, http, url = chat_web_server.tokenizer, chat_web_server.http, chat_web_server.url
+    ends = document_ends(chat_web_server.engine.model, tokenizer, chat_web_base / "base_data" / "pydocs", 3)
+    ended = 0
+    for text, ids in ends:
+        payload = {"prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True}
+        answer = http.post(url + "/v1/completions", json=payload).json()
+        (choice,) = answer["choices"]
+        report = choice["logprobs"]
+        assert len(report["tokens"]) == len(report["token_logprobs"]) == len(report["top_logprobs"]) == len(ids) + 1
+        assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
+        if choice["finish_reason"] == "stop":  # this server's dtype may tip a near tie the other way: most end here
+            ended += 1
+            assert report["tokens"][-1] == "<|bos|>" and choice["text"] == text
+            assert report["token_logprobs"][-1] == max(report["top_logprobs"][-1].values())  # the greedy token
+            assert report["text_offset"][-1] == len(text)
+            alone = http.post(url + "/v1/completions", json={**payload, "echo": False}).json()
+            assert alone["choices"][0]["text"] == "" and alone["choices"][0]["logprobs"]["tokens"] == ["<|bos|>"]
+    assert ended >= 2
+    # a prompt must leave room for the <|bos|> the model reads first and for one token: 510 tokens sent are 512 read
+    room = http.post(url + "/v1/completions", json={"prompt": [5] * 510, "max_tokens": 1, "logprobs": 0, "echo": True})
+    assert room.status_code == 200 and len(room.json()["choices"][0]["logprobs"]["tokens"]) == 511
+
+
+def test_text_prompts_are_read_after_bos_and_continued(chat_web_server, client):
     tokenizer, engine = chat_web_server.tokenizer, chat_web_server.engine
     texts = ["import os\n", "The quick brown"]
     answer = client.completions.create(model="nanochat", prompt=texts, max_tokens=8, temperature=0, echo=True, logprobs=2)
@@ -257,21 +295,22 @@ def test_text_prompts_start_with_bos_and_are_continued(chat_web_server, client):
     generated = 0
     for text, choice in zip(texts, answer.choices):
         prompt = tokenizer.encode(text, prepend="<|bos|>")
-        result, _ = engine.generate_batch(prompt, max_tokens=8, temperature=0)
-        generated += len(result[0]) - len(prompt)
-        assert choice.text == "<|bos|>" + text + tokenizer.decode(result[0][len(prompt):])  # the echo is what the model read
-        assert choice.logprobs.tokens[0] == "<|bos|>" and choice.logprobs.token_logprobs[0] is None
-        assert len(choice.logprobs.tokens) == len(result[0])
-        assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs[1:])
-    prompt_tokens = sum(len(tokenizer.encode(t)) + 1 for t in texts)
+        reply = [column[0] for column, _ in engine.generate(prompt, max_tokens=8, temperature=0)]  # with its end token
+        generated += len(reply)
+        text_tokens = [t for t in reply if t not in engine.end_tokens]
+        assert choice.text == text + tokenizer.decode(text_tokens)  # the echo is what was sent: no <|bos|>
+        assert choice.finish_reason == ("stop" if len(text_tokens) < len(reply) else "length")
+        assert choice.logprobs.tokens == [tokenizer.id_to_token(t) for t in prompt[1:] + reply]
+        assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs)  # the first token sent too: <|bos|> is before it
+    prompt_tokens = sum(len(tokenizer.encode(t)) for t in texts)
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, generated)
     # without echo: the continuation only; max_tokens 0 with echo: scoring only
     plain = client.completions.create(model="nanochat", prompt=texts[1], max_tokens=8, temperature=0)
-    assert "<|bos|>" + texts[1] + plain.choices[0].text == answer.choices[1].text and plain.choices[0].logprobs is None
+    assert texts[1] + plain.choices[0].text == answer.choices[1].text and plain.choices[0].logprobs is None
     scored = client.completions.create(model="nanochat", prompt=texts[1], max_tokens=0, echo=True, logprobs=0)
     ids = tokenizer.encode(texts[1], prepend="<|bos|>")
-    assert scored.choices[0].text == "<|bos|>" + texts[1] and scored.usage.completion_tokens == 0
-    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(model_logprobs(chat_web_server, ids)[1], abs=1e-5)
+    assert scored.choices[0].text == texts[1] and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(model_logprobs(chat_web_server, ids)[1], abs=1e-5)
 
 
 BAD_COMPLETIONS = {
@@ -280,6 +319,7 @@ BAD_COMPLETIONS = {
     "an empty token list in a batch": (dict(prompt=[[1, 2], []]), "prompt[1]"),
     "a prompt longer than the context": (dict(prompt=[5] * 600, max_tokens=0), "prompt"),
     "a prompt that fills the context": (dict(prompt=[5] * 512, max_tokens=1), "prompt"),
+    "a prompt that fills it with the <|bos|> read first": (dict(prompt=[5] * 511, max_tokens=1), "prompt"),
     "too many logprobs": (dict(prompt="x", logprobs=21), "logprobs"),
     "streaming": (dict(prompt="x", stream=True), "stream"),
     "best_of": (dict(prompt="x", best_of=3), "best_of"),
