@@ -1,10 +1,14 @@
 """
-Scoring a chat model on a task's problems, shared by scripts/chat_eval.py (the evaluation stage) and
-scripts/chat_sft.py (its periodic multiple-choice accuracy). How each kind of task is scored, and why, is in
+Scoring a chat model on a task's problems, and the progress of a long scoring, shared by scripts/chat_eval.py (the
+evaluation stage), scripts/chat_sft.py (its periodic multiple-choice accuracy) and scripts/chat_rl.py (pass@k). How each kind of task is scored, and why, is in
 scripts/chat_eval.py's docstring.
 """
 
+import time
+
 import torch
+
+from nanochat.common import Interrupted, print0
 
 
 def letter_token(tokenizer, letter):
@@ -16,10 +20,11 @@ def letter_token(tokenizer, letter):
 
 
 @torch.inference_mode()
-def score_categorical(model, tokenizer, task, indices, batch_size, device, progress=None):
+def score_categorical(model, tokenizer, task, indices, batch_size, device, progress=None, stop=None):
     """
     Problems `indices` of a categorical task, `batch_size` prompts per forward. Returns one (passed, letter
-    chosen) per problem. `model(ids)` must return logits (B, T, vocab), as GPT does. A prompt longer than the model's training
+    chosen) per problem. stop: asked before every batch; when it says so, Interrupted (on this rank: a caller with
+    collectives agrees with the other ranks, nanochat.common.interruptible). `model(ids)` must return logits (B, T, vocab), as GPT does. A prompt longer than the model's training
     context is still read whole (GPT's rotary table reaches 10x further): the answer is one forward, and
     cutting the prompt would cut the question. A prompt beyond even that fails (letter None).
     """
@@ -27,6 +32,8 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
     limit = getattr(model, "rotary_len", None) or float("inf")  # the model cannot read further (positions)
     outcomes = []
     for start in range(0, len(indices), batch_size):
+        if stop is not None and stop():
+            raise Interrupted
         conversations = [task[i] for i in indices[start:start + batch_size]]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]  # each ends with <|assistant_start|>
         batch = [(False, None)] * len(prompts)  # a prompt too long to read at all fails (letter None)
@@ -49,14 +56,16 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
 
 
 def score_generative(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature, top_k, seed,
-                     progress=None):
+                     progress=None, stop=None):
     """
     Problems `indices` of a generative task: `num_samples` answers each, a problem passes if any does.
     Returns one (passed, answers) per problem; answers is None when the prompt fills the model's context
-    (nothing can be generated: the problem fails).
+    (nothing can be generated: the problem fails). stop: as for score_categorical, asked before every problem.
     """
     outcomes = []
     for i in indices:
+        if stop is not None and stop():
+            raise Interrupted
         conversation = task[i]
         prompt = tokenizer.render_for_completion(conversation)
         room = engine.context_len - len(prompt)
@@ -70,3 +79,41 @@ def score_generative(engine, tokenizer, task, indices, num_samples, max_new_toke
         if progress:
             progress.update([outcomes[-1][0]])
     return outcomes
+
+
+def duration(seconds):
+    """45s, 6m, 1h05m."""
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+class Progress:
+    """
+    A task's progress, printed after its first batch (how long the whole will take) and then every `every`
+    seconds while it runs:
+        GSM8K 120/1319 (9%) | 3.2 problems/s | ~6m left | acc so far 12.5%
+    Under torchrun rank 0 prints its own share of the problems (every rank has about as many).
+    """
+
+    clock = time.time  # seconds; a test replaces it
+
+    def __init__(self, name, total, every, enabled=True, share=""):
+        self.name, self.total, self.every, self.enabled, self.share = name, total, every, enabled, share
+        self.done = self.passed = 0
+        self.start = self.last = self.clock()
+
+    def update(self, outcomes):
+        """Count the outcomes (True = passed) of the problems just scored; print the line if it is due."""
+        self.done += len(outcomes)
+        self.passed += sum(outcomes)
+        now = self.clock()
+        first = self.done == len(outcomes)
+        if not self.enabled or self.done >= self.total or (now - self.last < self.every and not first):
+            return
+        self.last = now
+        rate = self.done / max(now - self.start, 1e-9)
+        print0(f"{self.name} {self.done}/{self.total}{self.share} ({self.done / self.total:.0%}) | {rate:.1f} problems/s | "
+               f"~{duration((self.total - self.done) / rate)} left | acc so far {self.passed / self.done:.1%}")

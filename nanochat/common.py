@@ -1,6 +1,7 @@
 """
 What every nanochat script needs first: output (UserError, logging, print0), the base directory, the locked
-download, and the set-up of processes and devices for plain and torchrun launches.
+download, the set-up of processes and devices for plain and torchrun launches, and long phases that a stop request
+cuts short (Interrupted).
 
 Importing this module changes nothing in the importing program (no logger, RNG or process group is touched).
 configure() and compute_init(), which scripts call, run setup_default_logging(): from then on the "nanochat"
@@ -8,6 +9,7 @@ logger prints to stderr instead of propagating to the root logger, and sys.excep
 one line. A program that uses nanochat as a library and keeps its own logging calls neither.
 """
 
+import contextlib
 import logging
 import os
 import re
@@ -353,3 +355,44 @@ def compute_cleanup():
         dist.barrier()
         dist.destroy_process_group()
 
+
+
+# -----------------------------------------------------------------------------
+# Long phases that a stop request cuts short
+
+
+class Interrupted(Exception):
+    """
+    A long phase (an evaluation, sampling) ended before its end because a stop was requested (its `stop()` said so,
+    nanochat/stage.py StopRequest): its result is incomplete, and not reported. Under torchrun a phase with
+    collectives raises it on every rank at the same point (interruptible), so no rank is left waiting in a collective
+    that the others skipped.
+    """
+
+
+@contextlib.contextmanager
+def interruptible(device):
+    """
+    Around the part of a phase that each rank computes on its own, before the phase's collectives, on every rank:
+
+        with interruptible(device):
+            for batch in my_share:
+                if stop and stop():
+                    raise Interrupted
+                ...
+        dist.all_reduce(totals)
+
+    An Interrupted raised inside is held until the block ends; there every rank learns whether any rank was
+    interrupted (one all_reduce under torchrun), and then all raise Interrupted together, or all go on.
+    """
+    stopped = False
+    try:
+        yield
+    except Interrupted:
+        stopped = True
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([float(stopped)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stopped = flag.item() > 0
+    if stopped:
+        raise Interrupted

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from filelock import FileLock
 
-from nanochat.common import UserError, download_file_with_lock, get_base_dir, print0
+from nanochat.common import Interrupted, UserError, download_file_with_lock, get_base_dir, interruptible, print0
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 BUNDLE_KINDS = ("dclm", "offline")
@@ -304,15 +304,18 @@ def pack_rows(rows, batch_tokens):
 
 
 @torch.no_grad()
-def score_rows(model, rows, batches, device, pad_id):
+def score_rows(model, rows, batches, device, pad_id, stop=None):
     """
     rows: [(tokens, start, end), ...]; batches: lists of row indices, one forward each. Returns, in the order of
     `rows`, [(mean loss over tokens[start:end], whether the greedy argmax predicted every one of them), ...].
+    stop: asked before every forward; when it says so, Interrupted (on this rank).
     Each row is padded on the right with `pad_id`: the model is causal, so a position never sees the padding
     after it, and only positions before each row's own end are read.
     """
     results = [None] * len(rows)
     for batch in batches:
+        if stop is not None and stop():
+            raise Interrupted
         for i, outcome in zip(batch, _forward_rows(model, [rows[i] for i in batch], device, pad_id)):
             results[i] = outcome
     return results
@@ -345,7 +348,8 @@ def _forward_rows(model, rows, device, pad_id):
 # 4. Tasks and the score
 
 
-def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_tokens=DEFAULT_BATCH_TOKENS, max_seq_len=None):
+def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_tokens=DEFAULT_BATCH_TOKENS, max_seq_len=None,
+                  stop=None):
     """
     Evaluate one task on `data` (already shuffled and cropped) with `num_fewshot` shots (at most len(data) - 1).
     Under torchrun rank r takes examples r, r + W, r + 2W, ... and the counts are all-reduced.
@@ -358,9 +362,10 @@ def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_token
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     indices = list(range(rank, len(data), world))
     outcomes = []
-    for c in range(0, len(indices), EXAMPLES_PER_CHUNK):
-        outcomes += _evaluate_examples(model, tokenizer, task, data, indices[c:c + EXAMPLES_PER_CHUNK], device,
-                                       num_fewshot, batch_tokens, max_seq_len)
+    with interruptible(device):  # stop: Interrupted on every rank here
+        for c in range(0, len(indices), EXAMPLES_PER_CHUNK):
+            outcomes += _evaluate_examples(model, tokenizer, task, data, indices[c:c + EXAMPLES_PER_CHUNK], device,
+                                           num_fewshot, batch_tokens, max_seq_len, stop)
     totals = torch.tensor([sum(o["correct"] for o in outcomes), len(outcomes)], dtype=torch.long, device=device)
     if distributed:
         dist.all_reduce(totals)
@@ -368,7 +373,7 @@ def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_token
     return correct, total, outcomes
 
 
-def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewshot, batch_tokens, max_seq_len):
+def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewshot, batch_tokens, max_seq_len, stop=None):
     """Render, tokenize and score the examples data[i] for i in `indices`: their outcomes (see evaluate_task)."""
     kind, delimiter = task["type"], task["delimiter"]
     prompts, counts = [], []
@@ -387,7 +392,7 @@ def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewsho
     if max_seq_len:
         rows = crop_rows(rows, max_seq_len)
     batches = pack_rows(rows, batch_tokens) if batch_tokens > 0 else [list(range(a, b)) for a, b in row_ranges]
-    scores = score_rows(model, rows, batches, device, tokenizer.get_bos_token_id())
+    scores = score_rows(model, rows, batches, device, tokenizer.get_bos_token_id(), stop)
     outcomes = []
     for i, (a, b) in zip(indices, row_ranges):
         losses = [loss for loss, _ in scores[a:b]]
@@ -401,13 +406,14 @@ def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewsho
 
 
 def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_tokens=DEFAULT_BATCH_TOKENS,
-                  max_seq_len=None, verbose=True):
+                  max_seq_len=None, verbose=True, stop=None):
     """
     Evaluate `model` (called as model(ids) -> logits (B, T, vocab)) on every task of the bundle in `bundle_dir`
     (from prepare_bundle). max_per_task > 0 keeps the first N examples of each task's fixed shuffle.
     max_seq_len: rows longer than this are cropped from the left; default the model's config.sequence_len.
     Run it under the autocast context of training, with the uncompiled model (shapes vary). Every rank must
-    call it under torchrun; all get the same result. verbose: print a line per task (rank 0).
+    call it under torchrun; all get the same result. verbose: print a line per task (rank 0). stop: asked before
+    every forward (a stage's StopRequest); when it says so, Interrupted on every rank at the end of the task.
 
     Returns {"name": "CORE" (the offline bundle: "pydocs-CORE"), "score": mean centered accuracy,
              "tasks": {label: {"type", "shots", "examples", "correct", "accuracy", "baseline", "centered",
@@ -435,7 +441,7 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_t
         if shots < task["num_fewshot"]:
             print0(f"note: {task['label']} asks for {task['num_fewshot']} few-shot examples but has only {len(data)} "
                    f"examples{' after max_per_task' if max_per_task > 0 else ''}: using {shots}")
-        correct, total, _ = evaluate_task(model, tokenizer, task, data, device, shots, batch_tokens, max_seq_len)
+        correct, total, _ = evaluate_task(model, tokenizer, task, data, device, shots, batch_tokens, max_seq_len, stop)
         accuracy = correct / total
         centered = (accuracy - task["baseline"]) / (1.0 - task["baseline"])
         results[task["label"]] = {"type": task["type"], "shots": shots, "examples": total, "correct": correct,

@@ -118,18 +118,24 @@ class KVCache:
             self.pos = t1
         return self.k_layers[layer_idx][:, :, :t1], self.v_layers[layer_idx][:, :, :t1]
 
-    def prefill(self, other):
+    def keep_rows(self, rows):
+        """Keep only the rows `rows` (a tensor of row indices, in their new order): the others are dropped."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.batch_size = self.k.size(1)
+        self.k_layers, self.v_layers = [self.k[i] for i in range(self.n_layer)], [self.v[i] for i in range(self.n_layer)]
+
+    def place(self, other, rows, end):
         """
-        Copy the filled positions of cache `other` into this one: a batch-1 cache is broadcast to every row
-        (the prompt is run once, then each sample continues from its own copy of it).
+        Copy the filled positions of the batch-1 cache `other` (a prompt run once) into `rows` (a slice: that
+        prompt's samples) of this cache, ending at column `end`: right-aligned, so that prompts of different
+        lengths end together and a shorter one's rows start with padding columns (masked out by decode_step).
         """
-        if other.batch_size not in (1, self.batch_size) or (other.n_layer, other.n_kv_head, other.head_dim) != (
-                self.n_layer, self.n_kv_head, self.head_dim):
-            raise ValueError("prefill: the caches' shapes do not match")
-        self.reserve(other.pos)
-        self.k[:, :, :, :other.pos] = other.k[:, :, :, :other.pos]
-        self.v[:, :, :, :other.pos] = other.v[:, :, :, :other.pos]
-        self.pos = other.pos
+        if other.batch_size != 1 or (other.n_layer, other.n_kv_head, other.head_dim) != (
+                self.n_layer, self.n_kv_head, self.head_dim) or other.pos > end:
+            raise ValueError("place: the caches' shapes do not match")
+        self.reserve(end)
+        self.k[:, rows, :, end - other.pos:end] = other.k[:, :, :, :other.pos]
+        self.v[:, rows, :, end - other.pos:end] = other.v[:, :, :, :other.pos]
 
 
 # -----------------------------------------------------------------------------
@@ -265,10 +271,25 @@ class Engine:
         Arguments are checked at the call (UserError), before the first step is asked for.
         """
         tokens, steps = self._check_arguments(tokens, num_samples, max_tokens, temperature, top_k, seed)
-        return self._generate(tokens, num_samples, steps, temperature, top_k, seed)
+        return self._generate([tokens], num_samples, steps, temperature, top_k, seed)
+
+    def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
+        """
+        generate() for several prompts at once (of any lengths): `num_samples` continuations of each, all decoded
+        together, one step advancing every sample of every prompt. Entry p * num_samples + s of a column is sample
+        s of prompts[p]. `max_tokens` applies to every prompt and must fit after the longest (None: until the
+        longest prompt fills the context). Many short generations decode far faster together than one after
+        another (RL samples a whole step's problems this way: bench/rl_sampling.py). The samples depend on the
+        seed and on which prompts are decoded together (one generator draws for all rows).
+        """
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not prompts:
+            raise UserError("prompts must be a non-empty list of prompts (lists of token ids)")
+        checked = [self._check_arguments(p, num_samples, max_tokens, temperature, top_k, seed) for p in prompts]
+        return self._generate([tokens for tokens, _ in checked], num_samples, min(steps for _, steps in checked),
+                              temperature, top_k, seed)
 
     @torch.inference_mode()
-    def _generate(self, tokens, num_samples, steps, temperature, top_k, seed):
+    def _generate(self, prompts, num_samples, steps, temperature, top_k, seed):
         if steps == 0:
             return
         model, cfg = self.model, self.model.config
@@ -277,35 +298,61 @@ class Engine:
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head.weight.dtype  # the cache's dtype
         head_dim = cfg.n_embd // cfg.n_head
         rng = torch.Generator(device=device).manual_seed(seed)
+        longest = max(len(tokens) for tokens in prompts)
+        rows = len(prompts) * num_samples
 
-        # 1. the prompt, once, at batch 1
-        prompt_cache = KVCache(1, cfg.n_kv_head, len(tokens), head_dim, cfg.n_layer, device, dtype)
-        logits = model.prefill(torch.tensor([tokens], dtype=torch.long, device=device), prompt_cache)  # (1, vocab)
-        # 2. one copy of it per sample. The last token sampled is never fed back, hence the - 1; the cache
-        # starts with room for 256 new positions and doubles when full.
-        max_len = len(tokens) + steps - 1
-        cache = KVCache(num_samples, cfg.n_kv_head, max_len, head_dim, cfg.n_layer, device, dtype,
-                        capacity=len(tokens) + 256)
-        cache.prefill(prompt_cache)
-        del prompt_cache
-        logits = logits.expand(num_samples, -1)
+        # 1. Each prompt once, at batch 1; 2. one copy of it per sample, right-aligned in a cache of every row: a
+        # shorter prompt's row starts with padding columns, which its attention masks out. The last token sampled
+        # is never fed back, hence the - 1; the cache starts with room for 256 new positions and doubles when full.
+        cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, dtype,
+                        capacity=longest + 256)
+        logits = []
+        for p, tokens in enumerate(prompts):
+            prompt_cache = KVCache(1, cfg.n_kv_head, len(tokens), head_dim, cfg.n_layer, device, dtype)
+            logits.append(model.prefill(torch.tensor([tokens], dtype=torch.long, device=device), prompt_cache))  # (1, vocab)
+            rows_of_p = slice(p * num_samples, (p + 1) * num_samples)
+            cache.place(prompt_cache, rows_of_p, longest)
+            # the padding is masked out, but a masked-out position still multiplies its value by a zero weight:
+            # zeros there, never the uninitialised memory of the cache (0 x NaN is NaN)
+            cache.k[:, rows_of_p, :, :longest - len(tokens)] = 0
+            cache.v[:, rows_of_p, :, :longest - len(tokens)] = 0
+        cache.advance(longest)
+        logits = torch.cat(logits).repeat_interleave(num_samples, dim=0)  # every sample starts from its prompt's prediction
+        padding = torch.tensor([longest - len(tokens) for tokens in prompts], device=device).repeat_interleave(num_samples)
+        if padding.any():  # prompts of different lengths: each row at its own position, its padding masked out
+            key_mask = torch.arange(cache.max_len, device=device)[None, None, None, :] >= padding[:, None, None, None]
+        else:  # one prompt, or prompts of one length: the plain step
+            padding = key_mask = None
 
-        # 3. decode
-        samples = [_Sample() for _ in range(num_samples)]
+        # 3. decode. The cache's rows are the samples still generating (`in_cache`, sample numbers): when a quarter of
+        # them have ended, the others' rows are copied into a smaller cache, so that ended samples stop costing
+        # compute and memory traffic (most answers end long before the longest; the copies add up to less than
+        # the cache, geometrically).
+        samples = [_Sample() for _ in range(rows)]
+        in_cache = list(range(rows))
         weights = None
         for step in range(steps):
-            sampled = sample_next_token(logits, rng, temperature, top_k).tolist()
+            sampled = dict(zip(in_cache, sample_next_token(logits, rng, temperature, top_k).tolist()))
             column, masks = [], []
-            for sample, token in zip(samples, sampled):
-                token, mask = self._next_token(sample, token)
+            for i, sample in enumerate(samples):
+                token, mask = self._next_token(sample, sampled.get(i))
                 column.append(token)
                 masks.append(mask)
             yield column, masks
-            if step == steps - 1 or all(sample.end_token is not None for sample in samples):
+            running = [k for k, i in enumerate(in_cache) if samples[i].end_token is None]  # positions in the cache
+            if step == steps - 1 or not running:
                 return
+            if len(running) <= 0.75 * len(in_cache):
+                keep = torch.tensor(running, device=device)
+                cache.keep_rows(keep)
+                padding = None if padding is None else padding[keep]
+                key_mask = None if key_mask is None else key_mask[keep]
+                in_cache = [in_cache[k] for k in running]
             if weights is None:  # made after the first token is out, so they do not delay it
                 weights = self._decode_weights()
-            logits = model.decode_step(torch.tensor(column, dtype=torch.long, device=device), cache, weights)
+            positions = None if padding is None else cache.pos - padding
+            logits = model.decode_step(torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device), cache,
+                                       weights, positions, key_mask)
 
     def _next_token(self, sample, sampled):
         """The token sample `sample` gets this step, and its mask; runs the tool when an expression closes."""

@@ -366,7 +366,7 @@ class GPT(nn.Module):
         return layers, prep(self.lm_head.weight)
 
     @torch.no_grad()
-    def decode_step(self, idx, kv_cache, weights):
+    def decode_step(self, idx, kv_cache, weights, positions=None, key_mask=None):
         """
         One decoding step. idx (B,) holds the newest token of each row, kv_cache everything before it;
         returns the next-token logits (B, vocab) in fp32 and advances the cache by one position.
@@ -376,6 +376,11 @@ class GPT(nn.Module):
         cost is reading every weight matrix once plus a fixed overhead per operation; hence matrices from
         decode_weights() (no nn.Module calls), the new keys/values written in place into the cache, and
         attention of one query per head over the cached positions with no mask (all are in the past).
+
+        Rows whose prompts have different lengths (Engine.generate with several prompts) sit in the cache
+        right-aligned, the columns before a shorter prompt being padding: then `positions` (B,) gives each row's
+        own position of the new token (the cache's column minus the row's padding) and `key_mask` (B, 1, 1, >= the
+        cache's position + 1, bool) the columns each row may attend to (False: its padding).
         """
         B, pos = idx.size(0), kv_cache.pos
         if pos + 1 > self.rotary_len:
@@ -386,7 +391,11 @@ class GPT(nn.Module):
         x = F.embedding(idx, self.transformer.wte.weight)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x = norm(x.to(dtype))  # (B, n_embd)
-        cos, sin = self.cos[:, pos:pos + 1].to(dtype), self.sin[:, pos:pos + 1].to(dtype)
+        if positions is None:  # every row at the cache's position
+            cos, sin = self.cos[:, pos:pos + 1].to(dtype), self.sin[:, pos:pos + 1].to(dtype)
+        else:  # (B, 1, 1, D/2): each row at its own position
+            cos, sin = self.cos[0, positions][:, None].to(dtype), self.sin[0, positions][:, None].to(dtype)
+        mask = None if key_mask is None else key_mask[..., :pos + 1]
         layers, lm_head = weights
         for i, (w_q, w_k, w_v, w_o, w_fc, w_proj) in enumerate(layers):
             h = norm(x)
@@ -396,7 +405,7 @@ class GPT(nn.Module):
             k_cache[:, :, pos] = k.view(B, Hkv, D)
             v_cache[:, :, pos] = F.linear(h, w_v).view(B, Hkv, D)
             y = F.scaled_dot_product_attention(q.view(B, H, 1, D), k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
-                                               enable_gqa=H != Hkv)
+                                               attn_mask=mask, enable_gqa=H != Hkv)
             x = x + F.linear(y.view(B, H * D), w_o)
             x = x + F.linear(F.relu(F.linear(norm(x), w_fc)).square(), w_proj)
         kv_cache.advance()

@@ -45,26 +45,32 @@ import math
 import torch
 import torch.distributed as dist
 
+from nanochat.common import Interrupted, interruptible
+
 
 @torch.no_grad()
-def evaluate_bpb(model, batches, steps, token_bytes):
+def evaluate_bpb(model, batches, steps, token_bytes, stop=None):
     """
     model(x, y, loss_reduction="none") -> per-token loss; `batches` yields (x, y); `steps` batches per rank;
     token_bytes: (vocab,) tensor of bytes per token id, on the model's device. Returns a float.
+    stop: asked before every batch (a stage's StopRequest); when it says so, Interrupted on every rank.
     """
     device = token_bytes.device
     acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     total_nats = torch.zeros((), dtype=acc_dtype, device=device)
     total_bytes = torch.zeros((), dtype=torch.int64, device=device)
     batch_iter = iter(batches)
-    for _ in range(steps):
-        x, y = next(batch_iter)
-        loss = model(x, y, loss_reduction="none").view(-1)
-        y = y.view(-1)
-        valid = y >= 0
-        num_bytes = torch.where(valid, token_bytes[torch.where(valid, y, 0)], 0)
-        total_nats += (loss * (num_bytes > 0)).sum().to(acc_dtype)
-        total_bytes += num_bytes.sum()
+    with interruptible(device):
+        for _ in range(steps):
+            if stop is not None and stop():
+                raise Interrupted
+            x, y = next(batch_iter)
+            loss = model(x, y, loss_reduction="none").view(-1)
+            y = y.view(-1)
+            valid = y >= 0
+            num_bytes = torch.where(valid, token_bytes[torch.where(valid, y, 0)], 0)
+            total_nats += (loss * (num_bytes > 0)).sum().to(acc_dtype)
+            total_bytes += num_bytes.sum()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total_nats)
         dist.all_reduce(total_bytes)

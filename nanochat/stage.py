@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,22 +98,52 @@ def _collective_device():
 
 class StopRequest:
     """
-    Stop a training stage cleanly on SIGTERM (a scheduler's "your time is up", `kill`) or SIGINT (Ctrl-C):
-    the current step finishes, a checkpoint is saved, the stage exits with EXIT_STOPPED_EARLY. A second signal
-    kills at once. A signal may reach the ranks at different moments, or only one of them, so a rank only
-    records it in `requested`; the loop combines the flags of all ranks (any_rank) and all stop together.
+    Stop a training stage cleanly on SIGTERM (a scheduler's "your time is up", `kill`) or SIGINT (Ctrl-C), within
+    seconds, in any phase: a training step finishes; an evaluation or sampling stops at once (the phases take
+    `stop=stop_request` and ask it between items: nanochat.common.Interrupted); then a checkpoint is saved (one
+    already saved stays as it is) and the stage exits with EXIT_STOPPED_EARLY. A second signal kills at once.
+
+    A signal may reach the ranks at different moments, or only one of them. At the end of a step the ranks combine
+    their `requested` flags (any_rank) and all stop together. Within a phase, stop_request() is True once this
+    rank got a signal or, under torchrun, once another rank did: the first to ask after its signal writes it into
+    the process group's store, where the others look (at most every STORE_EVERY seconds), so that no rank goes on
+    with a long evaluation while the others wait for it.
     """
+
+    STORE_KEY, STORE_EVERY = "nanochat_stop_requested", 0.5
 
     def __init__(self, rank):
         self.rank, self.requested = rank, False
+        self._store = self._last_look = None
+        if _distributed():
+            try:
+                self._store = dist.distributed_c10d._get_default_store()
+            except (AttributeError, RuntimeError):  # a torch without it: the ranks still agree at each step's end
+                self._store = None
+        self._posted = False
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        print(f"[rank {self.rank}] got {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-              f"(send it again to quit at once)", flush=True)
+        print(f"[rank {self.rank}] got {signal.Signals(signum).name}: stopping (a training step finishes, an evaluation or "
+              f"sampling stops now), then saving a checkpoint (send it again to quit at once)", flush=True)
         self.requested = True
         signal.signal(signum, signal.SIG_DFL)
+
+    def __call__(self):
+        """True once a stop was requested of this run, here or (under torchrun) on another rank."""
+        if self._store is None:
+            return self.requested
+        if self.requested:
+            if not self._posted:  # here, not in the signal handler: a store call must not interrupt another one
+                self._store.set(self.STORE_KEY, "1")
+                self._posted = True
+            return True
+        now = time.monotonic()
+        if self._last_look is None or now - self._last_look >= self.STORE_EVERY:
+            self._last_look = now
+            self.requested = self._store.check([self.STORE_KEY])
+        return self.requested
 
 
 def compile_model(model, setting, device_type, dynamic=False):
@@ -279,10 +310,12 @@ class Stage:
 
     def finish(self, step, stopped_early, next_steps):
         """
-        The end of every stage: wandb closed, process group torn down; a stage stopped before its last step says
-        how to continue and exits with EXIT_STOPPED_EARLY, a finished one prints `next_steps`.
+        The end of every stage: wandb closed, process group torn down; a stage stopped before its last step or
+        before the end of its final evaluations (`stopped_early` on any rank) says how to continue and exits with
+        EXIT_STOPPED_EARLY, a finished one prints `next_steps`.
         """
         self.wandb.finish()
+        stopped_early, = any_rank(stopped_early)  # rank 0 alone samples: a stop may have cut only its work short
         compute_cleanup()
         if stopped_early:
             print0(f"Stopped at step {step} on request. Continue with the same command plus --resume_from_step={step} "

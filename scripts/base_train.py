@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import UserError, autodetect_device_type, compute_init, print0, print_banner
+from nanochat.common import Interrupted, UserError, autodetect_device_type, compute_init, print0, print_banner
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
@@ -175,8 +175,8 @@ ema_beta = 0.9
 mfus, first_step_time = [], None
 sample_prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
                   "The opposite of hot is", "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit 75
-step, stop_now = start_step, False
+stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
+step, stop_now, evaluations_cut = start_step, False, False
 while True:
     last_step = step == num_iterations or stop_now
     flops_so_far = flops_per_token * total_batch_size * step
@@ -188,36 +188,45 @@ while True:
                    loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
                                    min_val_bpb=min_val_bpb, num_iterations=num_iterations))
 
-    # Validation bits per byte (loss per byte of text, comparable across tokenizers)
-    if last_step or (eval_every > 0 and step % eval_every == 0):
-        model.eval()
-        with autocast_ctx:
-            val_bpb = evaluate_bpb(model, build_val_loader(), eval_steps, token_bytes)
-        model.train()
-        min_val_bpb = min(min_val_bpb, val_bpb)
-        print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}")
-        stage.wandb.log({"step": step, "total_training_flops": flops_so_far, "total_training_time": total_training_time, "val/bpb": val_bpb})
-        stage.log_metrics(step=step, val_bpb=val_bpb)
-
-    # CORE: accuracy on in-context-learning tasks (nanochat/core_eval.py), on the uncompiled model (other shapes).
-    # Not at step 0: an untrained model scores chance (CORE ~0), and on a CPU the evaluation outlasts a short run.
-    if core_metric_every > 0 and (last_step or (step > 0 and step % core_metric_every == 0)):
-        orig_model.eval()
-        with autocast_ctx:
-            core = evaluate_core(orig_model, tokenizer, device, core_bundle_dir, max_per_task=core_metric_max_per_task)
-        orig_model.train()
-        core_metric = {f"{core['name']} metric": core["score"]}
-        print0(f"Step {step:05d} | {core['name']} metric: {core['score']:.4f}")
-        stage.wandb.log({"step": step, "total_training_flops": flops_so_far, f"{core['name']}_metric": core["score"]})
-        stage.log_metrics(step=step, core_metric=core["score"])
-
-    # Samples: look at what the model writes, a check no loss number gives (rank 0, uncompiled model)
-    if master_process and (last_step or (sample_every > 0 and step > 0 and step % sample_every == 0)):
-        orig_model.eval()
-        for prompt in sample_prompts:
+    # The evaluations and samples. A stop request cuts them short (Interrupted, raised on every rank together; the
+    # samples are rank 0's alone): what they measured so far is not reported, and the stage stops.
+    try:
+        # Validation bits per byte (loss per byte of text, comparable across tokenizers)
+        if last_step or (eval_every > 0 and step % eval_every == 0):
+            model.eval()
             with autocast_ctx:
-                ids = list(orig_model.generate(tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
-            print0(f"  sample: {prompt!r} -> {tokenizer.decode(ids)!r}")
+                val_bpb = evaluate_bpb(model, build_val_loader(), eval_steps, token_bytes, stop=stop_request)
+            min_val_bpb = min(min_val_bpb, val_bpb)
+            print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}")
+            stage.wandb.log({"step": step, "total_training_flops": flops_so_far, "total_training_time": total_training_time, "val/bpb": val_bpb})
+            stage.log_metrics(step=step, val_bpb=val_bpb)
+
+        # CORE: accuracy on in-context-learning tasks (nanochat/core_eval.py), on the uncompiled model (other shapes).
+        # Not at step 0: an untrained model scores chance (CORE ~0), and on a CPU the evaluation outlasts a short run.
+        if core_metric_every > 0 and (last_step or (step > 0 and step % core_metric_every == 0)):
+            orig_model.eval()
+            with autocast_ctx:
+                core = evaluate_core(orig_model, tokenizer, device, core_bundle_dir, max_per_task=core_metric_max_per_task,
+                                     stop=stop_request)
+            core_metric = {f"{core['name']} metric": core["score"]}
+            print0(f"Step {step:05d} | {core['name']} metric: {core['score']:.4f}")
+            stage.wandb.log({"step": step, "total_training_flops": flops_so_far, f"{core['name']}_metric": core["score"]})
+            stage.log_metrics(step=step, core_metric=core["score"])
+
+        # Samples: look at what the model writes, a check no loss number gives (rank 0, uncompiled model)
+        if master_process and (last_step or (sample_every > 0 and step > 0 and step % sample_every == 0)):
+            orig_model.eval()
+            for prompt in sample_prompts:
+                if stop_request():
+                    raise Interrupted
+                with autocast_ctx:
+                    ids = list(orig_model.generate(tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
+                print0(f"  sample: {prompt!r} -> {tokenizer.decode(ids)!r}")
+    except Interrupted:
+        evaluations_cut = True
+        print0(f"Step {step:05d} | evaluations stopped: a stop was requested")
+    finally:
+        model.train()
         orig_model.train()
 
     if last_step:
@@ -285,7 +294,7 @@ if device_type == "cuda":
 else:
     import resource
     peak_memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB (process RSS)"
-stopped_early = step < num_iterations
+stopped_early = step < num_iterations or evaluations_cut  # the final evaluations too: a resume from the last step runs them
 min_val_text = f"{min_val_bpb:.4f}" if math.isfinite(min_val_bpb) else "n/a (no evaluation ran)"
 print0(f"Peak memory: {peak_memory}")
 print0(f"Total training time: {total_training_time / 60:.2f}m | min val bpb: {min_val_text}")
@@ -298,7 +307,8 @@ stage.report("Base model training", [
      "Gradient accumulation steps": grad_accum_steps, "World size": ddp_world_size,
      "DDP": ddp, "Device": str(device), "Compute dtype": str(compute_dtype), "torch.compile": use_compile,
      "Total training FLOPs": f"{flops_per_token * total_tokens:e}"},
-    {"Steps run": step, "Stopped early": stopped_early, "Minimum validation bpb": min_val_bpb, "Final validation bpb": val_bpb,
+    {"Steps run": step, "Stopped early": stopped_early, "Minimum validation bpb": min_val_bpb,
+     "Final validation bpb": "n/a (its evaluation was stopped)" if evaluations_cut else val_bpb,
      **core_metric,
      "Final train loss (EMA)": smooth_train_loss / (1 - ema_beta ** max(step, 1)),
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)",

@@ -40,7 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.chat_scoring import score_categorical, score_generative
+from nanochat.chat_scoring import Progress, duration, score_categorical, score_generative
 from nanochat.common import UserError, print0
 
 # -----------------------------------------------------------------------------
@@ -121,42 +121,6 @@ def load_tasks(task_name):
 
 # -----------------------------------------------------------------------------
 # Progress and scores
-
-
-def duration(seconds):
-    """45s, 6m, 1h05m."""
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
-
-
-class Progress:
-    """
-    A task's progress, printed every `every` seconds while it runs:
-        GSM8K 120/1319 (9%) | 3.2 problems/s | ~6m left | acc so far 12.5%
-    Under torchrun rank 0 prints its own share of the problems (every rank has about as many).
-    """
-
-    clock = time.time  # seconds; a test replaces it
-
-    def __init__(self, name, total, every, enabled=True, share=""):
-        self.name, self.total, self.every, self.enabled, self.share = name, total, every, enabled, share
-        self.done = self.passed = 0
-        self.start = self.last = self.clock()
-
-    def update(self, outcomes):
-        """Count the outcomes (True = passed) of the problems just scored; print the line if it is due."""
-        self.done += len(outcomes)
-        self.passed += sum(outcomes)
-        now = self.clock()
-        if not self.enabled or self.done >= self.total or now - self.last < self.every:
-            return
-        self.last = now
-        rate = self.done / max(now - self.start, 1e-9)
-        print0(f"{self.name} {self.done}/{self.total}{self.share} ({self.done / self.total:.0%}) | {rate:.1f} problems/s | "
-               f"~{duration((self.total - self.done) / rate)} left | acc so far {self.passed / self.done:.1%}")
 
 
 def centered(accuracy, baseline):

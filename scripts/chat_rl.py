@@ -11,8 +11,10 @@ Written like the other training scripts (what happens around the loop is nanocha
 the loop samples, rewards, computes the advantages, runs the policy-gradient micro-steps, then the optimizer.
 
 Ranks: the prompts of a step are dealt to the ranks (rank r takes prompts r, r+W, ... of the step), each rank
-samples and trains on its own, and the optimizers average the gradients as always. Which prompts a step uses
-and the sampling seeds depend only on the step, so a resumed run continues exactly.
+samples and trains on its own, and the optimizers average the gradients as always. A rank decodes the answers to
+all its problems of the step together (up to sample_batch_size answers at a time: Engine.generate_many), far faster
+than one problem after another. Which prompts a step uses and the sampling seeds depend only on the step and the
+rank, so a resumed run on the same number of processes continues exactly.
 """
 
 import time
@@ -20,8 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from nanochat.chat_scoring import Progress
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import UserError, autodetect_device_type, compute_init, print0, print_banner
+from nanochat.common import (Interrupted, UserError, autodetect_device_type, compute_init, interruptible, print0,
+                             print_banner)
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
@@ -46,6 +50,7 @@ max_new_tokens = 256  # longest sampled answer
 temperature = 1.0  # sampling temperature (> 0: the answers must differ to compare them)
 top_k = 50  # sample from the k most likely tokens (0 = the whole vocabulary)
 device_batch_size = 8  # sampled answers per forward/backward of the policy-gradient pass, per rank
+sample_batch_size = 256  # answers decoded together, per rank (whole problems: a multiple of num_samples, or one problem); bounds the KV cache
 unembedding_lr = 0.004  # AdamW lr of lm_head
 embedding_lr = 0.2  # AdamW lr of the token embedding
 matrix_lr = 0.02  # Muon lr of the transformer matrices
@@ -64,8 +69,8 @@ seed = 0  # sampling seeds: step s, problem i use a seed derived from (seed, s, 
 compile = "auto"  # torch.compile the policy-gradient pass (rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
 dry_run = False  # run everything but write no checkpoint and no report
 config = configure(globals())
-check_config(config, positive=["prompts_per_step", "num_samples", "max_new_tokens", "device_batch_size", "init_lr_frac",
-                               "eval_examples", "temperature"],
+check_config(config, positive=["prompts_per_step", "num_samples", "max_new_tokens", "device_batch_size", "sample_batch_size",
+                               "init_lr_frac", "eval_examples", "temperature"],
              positive_or_unset=["num_iterations"], non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay",
                                                                 "grad_clip", "top_k"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
@@ -99,8 +104,10 @@ if prompts_per_step % ddp_world_size != 0:
     raise UserError(f"prompts_per_step {prompts_per_step} is not a multiple of the world size {ddp_world_size}; try "
                     f"--prompts_per_step={max(ddp_world_size, prompts_per_step // ddp_world_size * ddp_world_size)}")
 prompts_per_rank = prompts_per_step // ddp_world_size
+problems_together = max(1, sample_batch_size // num_samples)  # problems whose answers are decoded together
 print0(f"Problems / step: {prompts_per_step} ({prompts_per_rank} per rank) x {num_samples} sampled answers = "
-       f"{prompts_per_step * num_samples} answers; policy-gradient micro-batches of {device_batch_size} answers")
+       f"{prompts_per_step * num_samples} answers, decoded {min(problems_together, prompts_per_rank) * num_samples} at a time; "
+       f"policy-gradient micro-batches of {device_batch_size} answers")
 
 # -----------------------------------------------------------------------------
 # 5. Optimizers, at a fraction of the pretraining learning rates. A resumed run gets back the optimizer state of
@@ -108,7 +115,9 @@ print0(f"Problems / step: {prompts_per_step} ({prompts_per_rank} per rank) x {nu
 optimizers = model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
                                     weight_decay=weight_decay)
 scale_initial_lrs(optimizers, init_lr_frac)
-data_settings = dict(mixture=mixture, prompts_per_step=prompts_per_step, num_samples=num_samples, seed=seed)
+# the samples of a step depend on the seed, the step, and which problems a rank decodes together
+data_settings = dict(mixture=mixture, prompts_per_step=prompts_per_step, num_samples=num_samples, seed=seed,
+                     sample_batch_size=sample_batch_size, world_size=ddp_world_size)
 stage.resume(optimizers, data_settings)
 
 # -----------------------------------------------------------------------------
@@ -125,21 +134,31 @@ print0(f"Mixture {mixture}: {len(train_task):,} training problems, {len(test_tas
 end_token = tokenizer.encode_special("<|assistant_end|>")
 
 
-def sample(prompt, n, sample_seed):
-    """n answers to `prompt`: for each, its tokens (the end token included when it ended) and their masks
-    (1 = sampled, 0 = forced in by the calculator tool)."""
-    tokens, masks, done = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
-    room = min(max_new_tokens, engine.context_len - len(prompt))
-    if room < 1:
-        return tokens, masks
-    for column, column_masks in engine.generate(prompt, num_samples=n, max_tokens=room, temperature=temperature,
-                                                top_k=top_k, seed=sample_seed):
-        for i, (token, mask) in enumerate(zip(column, column_masks)):
-            if not done[i]:
-                tokens[i].append(token)
-                masks[i].append(mask)
-                done[i] = token in engine.end_tokens
-    return tokens, masks
+def sample(prompts, sample_seed):
+    """
+    num_samples answers to each of `prompts`, decoded together (Engine.generate_many: one decoding step advances
+    every answer of every problem; one problem after another, most steps would decode a few long answers while the
+    others have ended). For each prompt, its answers: (tokens, the end token included when it ended; masks: 1 =
+    sampled, 0 = forced in by the calculator tool). A prompt that fills the context gets empty answers. A stop request
+    ends it between two tokens (Interrupted).
+    """
+    answers = [[([], []) for _ in range(num_samples)] for _ in prompts]
+    fitting = [p for p, prompt in enumerate(prompts) if len(prompt) < engine.context_len]
+    for first in range(0, len(fitting), problems_together):
+        chunk = fitting[first:first + problems_together]
+        room = min(max_new_tokens, engine.context_len - max(len(prompts[p]) for p in chunk))
+        rows = [answers[p][s] for p in chunk for s in range(num_samples)]
+        done = [False] * len(rows)
+        for column, column_masks in engine.generate_many([prompts[p] for p in chunk], num_samples=num_samples, max_tokens=room,
+                                                         temperature=temperature, top_k=top_k, seed=sample_seed + first):
+            if stop_request():
+                raise Interrupted
+            for i, (token, mask) in enumerate(zip(column, column_masks)):
+                if not done[i]:
+                    rows[i][0].append(token)
+                    rows[i][1].append(mask)
+                    done[i] = token in engine.end_tokens
+    return answers
 
 
 def answer_text(tokens):
@@ -149,20 +168,31 @@ def answer_text(tokens):
 @torch.no_grad()
 def evaluate_pass_at_k():
     """pass@k for k = 1..num_samples on the first eval_examples test problems (shared among ranks): the fraction
-    of problems where at least one of the first k answers is right."""
+    of problems where at least one of the first k answers is right. A stop request: Interrupted, on every rank."""
     model.eval()
     passes = torch.zeros(num_samples, dtype=torch.float64, device=device)
     count = min(eval_examples, len(test_task))
-    for i in range(ddp_rank, count, ddp_world_size):
-        conversation = test_task[i]
-        with autocast_ctx:
-            tokens, _ = sample(tokenizer.render_for_completion(conversation), num_samples, seed * 1_000_003 + i)
-        right = [bool(test_task.evaluate(conversation, answer_text(t))) for t in tokens]
-        for k in range(num_samples):
-            passes[k] += any(right[:k + 1])
+    mine = list(range(ddp_rank, count, ddp_world_size))
+    print0(f"pass@k: {count} test problems x {num_samples} answers of up to {max_new_tokens} tokens"
+           f"{f' on {ddp_world_size} ranks' if ddp else ''}, {problems_together} problems decoded together")
+    progress = Progress("pass@k", len(mine), every=10, enabled=master_process, share=" on rank 0" if ddp else "")
+    try:
+        with interruptible(device):
+            for first in range(0, len(mine), problems_together):
+                conversations = [test_task[i] for i in mine[first:first + problems_together]]
+                with autocast_ctx:
+                    answers = sample([tokenizer.render_for_completion(c) for c in conversations], seed * 1_000_003 + mine[first])
+                solved = []
+                for conversation, problem_answers in zip(conversations, answers):
+                    right = [bool(test_task.evaluate(conversation, answer_text(tokens))) for tokens, _ in problem_answers]
+                    for k in range(num_samples):
+                        passes[k] += any(right[:k + 1])
+                    solved.append(any(right))
+                progress.update(solved)
+    finally:
+        model.train()
     if ddp:
         dist.all_reduce(passes)
-    model.train()
     return {k + 1: passes[k].item() / count for k in range(num_samples)}
 
 
@@ -172,8 +202,8 @@ def evaluate_pass_at_k():
 start_step, loop_state = stage.start_step, stage.loop_state
 mean_rewards = loop_state.get("mean_rewards", [])  # mean reward of every step so far
 pass_at_k, first_pass_at_k = {}, loop_state.get("first_pass_at_k")  # pass@k before any RL step
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit 75
-step, stop_now = start_step, False
+stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut sampling or pass@k short), save, exit 75
+step, stop_now, evaluations_cut = start_step, False, False
 while True:
     last_step = step >= num_iterations or stop_now
 
@@ -181,32 +211,43 @@ while True:
         stage.save(step, optimizers, pass_at_k=pass_at_k,
                    loop_state=dict(mean_rewards=mean_rewards, first_pass_at_k=first_pass_at_k, num_iterations=num_iterations))
 
+    # pass@k. A stop request cuts it short (Interrupted, on every rank together): not reported, and the stage stops.
     if last_step or step == start_step or (eval_every > 0 and step % eval_every == 0):
-        pass_at_k = evaluate_pass_at_k()
-        first_pass_at_k = first_pass_at_k or pass_at_k
-        print0(f"Step {step:05d} | " + ", ".join(f"pass@{k}: {v:.4f}" for k, v in pass_at_k.items()))
-        stage.wandb.log({"step": step, **{f"pass@{k}": v for k, v in pass_at_k.items()}})
-        stage.log_metrics(step=step, **{f"pass@{k}": v for k, v in pass_at_k.items()})
+        try:
+            pass_at_k = evaluate_pass_at_k()
+            first_pass_at_k = first_pass_at_k or pass_at_k
+            print0(f"Step {step:05d} | " + ", ".join(f"pass@{k}: {v:.4f}" for k, v in pass_at_k.items()))
+            stage.wandb.log({"step": step, **{f"pass@{k}": v for k, v in pass_at_k.items()}})
+            stage.log_metrics(step=step, **{f"pass@{k}": v for k, v in pass_at_k.items()})
+        except Interrupted:
+            evaluations_cut, pass_at_k = True, {}
+            print0(f"Step {step:05d} | pass@k stopped: a stop was requested")
 
     if last_step:
         break
 
     synchronize()
     t0 = time.time()
-    # ---- sample: this rank's problems of the step, num_samples answers each, rewarded ----
+    # ---- sample: this rank's problems of the step, num_samples answers each, rewarded. A stop request ends the
+    # sampling (every rank together): the step is dropped, and the stage saves the weights of the steps before it.
+    mine = list(range(ddp_rank, prompts_per_step, ddp_world_size))
+    conversations = [train_task[(step * prompts_per_step + j) % len(train_task)] for j in mine]
+    prompts = [tokenizer.render_for_completion(conversation) for conversation in conversations]
+    try:
+        with interruptible(device), autocast_ctx:
+            answers = sample(prompts, seed * 1_000_003 + 10**9 + (step * ddp_world_size + ddp_rank) * prompts_per_step)
+    except Interrupted:
+        stop_now = True
+        print0(f"step {step + 1:05d}/{num_iterations:05d} | stopped while sampling: a stop was requested; this step is dropped")
+        continue
     rows, rewards_seen, lengths = [], [], []
-    for j in range(ddp_rank, prompts_per_step, ddp_world_size):
-        index = (step * prompts_per_step + j) % len(train_task)
-        conversation = train_task[index]
-        prompt = tokenizer.render_for_completion(conversation)
-        with autocast_ctx:
-            answers, masks = sample(prompt, num_samples, seed * 1_000_003 + step * prompts_per_step + j + 10**9)
-        rewards = [train_task.reward(conversation, answer_text(tokens)) for tokens in answers]
+    for conversation, prompt, problem_answers in zip(conversations, prompts, answers):
+        rewards = [train_task.reward(conversation, answer_text(tokens)) for tokens, _ in problem_answers]
         advantages = group_advantages(rewards)
-        for tokens, mask, advantage in zip(answers, masks, advantages):
+        for (tokens, mask), advantage in zip(problem_answers, advantages):
             rows.append((prompt + tokens, [0] * len(prompt) + mask, advantage))
         rewards_seen += rewards
-        lengths += [len(tokens) for tokens in answers]
+        lengths += [len(tokens) for tokens, _ in problem_answers]
     # ---- the policy-gradient micro-steps over this rank's answers ----
     batches = []  # (x, y, advantages): y is -1 except on the tokens the model sampled (not the prompt, not tool outputs)
     for start in range(0, len(rows), device_batch_size):
@@ -245,7 +286,7 @@ while True:
 
 # -----------------------------------------------------------------------------
 # 8. Report, and the end of the stage
-stopped_early = stop_now and step < num_iterations
+stopped_early = (stop_now and step < num_iterations) or evaluations_cut  # a resume from the last step runs pass@k again
 stage.report("Chat RL", [
     config,
     {"Number of iterations": step, "Stopped early": stopped_early, "Mixture": mixture, "World size": ddp_world_size,

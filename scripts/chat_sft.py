@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from nanochat.chat_scoring import score_categorical
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import UserError, autodetect_device_type, compute_init, get_base_dir, print0, print_banner
+from nanochat.common import (Interrupted, UserError, autodetect_device_type, compute_init, get_base_dir, interruptible,
+                             print0, print_banner)
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader
 from nanochat.hardware import autocast_context, compute_dtype_line
@@ -163,18 +164,17 @@ eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * examples_per_step 
 
 def evaluate_metrics():
     """Multiple-choice accuracy (no sampling) on the first eval_metrics_max_problems problems of each task,
-    the problems shared among the ranks: the same scores as one process."""
+    the problems shared among the ranks: the same scores as one process. A stop request: Interrupted, every rank."""
     out = {}
-    orig_model.eval()
     for name, task in metric_tasks.items():
         count = len(task) if eval_metrics_max_problems < 0 else min(eval_metrics_max_problems, len(task))
-        with autocast_ctx:
-            outcomes = score_categorical(orig_model, tokenizer, task, list(range(ddp_rank, count, ddp_world_size)), 8, device)
+        with interruptible(device), autocast_ctx:
+            outcomes = score_categorical(orig_model, tokenizer, task, list(range(ddp_rank, count, ddp_world_size)), 8, device,
+                                         stop=stop_request)
         counts = torch.tensor([sum(passed for passed, _ in outcomes), len(outcomes)], dtype=torch.float64, device=device)
         if ddp:
             dist.all_reduce(counts)
         out[name] = counts[0].item() / max(counts[1].item(), 1)
-    orig_model.train()
     return out
 
 
@@ -192,8 +192,8 @@ total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, exc
 first_val_bpb = loop_state.get("first_val_bpb")
 epoch_done = loop_state.get("epoch_done", False)  # some rank has read its whole share of the mixture
 val_bpb, metrics, ema_beta = None, {}, 0.9
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit 75
-step, stop_now = start_step, False
+stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
+step, stop_now, evaluations_cut = start_step, False, False
 while True:
     # All ranks stop together (see mid_train): after num_iterations steps, after one epoch, or when asked to
     last_step = (step >= num_iterations if num_iterations > 0 else epoch_done) or stop_now
@@ -204,22 +204,31 @@ while True:
                    loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
                                    first_val_bpb=first_val_bpb, epoch_done=epoch_done))
 
-    if last_step or (eval_every > 0 and step % eval_every == 0) or step == start_step:
-        model.eval()
-        val_loader = ConversationLoader(val_dataset, tokenizer, device_batch_size, max_seq_len, device, **loader_args)
-        with autocast_ctx:
-            val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes)
-        model.train()
-        first_val_bpb = val_bpb if first_val_bpb is None else first_val_bpb
-        print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{f' (the {source} model, before SFT)' if step == 0 else ''}")
-        stage.wandb.log({"step": step, "val/bpb": val_bpb})
-        stage.log_metrics(step=step, val_bpb=val_bpb)
+    # The evaluations. A stop request cuts them short (Interrupted, on every rank together): what they measured so
+    # far is not reported, and the stage stops.
+    try:
+        if last_step or (eval_every > 0 and step % eval_every == 0) or step == start_step:
+            model.eval()
+            val_loader = ConversationLoader(val_dataset, tokenizer, device_batch_size, max_seq_len, device, **loader_args)
+            with autocast_ctx:
+                val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes, stop=stop_request)
+            first_val_bpb = val_bpb if first_val_bpb is None else first_val_bpb
+            print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{f' (the {source} model, before SFT)' if step == 0 else ''}")
+            stage.wandb.log({"step": step, "val/bpb": val_bpb})
+            stage.log_metrics(step=step, val_bpb=val_bpb)
 
-    if last_step or (eval_metrics_every > 0 and step > 0 and step % eval_metrics_every == 0):
-        metrics = evaluate_metrics()
-        print0(f"Step {step:05d} | " + " | ".join(f"{name} accuracy: {acc:.4f}" for name, acc in metrics.items()))
-        stage.wandb.log({"step": step, **{f"val/{name}": acc for name, acc in metrics.items()}})
-        stage.log_metrics(step=step, **{f"acc_{name}": acc for name, acc in metrics.items()})
+        if last_step or (eval_metrics_every > 0 and step > 0 and step % eval_metrics_every == 0):
+            orig_model.eval()
+            metrics = evaluate_metrics()
+            print0(f"Step {step:05d} | " + " | ".join(f"{name} accuracy: {acc:.4f}" for name, acc in metrics.items()))
+            stage.wandb.log({"step": step, **{f"val/{name}": acc for name, acc in metrics.items()}})
+            stage.log_metrics(step=step, **{f"acc_{name}": acc for name, acc in metrics.items()})
+    except Interrupted:
+        evaluations_cut, metrics = True, {}
+        print0(f"Step {step:05d} | evaluations stopped: a stop was requested")
+    finally:
+        model.train()
+        orig_model.train()
 
     if last_step:
         break
@@ -282,13 +291,14 @@ per_rank_stats = gather_from_ranks(train_loader.stats)
 read, cut = sum(s["read"] for s in per_rank_stats), sum(s["cut"] for s in per_rank_stats)
 print0(f"Read {read:,} training conversations on {ddp_world_size} rank(s); {cut} were longer than max_seq_len + 1 "
        f"tokens and cut")
-print0(f"Validation bpb: {first_val_bpb:.4f} (before SFT) -> {val_bpb:.4f} (after {step} steps)")
-stopped_early = stop_now and not (step >= num_iterations if num_iterations > 0 else epoch_done)
+bpb_text = lambda bpb: f"{bpb:.4f}" if bpb is not None else "n/a (stopped)"  # noqa: E731
+print0(f"Validation bpb: {bpb_text(first_val_bpb)} (before SFT) -> {bpb_text(val_bpb)} (after {step} steps)")
+stopped_early = (stop_now and not (step >= num_iterations if num_iterations > 0 else epoch_done)) or evaluations_cut
 stage.report("Chat SFT", [
     config,
     {"Number of iterations": step, "Stopped early": stopped_early, "Mixture": mixture, "Training conversations": train_size,
      "Gradient accumulation steps": grad_accum_steps, "World size": ddp_world_size, "torch.compile": use_compile,
-     "Validation bpb before SFT": first_val_bpb, "Final validation bpb": val_bpb,
+     "Validation bpb before SFT": first_val_bpb, "Final validation bpb": bpb_text(None) if evaluations_cut else val_bpb,
      **{f"{name} accuracy": acc for name, acc in metrics.items()},
      "Conversations cut at max_seq_len": cut, "Total training time (min)": total_training_time / 60,
      "Metrics file": stage.metrics_path},

@@ -20,7 +20,7 @@ import time
 import torch
 
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import UserError, autodetect_device_type, compute_init, get_base_dir, print0, print_banner
+from nanochat.common import Interrupted, UserError, autodetect_device_type, compute_init, get_base_dir, print0, print_banner
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
 from nanochat.hardware import autocast_context, compute_dtype_line, get_peak_flops
@@ -168,8 +168,8 @@ total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, exc
 first_val_bpb, min_val_bpb = loop_state.get("first_val_bpb"), loop_state.get("min_val_bpb", float("inf"))
 epoch_done = loop_state.get("epoch_done", False)  # some rank has read its whole share of the mixture
 val_bpb, ema_beta, mfus = None, 0.9, []
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the current step, save a checkpoint, exit 75
-step, stop_now = start_step, False
+stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
+step, stop_now, evaluations_cut = start_step, False, False
 while True:
     # After num_iterations steps, or (num_iterations = -1) as soon as ANY rank has read its share of the epoch
     # (a rank with fewer conversations wraps around first), or when asked to stop: every rank decides on the
@@ -182,18 +182,23 @@ while True:
                    loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
                                    first_val_bpb=first_val_bpb, min_val_bpb=min_val_bpb, epoch_done=epoch_done))
 
-    # Validation: bits per byte of the assistant tokens of held-out conversations (step 0 = the base model)
+    # Validation: bits per byte of the assistant tokens of held-out conversations (step 0 = the base model). A stop
+    # request cuts it short (Interrupted, on every rank together): not reported, and the stage stops.
     if last_step or step == start_step or (eval_every > 0 and step % eval_every == 0):
         model.eval()
         val_loader = ConversationLoader(val_dataset, tokenizer, device_batch_size, max_seq_len, device, **loader_args)
-        with autocast_ctx:
-            val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes)
+        try:
+            with autocast_ctx:
+                val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes, stop=stop_request)
+            first_val_bpb = val_bpb if first_val_bpb is None else first_val_bpb
+            min_val_bpb = min(min_val_bpb, val_bpb)
+            print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{' (the base model, before midtraining)' if step == 0 else ''}")
+            stage.wandb.log({"step": step, "total_training_time": total_training_time, "val/bpb": val_bpb})
+            stage.log_metrics(step=step, val_bpb=val_bpb)
+        except Interrupted:
+            evaluations_cut = True
+            print0(f"Step {step:05d} | validation stopped: a stop was requested")
         model.train()
-        first_val_bpb = val_bpb if first_val_bpb is None else first_val_bpb
-        min_val_bpb = min(min_val_bpb, val_bpb)
-        print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{' (the base model, before midtraining)' if step == 0 else ''}")
-        stage.wandb.log({"step": step, "total_training_time": total_training_time, "val/bpb": val_bpb})
-        stage.log_metrics(step=step, val_bpb=val_bpb)
 
     if last_step:
         break
@@ -263,14 +268,15 @@ per_rank_stats = gather_from_ranks(train_loader.stats)
 for r, stats in enumerate(per_rank_stats):
     print0(f"rank {r}: read {stats['read']:,} training conversations (first: {stats['first']}), "
            f"{stats['split']} longer than a row, continued across rows")
-print0(f"Validation bpb: {first_val_bpb:.4f} (base model) -> {val_bpb:.4f} (after {step} steps of midtraining)")
-stopped_early = stop_now and not (step >= num_iterations if num_iterations > 0 else epoch_done)
+bpb_text = lambda bpb: f"{bpb:.4f}" if bpb is not None else "n/a (stopped)"  # noqa: E731
+print0(f"Validation bpb: {bpb_text(first_val_bpb)} (base model) -> {bpb_text(val_bpb)} (after {step} steps of midtraining)")
+stopped_early = (stop_now and not (step >= num_iterations if num_iterations > 0 else epoch_done)) or evaluations_cut
 stage.report("Midtraining", [
     config,
     {"Number of iterations": step, "Stopped early": stopped_early, "Mixture": mixture, "Training conversations": train_size,
      "Gradient accumulation steps": grad_accum_steps, "World size": ddp_world_size, "torch.compile": use_compile,
      "Validation bpb of the base model": first_val_bpb, "Minimum validation bpb": min_val_bpb,
-     "Final validation bpb": val_bpb, "Total training time (min)": total_training_time / 60,
+     "Final validation bpb": bpb_text(None) if evaluations_cut else val_bpb, "Total training time (min)": total_training_time / 60,
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)",
      "Conversations longer than a row (continued, not cropped)": sum(s["split"] for s in per_rank_stats),
      "Metrics file": stage.metrics_path},

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_script
+from nanochat.chat_scoring import Progress
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import Tokenizer
-from scripts.chat_eval import (CHATCORE_BASELINES, Progress, expand_short_flags, load_tasks, mean_centered,
+from scripts.chat_eval import (CHATCORE_BASELINES, expand_short_flags, load_tasks, mean_centered,
                                score_categorical, score_generative, scores)
 from tasks.common import Task, render_mc
 from tasks.humaneval import HumanEval, build_program, extract_code

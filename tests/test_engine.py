@@ -205,7 +205,7 @@ def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
                 assert (logits - full[:, t]).abs().max() < 0.03 * full[:, t].abs().max()  # measured: < 0.005
 
 
-def test_prefill_is_replicated_for_every_sample(tiny):
+def test_a_prefilled_prompt_is_placed_right_aligned_in_its_rows(tiny):
     model, _, prompts = tiny
     cfg = model.config
     head_dim = cfg.n_embd // cfg.n_head
@@ -213,12 +213,12 @@ def test_prefill_is_replicated_for_every_sample(tiny):
     one = KVCache(1, cfg.n_kv_head, 9, head_dim, cfg.n_layer, "cpu", torch.float32)
     with torch.no_grad():
         model.prefill(prompt, one)
-    many = KVCache(3, cfg.n_kv_head, 20, head_dim, cfg.n_layer, "cpu", torch.float32, capacity=2)
-    many.prefill(one)
-    assert many.get_pos() == 9
-    for row in range(3):
-        assert torch.equal(many.k[:, row, :, :9], one.k[:, 0, :, :9])
-        assert torch.equal(many.v[:, row, :, :9], one.v[:, 0, :, :9])
+    many = KVCache(4, cfg.n_kv_head, 20, head_dim, cfg.n_layer, "cpu", torch.float32, capacity=2)
+    many.place(one, slice(1, 4), 12)  # rows 1-3, columns 3-11 (a longer prompt would fill 0-11)
+    assert many.capacity >= 12
+    for row in range(1, 4):
+        assert torch.equal(many.k[:, row, :, 3:12], one.k[:, 0, :, :9])
+        assert torch.equal(many.v[:, row, :, 3:12], one.v[:, 0, :, :9])
 
 
 # -----------------------------------------------------------------------------
