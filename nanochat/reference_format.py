@@ -8,7 +8,11 @@ out: in one directory
   meta_<step:06d>.json   {"model_config": {sequence_len, vocab_size (unpadded), n_layer, n_head, n_kv_head,
                          n_embd}, "user_config": {...}, ...}
   tokenizer.pkl          a pickled tiktoken.Encoding (name, pat_str, mergeable_ranks, special_tokens)
-  token_bytes.pt         bytes per token id, as ours
+  token_bytes.pt         an int32 tensor: per token id, the UTF-8 length of the token decoded on its own (its
+                         tok_train's rule, decoded_token_bytes), 0 for special tokens. That is not ours (the raw
+                         bytes, Tokenizer.compute_token_bytes) for a token holding part of a character (every byte
+                         >= 0x80, merges that cut a character): it decodes to U+FFFD, 3 bytes each. Read only to
+                         check that it belongs to tokenizer.pkl (either rule passes); the import writes ours
 The tokenizer may instead sit in a tokenizer/ subdirectory, or in ../../tokenizer/ (that code's base dir layout:
 <base>/chatsft_checkpoints/d32 beside <base>/tokenizer).
 
@@ -83,6 +87,16 @@ def read_tokenizer_pkl(path):
     return tokenizer
 
 
+def decoded_token_bytes(tokenizer):
+    """
+    int32 tensor [vocab_size]: token_bytes.pt as karpathy/nanochat's scripts/tok_train.py computes it, the length in
+    UTF-8 of each token decoded on its own (a partial character becomes one or more U+FFFD), 0 for special tokens.
+    """
+    ordinary = len(tokenizer.mergeable_ranks)  # the special tokens' ids follow
+    sizes = [len(tokenizer.decode([i]).encode("utf-8")) for i in range(ordinary)]
+    return torch.tensor(sizes + [0] * len(tokenizer.get_special_tokens()), dtype=torch.int32)
+
+
 def find_tokenizer(directory):
     """The directory holding tokenizer.pkl: `directory`, its tokenizer/, or ../../tokenizer/. UserError if none."""
     places = [directory, os.path.join(directory, "tokenizer"), os.path.join(directory, os.pardir, os.pardir, "tokenizer")]
@@ -129,7 +143,9 @@ def read_checkpoint(directory, step=-1):
             token_bytes = torch.load(token_bytes_path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise UserError(f"{token_bytes_path} is unreadable ({type(e).__name__})") from None
-        if not torch.equal(torch.as_tensor(token_bytes).cpu().long(), tokenizer.compute_token_bytes().long()):
+        token_bytes = torch.as_tensor(token_bytes).cpu().long()
+        rules = (decoded_token_bytes(tokenizer), tokenizer.compute_token_bytes())  # its tok_train's, ours
+        if not any(torch.equal(token_bytes, rule.long()) for rule in rules):
             raise UserError(f"{token_bytes_path} does not match {tokenizer_dir}/tokenizer.pkl: files of two different tokenizers")
     if tokenizer.get_vocab_size() != model_config["vocab_size"]:
         raise UserError(f"the tokenizer in {tokenizer_dir} has {tokenizer.get_vocab_size():,} tokens, the model "

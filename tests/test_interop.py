@@ -5,6 +5,8 @@ directory, one written by transformers' save_pretrained and a checkpoint of karp
 imported model keeps its own tokenizer. Bad input is one line and leaves nothing behind.
 
 One fp32 export of the session's tiny midtrained model (conftest's tiny_models) is shared by the tests (`exported`).
+The karpathy/nanochat checkpoint of tests/fixtures/reference_nanochat/ was written by that code itself, with what its
+own loader gives for it (make_fixture.py there): the import must give the same token ids and logits.
 """
 
 import json
@@ -19,6 +21,7 @@ import torch
 
 from conftest import run_script
 from nanochat.common import UserError
+from nanochat.files import file_sha256
 
 transformers = pytest.importorskip("transformers")
 
@@ -310,6 +313,81 @@ def test_import_refusals(ours, tmp_path, isolated_env, monkeypatch):
     with pytest.raises(UserError, match="hidden_act='gelu'"):
         run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
     assert not (isolated_env / "chatsft_checkpoints").exists() or not os.listdir(isolated_env / "chatsft_checkpoints")
+
+
+# -----------------------------------------------------------------------------
+# a checkpoint written by karpathy/nanochat's own code
+
+REFERENCE_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "reference_nanochat")
+
+
+@pytest.fixture(scope="module")
+def reference_outputs():
+    """What karpathy/nanochat's loader and tokenizer gave for the fixture's files (make_fixture.py recorded it)."""
+    with open(os.path.join(REFERENCE_FIXTURE, "reference_outputs.json"), encoding="utf-8") as f:
+        outputs = json.load(f)
+    for name, digest in outputs["files"].items():  # recorded from these very files
+        assert file_sha256(os.path.join(REFERENCE_FIXTURE, "d1", name)) == digest, name
+    return outputs
+
+
+@pytest.fixture
+def reference_dir(tmp_path):
+    """This test's copy of the checkpoint karpathy/nanochat's code wrote."""
+    return shutil.copytree(os.path.join(REFERENCE_FIXTURE, "d1"), tmp_path / "d1")
+
+
+def reference_logit_difference(model, outputs):
+    """The largest |our logit - its logit| over what was recorded: vocab columns, each position's max and logsumexp."""
+    worst = 0.0
+    for recorded in outputs["logits"]:
+        with torch.no_grad():
+            logits = model(torch.tensor([recorded["ids"]]))[0]
+        for ours, its in ((logits[:, outputs["logit_columns"]], recorded["columns"]),
+                          (logits.max(-1).values, recorded["max"]), (logits.logsumexp(-1), recorded["logsumexp"])):
+            worst = max(worst, (ours - torch.tensor(its)).abs().max().item())
+    return worst
+
+
+def test_import_checkpoint_written_by_reference_code(reference_outputs, reference_dir, monkeypatch):
+    from nanochat.checkpoint_manager import load_model
+    assert torch.load(reference_dir / "model_000020.pt", weights_only=True)["lm_head.weight"].size(0) == 448  # padded 400
+    run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", "--model_tag=ref",
+                  monkeypatch=monkeypatch)
+    model, tokenizer, meta = load_model("base", "cpu", phase="eval", model_tag="ref")  # fp32 weights, no autocast: fp32
+    assert meta["imported_from"]["step"] == reference_outputs["step"] == 20
+    assert meta["model_config"] == reference_outputs["model_config"]
+    assert tokenizer.get_special_tokens() == reference_outputs["special_tokens"]
+    for text, ids in zip(reference_outputs["texts"], reference_outputs["ids"]):
+        assert tokenizer.encode(text, prepend="<|bos|>") == ids, text
+    conversation = reference_outputs["conversation"]
+    assert list(tokenizer.render_conversation(conversation)) == reference_outputs["conversation_ids_mask"]
+    assert tokenizer.render_for_completion(conversation) == reference_outputs["completion_ids"]
+    # Its rotary tables are rounded to bf16 even in fp32 (_precompute_rotary_embeddings), ours stay fp32: measured
+    # 7.7e-4 at most on these logits (of size up to 6.5). With our tables rounded the same way: 0.0 measured here
+    # (1e-5 leaves room for another CPU's float rounding), so that is the only difference.
+    assert reference_logit_difference(model, reference_outputs) <= 1.5e-3
+    model.cos, model.sin = model.cos.bfloat16().float(), model.sin.bfloat16().float()
+    assert reference_logit_difference(model, reference_outputs) <= 1e-5
+
+
+def test_reference_token_bytes_rule(reference_dir, monkeypatch):
+    """Its tok_train counts a token's bytes decoded to text (a partial UTF-8 character counts as U+FFFD's 3 bytes),
+    ours the raw bytes: both belong to its tokenizer.pkl; a token_bytes.pt of another tokenizer is still refused."""
+    from nanochat.reference_format import decoded_token_bytes, read_tokenizer_pkl
+    tokenizer = read_tokenizer_pkl(reference_dir / "tokenizer.pkl")
+    written = torch.load(reference_dir / "token_bytes.pt", weights_only=True)
+    assert torch.equal(decoded_token_bytes(tokenizer), written)
+    differ = (written != tokenizer.compute_token_bytes()).nonzero().flatten().tolist()
+    assert differ[:128] == list(range(128, 256)) and len(differ) > 128  # every byte >= 0x80, and merges that cut a character
+    changed = written.clone()
+    changed[300] += 1
+    for other in (changed, written[:-1]):  # one entry changed; a tokenizer of another vocab
+        torch.save(other, reference_dir / "token_bytes.pt")
+        with pytest.raises(UserError, match=r"token_bytes.pt does not match .*/tokenizer.pkl: files of two different tokenizers"):
+            run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
+    torch.save(tokenizer.compute_token_bytes(), reference_dir / "token_bytes.pt")  # ours, as our tests' checkpoints have it
+    run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
 
 
 # -----------------------------------------------------------------------------
