@@ -143,7 +143,10 @@ def read_checkpoint(directory, step=-1):
             token_bytes = torch.load(token_bytes_path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise UserError(f"{token_bytes_path} is unreadable ({type(e).__name__})") from None
-        token_bytes = torch.as_tensor(token_bytes).cpu().long()
+        try:
+            token_bytes = torch.as_tensor(token_bytes).cpu().long()
+        except (TypeError, ValueError, RuntimeError):
+            raise UserError(f"{token_bytes_path} holds {type(token_bytes).__name__}, not a tensor of bytes per token") from None
         rules = (decoded_token_bytes(tokenizer), tokenizer.compute_token_bytes())  # its tok_train's, ours
         if not any(torch.equal(token_bytes, rule.long()) for rule in rules):
             raise UserError(f"{token_bytes_path} does not match {tokenizer_dir}/tokenizer.pkl: files of two different tokenizers")

@@ -386,6 +386,9 @@ def test_reference_token_bytes_rule(reference_dir, monkeypatch):
         torch.save(other, reference_dir / "token_bytes.pt")
         with pytest.raises(UserError, match=r"token_bytes.pt does not match .*/tokenizer.pkl: files of two different tokenizers"):
             run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
+    torch.save({"not": "a tensor"}, reference_dir / "token_bytes.pt")
+    with pytest.raises(UserError, match=r"token_bytes.pt holds dict, not a tensor of bytes per token"):
+        run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
     torch.save(tokenizer.compute_token_bytes(), reference_dir / "token_bytes.pt")  # ours, as our tests' checkpoints have it
     run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
 
