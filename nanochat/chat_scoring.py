@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from nanochat.common import Interrupted, print0
+from nanochat.common import Interrupted, duration, print0
 
 
 def letter_token(tokenizer, letter):
@@ -79,15 +79,6 @@ def score_generative(engine, tokenizer, task, indices, num_samples, max_new_toke
         if progress:
             progress.update([outcomes[-1][0]])
     return outcomes
-
-
-def duration(seconds):
-    """45s, 6m, 1h05m."""
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
 
 
 class Progress:

@@ -37,10 +37,13 @@ class UserError(Exception):
 
 
 def _user_error_hook(exc_type, exc, tb, _previous=sys.excepthook):
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     if issubclass(exc_type, UserError):
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
         print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        return
+    if issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C in a script without a stop protocol (evaluations, chat)
+        print(f"{prefix}interrupted (Ctrl-C)", file=sys.stderr, flush=True)  # Python still exits with status 130
         return
     _previous(exc_type, exc, tb)
 
@@ -105,6 +108,15 @@ def print0(s="", **kwargs):
     """
     if int(os.environ.get("RANK", 0)) == 0:
         print(s, flush=True, **kwargs)
+
+
+def duration(seconds):
+    """A duration for people: 45s, 6m, 1h05m."""
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
 
 
 def print_banner():

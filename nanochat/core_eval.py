@@ -44,7 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from filelock import FileLock
 
-from nanochat.common import Interrupted, UserError, download_file_with_lock, get_base_dir, interruptible, print0
+from nanochat.common import (Interrupted, UserError, download_file_with_lock, duration, get_base_dir, interruptible,
+                             print0)
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 BUNDLE_KINDS = ("dclm", "offline")
@@ -425,18 +426,22 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_t
     if max_seq_len is None:
         max_seq_len = getattr(getattr(model, "config", None), "sequence_len", None)
     name, tasks, results = bundle["name"], bundle["tasks"], {}
-    if verbose:
-        print0(f"{name}: {len(tasks)} tasks from {bundle_dir}"
-               + (f", at most {max_per_task} examples each" if max_per_task > 0 else ""))
-        print0(f"{'task':<32} {'type':<17} {'shots':>5} {'examples':>8} {'accuracy':>8} {'centered':>8} {'time':>7}")
+    datasets = []
     for task in tasks:
-        t0 = time.time()
         data = load_task_data(task["path"])
         random.Random(SHUFFLE_SEED).shuffle(data)
         if max_per_task > 0:
             data = data[:max_per_task]
         if not data:
             raise UserError(f"task {task['label']} has no examples ({task['path']})")
+        datasets.append(data)
+    total_examples, examples_done, started = sum(len(data) for data in datasets), 0, time.time()
+    if verbose:  # what it covers, up front; after each task, how long the rest will take at the rate so far
+        print0(f"{name}: {len(tasks)} tasks, {total_examples:,} examples from {bundle_dir}"
+               + (f" (at most {max_per_task} each)" if max_per_task > 0 else ""))
+        print0(f"{'task':<32} {'type':<17} {'shots':>5} {'examples':>8} {'accuracy':>8} {'centered':>8} {'time':>7}")
+    for task, data in zip(tasks, datasets):
+        t0 = time.time()
         shots = min(task["num_fewshot"], len(data) - 1)
         if shots < task["num_fewshot"]:
             print0(f"note: {task['label']} asks for {task['num_fewshot']} few-shot examples but has only {len(data)} "
@@ -447,9 +452,11 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_t
         results[task["label"]] = {"type": task["type"], "shots": shots, "examples": total, "correct": correct,
                                   "accuracy": accuracy, "baseline": task["baseline"], "centered": centered,
                                   "seconds": time.time() - t0}
+        examples_done += len(data)
         if verbose:
+            left = (total_examples - examples_done) * (time.time() - started) / examples_done
             print0(f"{task['label']:<32} {task['type']:<17} {shots:>5} {total:>8} {accuracy:>8.4f} {centered:>8.4f} "
-                   f"{time.time() - t0:>6.1f}s")
+                   f"{time.time() - t0:>6.1f}s" + (f"  (~{duration(left)} left)" if examples_done < total_examples else ""))
     score = sum(r["centered"] for r in results.values()) / len(results)
     if verbose:
         print0(f"{name} metric: {score:.4f}")

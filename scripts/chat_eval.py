@@ -40,8 +40,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.chat_scoring import Progress, duration, score_categorical, score_generative
-from nanochat.common import UserError, print0
+from nanochat.chat_scoring import Progress, score_categorical, score_generative
+from nanochat.common import UserError, duration, print0
 
 # -----------------------------------------------------------------------------
 # Config (override as --key=value; -i and -a are short for --source and --task_name; --help lists them)

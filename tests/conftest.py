@@ -6,6 +6,7 @@ NANOCHAT_BASE_DIR, and downloads are served by a local HTTP server on 127.0.0.1.
 import contextlib
 import http.server
 import os
+import signal
 import sys
 import threading
 import time
@@ -199,6 +200,27 @@ def refusal_in_process(module, *args):
         sys.argv, sys.excepthook, logger.handlers[:], logger.propagate = saved[:4]
         logger.setLevel(saved[4])
     pytest.fail(f"{module} {' '.join(args)} refused nothing")
+
+
+def stop_at(proc, marker, sig=signal.SIGTERM, to=None, timeout=300):
+    """
+    Read the output of `proc` (started with stdout=PIPE, stderr=STDOUT, text=True) until a line containing `marker`,
+    send `sig` (to the process whose pid `to()` gives then, default proc itself), and wait for proc to end. Returns
+    (all its output, seconds from the signal to its end). Fails if it ends before the marker or outlives `timeout`.
+    """
+    lines, deadline = [], time.time() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            break
+        assert time.time() < deadline, "".join(lines[-50:])
+    else:
+        pytest.fail(f"the process ended before {marker!r}: {''.join(lines[-50:])}")
+    os.kill(to() if to else proc.pid, sig)
+    signalled = time.time()
+    lines += proc.stdout.readlines()
+    proc.wait(timeout=timeout)
+    return "".join(lines), time.time() - signalled
 
 
 def wait_for_steps(path, n, proc, timeout=120):

@@ -8,6 +8,7 @@ schedules and evaluate_bpb.
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -17,7 +18,7 @@ import time
 import pytest
 import torch
 
-from conftest import CORES, REPO_ROOT, run_script, start_script, wait_for_steps
+from conftest import CORES, REPO_ROOT, run_script, start_script, stop_at, wait_for_steps
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.schedules import lr_multiplier, muon_momentum
 
@@ -183,6 +184,41 @@ def test_sigterm_leaves_a_complete_resumable_checkpoint(trained_tokenizer, isola
     resumed = base_train(f"--resume_from_step={step}", f"--num_iterations={step + 2}", "--eval_every=-1")
     assert resumed.returncode == 0, resumed.stderr
     assert f"step {step + 2:05d}/{step + 2:05d}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_a_stop_request_cuts_the_final_evaluations_short_and_a_resume_runs_them(trained_tokenizer, isolated_env):
+    # the last step is saved, then comes a validation of ~1.5 million batches: hours; a SIGTERM stops it at once
+    args = with_defaults(TINY, ["--num_iterations=3", "--eval_every=-1", "--eval_tokens=100000000"])
+    proc = start_script("-m", "scripts.base_train", *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, seconds = stop_at(proc, "step 00003/00003")
+    assert proc.returncode == 75, out[-3000:]  # not finished: its final evaluations did not run
+    assert seconds < 20 and "Step 00003 | evaluations stopped: a stop was requested" in out, out[-3000:]
+    assert "--resume_from_step=3" in out and "validation bpb:" not in out
+    assert (isolated_env / "base_checkpoints" / "d1" / "meta_000003.json").exists()  # saved before, kept
+    report = (isolated_env / "report" / "base-model-training.md").read_text()
+    assert "n/a (its evaluation was stopped)" in report
+    resumed = base_train("--num_iterations=3", "--eval_every=-1", "--resume_from_step=3")  # the small validation of TINY
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Step 00003 | validation bpb:" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_a_stop_request_to_one_rank_stops_every_rank_within_seconds(trained_tokenizer, isolated_env):
+    # torchrun, 2 ranks; the SIGTERM reaches rank 1 only, in the middle of a validation of hours: rank 0 learns it
+    # through the process group's store (it takes part in no collective until the end of its share)
+    import psutil
+    args = with_defaults(TINY, ["--num_iterations=3", "--eval_every=-1", "--eval_tokens=100000000"])
+    proc = start_script("-m", "scripts.base_train", *args, nproc=2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def rank1():
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        return next(p.pid for p in workers if "scripts.base_train" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
+    out, seconds = stop_at(proc, "step 00003/00003", to=rank1)
+    assert proc.returncode != 0 and seconds < 20, out[-3000:]
+    assert "[rank 1] got SIGTERM" in out and "[rank 0] got" not in out
+    assert "Step 00003 | evaluations stopped: a stop was requested" in out and "--resume_from_step=3" in out
+    assert re.search(r"exitcode\s*:\s*75", out), out[-3000:]  # torchrun's summary of the ranks' exit codes
 
 
 def test_lr_schedule_endpoints_and_boundaries():

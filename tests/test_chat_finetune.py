@@ -5,11 +5,12 @@ must raise the reward.
 """
 
 import json
+import subprocess
 
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import run_script, start_script, stop_at
 from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
 from test_loss import ToyModel
 
@@ -137,6 +138,35 @@ def test_rl_resume_equals_the_uninterrupted_run(rl_base):
     assert step_losses(ckpt, "reward") == full_rewards and step_losses(ckpt, "answer_length") == full_lengths
     for k, v in torch.load(ckpt / "model_000004.pt").items():
         assert torch.allclose(v, full_weights[k], rtol=1e-6, atol=0), k
+
+
+@pytest.mark.slow
+def test_rl_stops_within_seconds_in_pass_at_k_and_in_sampling(rl_base):
+    """A SIGTERM in the first pass@k (500 problems x 16 answers: minutes) stops it at once; the step that follows
+    drops its sampling at its first token; the stage saves step 0 and exits 75, the last pass@k also cut short."""
+    args = [a for a in RL if not a.startswith(("--num_samples", "--eval_examples"))]
+    proc = start_script(*args, "--num_samples=16", "--eval_examples=500", "--num_iterations=3",
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, seconds = stop_at(proc, "pass@k: 500 test problems x 16 answers")
+    assert proc.returncode == 75 and seconds < 20, out[-3000:]
+    assert "Step 00000 | pass@k stopped: a stop was requested" in out
+    assert "step 00001/00003 | stopped while sampling" in out and "mean reward" not in out
+    assert "--resume_from_step=0" in out
+    assert (rl_base / "chatrl_checkpoints" / "d1" / "meta_000000.json").exists()
+
+
+@pytest.mark.slow
+def test_sft_stops_within_seconds_in_its_evaluations(chat_base):
+    """A SIGTERM in SFT's first validation (eval_tokens: hours of it) stops it at once; one training step finishes and
+    is saved; the final evaluations stop at once too; exit 75."""
+    args = [a for a in SFT if not a.startswith("--eval_tokens")]
+    proc = start_script(*args, "--eval_tokens=100000000", "--num_iterations=5", stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+    out, seconds = stop_at(proc, "x, y = next(train_loader)")
+    assert proc.returncode == 75 and seconds < 30, out[-3000:]
+    assert "Step 00000 | evaluations stopped: a stop was requested" in out
+    assert "step 00001 (" in out and "step 00002 (" not in out and "Step 00001 | evaluations stopped" in out
+    assert (chat_base / "chatsft_checkpoints" / "d1" / "meta_000001.json").exists()
 
 
 @pytest.mark.slow

@@ -161,6 +161,53 @@ def test_generation_past_the_training_length_when_asked(tiny):
         Engine(model, tokenizer, context_len=model.rotary_len + 1)
 
 
+def test_prompts_of_different_lengths_decode_together_as_each_alone(tiny):
+    # generate_many puts the prompts right-aligned in one cache (padding masked out, each row at its own positions):
+    # greedy, each prompt's samples are what it gets alone, and naive generation gets
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    chosen = [prompts[0][:7], prompts[1][:19], prompts[2][:12]]
+    columns = [column for column, _ in engine.generate_many(chosen, num_samples=2, max_tokens=25, temperature=0)]
+    for p, prompt in enumerate(chosen):
+        expected = naive_until_end(model, engine, prompt, 25, temperature=0)
+        for row in (2 * p, 2 * p + 1):
+            stream = [column[row] for column in columns][:len(expected)]
+            assert stream == expected, (p, row)
+    # sampled (temperature 1): as many samples as asked, each a proper stream; the seed decides
+    again = [column for column, _ in engine.generate_many(chosen, num_samples=2, max_tokens=25, temperature=1.0, seed=3)]
+    assert again == [column for column, _ in engine.generate_many(chosen, num_samples=2, max_tokens=25, temperature=1.0, seed=3)]
+    assert all(len(column) == 6 for column in again)
+    with pytest.raises(UserError, match="exceeds the context"):
+        engine.generate_many([prompts[0][:10], prompts[1][:SEQ_LEN - 5]], max_tokens=10)
+    with pytest.raises(UserError, match="non-empty list of prompts"):
+        engine.generate_many([])
+
+
+def test_decode_step_at_each_rows_own_position_equals_full_forward(tiny):
+    # two prompts of 9 and 14 tokens, right-aligned in one cache: the shorter's first 5 columns are padding
+    model, _, prompts = tiny
+    cfg = model.config
+    short, long = prompts[0][:30], prompts[1][:35]
+    with torch.no_grad():
+        full = [model(torch.tensor([row]))[0] for row in (short, long)]
+        cache = KVCache(2, cfg.n_kv_head, 40, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.float32)
+        for row, (ids, length) in enumerate(((short, 9), (long, 14))):
+            one = KVCache(1, cfg.n_kv_head, length, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.float32)
+            model.prefill(torch.tensor([ids[:length]]), one)
+            cache.place(one, slice(row, row + 1), 14)
+        cache.k[:, 0, :, :5] = cache.v[:, 0, :, :5] = 0  # the padding, as the Engine leaves it: masked out, and zeros
+        cache.advance(14)
+        padding = torch.tensor([5, 0])
+        key_mask = torch.arange(40)[None, None, None, :] >= padding[:, None, None, None]
+        weights = model.decode_weights()
+        for t in range(14, 35):
+            step = torch.tensor([short[t - 5] if t - 5 < len(short) else 0, long[t]])
+            logits = model.decode_step(step, cache, weights, cache.pos - padding, key_mask)
+            if t - 5 < len(short):
+                torch.testing.assert_close(logits[0], full[0][t - 5], rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits[1], full[1][t], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decode_step_equals_full_forward(tiny, batch):
     model, _, prompts = tiny
