@@ -197,8 +197,8 @@ def evaluate_pass_at_k():
 
 
 # -----------------------------------------------------------------------------
-# 7. The training loop. Which problems a step samples, and with which seeds, depends only on the step: a resumed
-# run continues exactly without any data position to save.
+# 7. The training loop. Which problems a step samples, and with which seeds, depends only on the step (and the rank):
+# a resumed run continues exactly without any data position to save.
 start_step, loop_state = stage.start_step, stage.loop_state
 mean_rewards = loop_state.get("mean_rewards", [])  # mean reward of every step so far
 pass_at_k, first_pass_at_k = {}, loop_state.get("first_pass_at_k")  # pass@k before any RL step

@@ -181,6 +181,7 @@ def evaluate_metrics():
 # -----------------------------------------------------------------------------
 # 7. The training loop: the same two-level loop as base_train and mid_train. A step's micro-batches are fetched
 # before it runs (its targets are counted before the first backward); `next_data_state` is where they start.
+stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 next_data_state = train_loader.state_dict()
 step_batches = [next(train_loader) for _ in range(grad_accum_steps)]
 x, y = step_batches[0]
@@ -192,7 +193,6 @@ total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, exc
 first_val_bpb = loop_state.get("first_val_bpb")
 epoch_done = loop_state.get("epoch_done", False)  # some rank has read its whole share of the mixture
 val_bpb, metrics, ema_beta = None, {}, 0.9
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 step, stop_now, evaluations_cut = start_step, False, False
 while True:
     # All ranks stop together (see mid_train): after num_iterations steps, after one epoch, or when asked to

@@ -155,6 +155,7 @@ print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
 # 7. The training loop: the same two-level loop as base_train (steps, and micro-steps inside a step). A step's
 # micro-batches are fetched before it runs: its loss is normalised by its number of supervised targets, which
 # must be known before the first backward. `next_data_state` is where they start (a checkpoint saves it).
+stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 next_data_state = train_loader.state_dict()
 step_batches = [next(train_loader) for _ in range(grad_accum_steps)]
 x, y = step_batches[0]
@@ -168,7 +169,6 @@ total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, exc
 first_val_bpb, min_val_bpb = loop_state.get("first_val_bpb"), loop_state.get("min_val_bpb", float("inf"))
 epoch_done = loop_state.get("epoch_done", False)  # some rank has read its whole share of the mixture
 val_bpb, ema_beta, mfus = None, 0.9, []
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 step, stop_now, evaluations_cut = start_step, False, False
 while True:
     # After num_iterations steps, or (num_iterations = -1) as soon as ANY rank has read its share of the epoch
