@@ -40,13 +40,12 @@ os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
 from nanochat.common import compute_init, print0
-from nanochat.hardware import autocast_dtype, get_peak_flops
 from nanochat.configurator import configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.dataset import parquets_iter_batched
 from nanochat.gpt import GPT, config_from_depth
-from nanochat.sharding import clip_grad_norm_
-from nanochat.schedules import lr_multiplier, muon_momentum
+from nanochat.hardware import autocast_dtype, get_peak_flops
+from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth

@@ -42,12 +42,11 @@ os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
 from nanochat.common import print0
-from nanochat.hardware import autocast_dtype
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
-from nanochat.engine import Engine
-from nanochat.engine import KVCache
+from nanochat.engine import Engine, KVCache
 from nanochat.gpt import GPT, config_from_depth
+from nanochat.hardware import autocast_dtype
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth

@@ -25,7 +25,7 @@ from nanochat.common import print0
 from nanochat.configurator import configure
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compute_dtype_line
-from nanochat.sharding import clip_grad_norm_
+from nanochat.optim import clip_grad_norm_
 
 depth = 4  # model depth
 max_seq_len = 512  # T

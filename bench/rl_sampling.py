@@ -16,7 +16,6 @@ decoding steps run, and the time; then the machine line. Under autocast in the c
     python bench/rl_sampling.py --source=sft --problems=16 --num_samples=16 --threads=2
 """
 
-import os
 import statistics
 import time
 

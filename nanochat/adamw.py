@@ -25,7 +25,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.sharding import ShardedGradients, all_gather_single, pad_rows, reduce_scatter_single, rows_of
+from nanochat.common import is_distributed
+from nanochat.optim import ShardedGradients, all_gather_single, pad_rows, reduce_scatter_single, rows_of
 
 
 def adamw_update_(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay):
@@ -69,7 +70,7 @@ class AdamW(torch.optim.Optimizer):
                               group["betas"], group["eps"], group["weight_decay"])
 
     def owned_state(self, name_of):
-        """Every parameter's state (one process holds it all), whole, from row 0; see nanochat.sharding."""
+        """Every parameter's state (one process holds it all), whole, from row 0; see nanochat.optim."""
         rows = lambda t: t.view(1) if t.ndim == 0 else t  # noqa: E731
         return {name_of[p]: {"row_start": 0, "step": state["step"], "exp_avg": rows(state["exp_avg"]),
                              "exp_avg_sq": rows(state["exp_avg_sq"])}
@@ -86,7 +87,7 @@ class AdamW(torch.optim.Optimizer):
 
 class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     """
-    AdamW for data-parallel training (torchrun), ZeRO-2 style (what that means: nanochat/sharding.py). The
+    AdamW for data-parallel training (torchrun), ZeRO-2 style (what that means: nanochat/optim.py). The
     part of the optimizer a rank owns is a slice of rows of EVERY parameter: each parameter is cut along dim 0
     into W equal slices of ceil(rows / W) rows (W = world size); rank r owns slice r and keeps exp_avg /
     exp_avg_sq (and the step count) for that slice only.
@@ -114,12 +115,12 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     initialised, every rank has the same parameters in the same order, calls step() together, and has a
     gradient for every parameter.
 
-    Checkpoints: owned_state / load_owned_state, through nanochat.sharding.optimizer_shard and
+    Checkpoints: owned_state / load_owned_state, through nanochat.optim.optimizer_shard and
     load_optimizer_shards, which work across world sizes (and with torch.optim.AdamW in one process).
     """
 
     def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             raise RuntimeError("DistAdamW needs an initialised process group (torchrun + compute_init); "
                                "use torch.optim.AdamW in a single process")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -180,7 +181,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                 p_rows.copy_(full[:p_rows.size(0)])
 
     def owned_state(self, name_of):
-        """This rank's slice of every parameter's state, without the padding rows (nanochat.sharding)."""
+        """This rank's slice of every parameter's state, without the padding rows (nanochat.optim)."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
         out = {}
         for group in self.param_groups:
@@ -197,7 +198,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
         return out
 
     def load_owned_state(self, name_of, full_state):
-        """Take this rank's slice of each parameter's full state (nanochat.sharding.load_optimizer_shards)."""
+        """Take this rank's slice of each parameter's full state (nanochat.optim.load_optimizer_shards)."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
         for group in self.param_groups:
             for p in group["params"]:

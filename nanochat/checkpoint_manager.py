@@ -4,7 +4,7 @@ Saving and loading checkpoints, and the checkpoint directory a training run owns
 A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d20/ is:
   model_{N:06d}.pt            the weights (written by rank 0: every rank holds the same full weights)
   optim_{N:06d}_rank{r}.pt    the optimizer state rank r held, one file per rank (DistMuon / DistAdamW shard
-                              the optimizer state), in a form any world size can load (nanochat/sharding.py)
+                              the optimizer state), in a form any world size can load (nanochat/optim.py)
   meta_{N:06d}.json           step, model config, training config, world size, tokenizer fingerprint, data
                               settings, dataloader and loop state; written LAST, by rank 0, after every rank
                               has finished its files. It is the completion marker: a step without its meta
@@ -28,8 +28,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, get_base_dir, print0
-from nanochat.files import atomic_write
+from nanochat.common import UserError, atomic_write, get_base_dir, is_distributed, print0
 
 SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 STAGE_COMMANDS = {"base": "python -m scripts.base_train", "mid": "python -m scripts.mid_train",
@@ -40,10 +39,6 @@ TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 class CheckpointUnreadable(UserError):
     """A checkpoint file is missing or cannot be read (truncated, corrupt): load_model then tries the previous step."""
-
-
-def _is_distributed():
-    return dist.is_available() and dist.is_initialized()
 
 
 # -----------------------------------------------------------------------------
@@ -85,13 +80,13 @@ def claim_checkpoint_dir(checkpoint_dir, resume_from_step=-1, overwrite=False):
     killed are removed. Every rank raises the same UserError if rank 0 refuses.
     """
     error = None
-    rank = dist.get_rank() if _is_distributed() else 0
+    rank = dist.get_rank() if is_distributed() else 0
     if rank == 0:
         try:
             _claim(checkpoint_dir, resume_from_step, overwrite)
         except UserError as e:
             error = str(e)
-    if _is_distributed():
+    if is_distributed():
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
@@ -158,11 +153,11 @@ def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, ra
     """
     Save step `step`. Under torchrun EVERY rank must call this (each writes its own optimizer file, and
     the completion marker waits for all of them). `optimizer_shard`: this rank's optimizer state
-    (nanochat.sharding.optimizer_shard), or None to save none. `model_state` and `meta` are used on rank 0.
+    (nanochat.optim.optimizer_shard), or None to save none. `model_state` and `meta` are used on rank 0.
     If a write fails (a full disk: "no space left on <dir>"), the files this call wrote are removed.
     """
     os.makedirs(checkpoint_dir, exist_ok=True)
-    world_size = dist.get_world_size() if _is_distributed() else 1
+    world_size = dist.get_world_size() if is_distributed() else 1
     written = []
     try:
         if optimizer_shard is not None:
@@ -173,7 +168,7 @@ def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, ra
             written.append(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
             with atomic_write(written[-1]) as f:
                 torch.save(model_state, f)
-        if _is_distributed():
+        if is_distributed():
             dist.barrier()  # every rank's files are in place before the marker says "complete"
         if rank == 0:
             meta = dict(meta, step=step, world_size=world_size, has_optimizer=optimizer_shard is not None)
@@ -215,7 +210,7 @@ def read_meta(checkpoint_dir, step):
 def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False):
     """
     Returns (model_state, optimizer_shards or None, meta). optimizer_shards: what every rank of the saving
-    run saved (a list, one entry per saving rank), for nanochat.sharding.load_optimizer_shards.
+    run saved (a list, one entry per saving rank), for nanochat.optim.load_optimizer_shards.
     Errors name the missing or broken file.
     """
     meta = read_meta(checkpoint_dir, step)

@@ -10,6 +10,8 @@ one line. A program that uses nanochat as a library and keeps its own logging ca
 """
 
 import contextlib
+import errno
+import hashlib
 import logging
 import os
 import re
@@ -160,6 +162,43 @@ def get_base_dir():
     return base_dir
 
 
+@contextlib.contextmanager
+def atomic_write(path, mode="wb"):
+    """
+    Write `path` all or nothing: yields a file object for a temporary file beside it (`<path>.tmp<pid>`),
+    renamed over `path` when the block ends without an error. os.replace is atomic on one filesystem, so
+    `path` always holds either its old content or the complete new one: a crash or a kill mid-write leaves
+    at most the temporary file, which this removes on any error (a kill -9 leaves it for the next writer
+    of the directory to clean up). A full disk or a read-only directory becomes a one-line UserError.
+
+        with atomic_write(path) as f:
+            torch.save(obj, f)
+    """
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise UserError(f"no space left on {os.path.dirname(os.path.abspath(path))} while writing "
+                            f"{os.path.basename(path)} (nothing partial was kept): free some space and run again") from None
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise UserError(f"cannot write {path}: {e.strerror}") from None
+        raise
+
+
+def file_sha256(path):
+    """The sha256 of a file's bytes, as a hex string."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=None,
                             retries=5, timeout=30, backoff=2.0, retry_command=None):
     """
@@ -185,8 +224,6 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
     """
     import requests  # imported here: only code paths that download need it
 
-    from nanochat.http_stream import stream_to_file, unreachable_reason
-
     file_path = os.path.join(get_base_dir(), filename)
     if os.path.exists(file_path):
         return file_path
@@ -203,7 +240,7 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
         tmp_path = f"{file_path}.tmp{os.getpid()}"
         for attempt in range(1, retries + 1):
             try:
-                digest = stream_to_file(url, tmp_path, timeout)
+                digest = _stream_to_file(url, tmp_path, timeout)
                 if expected_sha256 is not None and digest != expected_sha256:
                     raise IOError(f"sha256 mismatch for {url}: expected {expected_sha256}, got {digest}")
                 if postprocess_fn is not None:
@@ -212,7 +249,7 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
                 return file_path
             except (requests.RequestException, IOError) as e:
                 again = f"; then run `{retry_command}` again" if retry_command else "; then run the same command again"
-                reason = unreachable_reason(e)
+                reason = _unreachable_reason(e)
                 if reason is not None:
                     host = urllib.parse.urlsplit(url).netloc
                     raise UserError(f"cannot reach {host} to download {url} ({reason}): check the network "
@@ -227,6 +264,47 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
             finally:
                 if os.path.exists(tmp_path):
                     os.remove(tmp_path)
+
+
+def _stream_to_file(url, path, timeout):
+    """
+    GET `url` into `path` (raises on HTTP errors and on a connection closed before Content-Length bytes),
+    logging the progress of files above 10 MB. Returns the sha256 of the bytes, hashed as they arrive.
+    """
+    import requests
+    # (connect, read) timeouts: connecting takes well under a second on a working network
+    with requests.get(url, stream=True, timeout=(5, timeout)) as response:
+        response.raise_for_status()
+        total = int(response.headers.get("Content-Length") or 0)
+        report_every = max(total // 10, 1)
+        done, next_report, sha = 0, report_every, hashlib.sha256()
+        t0 = time.time()
+        with open(path, "wb") as f:
+            for chunk in response.iter_content(chunk_size=1 << 20):
+                f.write(chunk)
+                sha.update(chunk)
+                done += len(chunk)
+                if total > 10 * 2**20 and done >= next_report:
+                    logger.info(f"{os.path.basename(url)}: {done / 2**20:.1f} MB of {total / 2**20:.1f} MB "
+                                f"({100 * done / total:.0f}%, {done / 2**20 / max(time.time() - t0, 1e-9):.1f} MB/s)")
+                    next_report += report_every
+        if total and done != total:
+            raise IOError(f"connection closed after {done} of {total} bytes")
+    return sha.hexdigest()
+
+
+def _unreachable_reason(e):
+    """
+    For a failure where the connection could not even be established (name not resolved, refused, no route,
+    connect timeout): the short reason, e.g. "Connection refused". None for anything else (retry those).
+    """
+    import requests
+    from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
+    reason = getattr(e.args[0], "reason", None) if isinstance(e, requests.ConnectionError) and e.args else None
+    if not (isinstance(e, requests.exceptions.ConnectTimeout) or isinstance(reason, (NewConnectionError, ConnectTimeoutError))):
+        return None
+    text = str(reason if reason is not None else e)
+    return text.split(": ", 1)[-1] if ": " in text else text
 
 
 # -----------------------------------------------------------------------------
@@ -361,12 +439,67 @@ def _print_topology(ddp, rank, local_rank, world_size, device):
     print0("\n".join(fmt.format(*r) for r in [header, *rows]))
 
 
+def is_distributed():
+    """True under torchrun once compute_init has set up the process group (then collectives are needed)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def compute_cleanup():
     """End of a script: tear down the process group so every rank exits cleanly (no NCCL/gloo warnings)."""
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier()
         dist.destroy_process_group()
 
+
+
+# -----------------------------------------------------------------------------
+# Ranks agreeing with each other (under torchrun; the same calls work in one process)
+
+
+def gather_from_ranks(obj):
+    """[obj of rank 0, obj of rank 1, ...] on every rank, for small picklable things; [obj] in one process."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(*flags):
+    """
+    For each flag: True on every rank if it is True on ANY rank (one all_reduce). A stop request may reach one
+    rank only, and one rank may run out of data first; a rank that stopped alone would leave the others waiting
+    forever in their next collective, so every rank decides to stop on the same combined flags.
+    """
+    values = torch.tensor([float(bool(f)) for f in flags], dtype=torch.float64)
+    if is_distributed():
+        values = values.to(_collective_device())
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return tuple(v > 0 for v in values.tolist())
+
+
+def per_rank(value):
+    """[value of rank 0, value of rank 1, ...] on every rank, for one number (a rank's loss, its token count)."""
+    if not is_distributed():
+        return [float(value)]
+    values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=_collective_device())
+    values[dist.get_rank()] = float(value)
+    dist.all_reduce(values)
+    return values.tolist()
+
+
+def sum_over_ranks(*values):
+    """The sum over all ranks of each number, on every rank (one all_reduce)."""
+    totals = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if is_distributed():
+        totals = totals.to(_collective_device())
+        dist.all_reduce(totals)
+    return tuple(totals.tolist())
+
+
+def _collective_device():
+    # NCCL moves CUDA tensors only; gloo CPU tensors
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 # -----------------------------------------------------------------------------
@@ -402,7 +535,7 @@ def interruptible(device):
         yield
     except Interrupted:
         stopped = True
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         flag = torch.tensor([float(stopped)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stopped = flag.item() > 0

@@ -44,8 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from filelock import FileLock
 
-from nanochat.common import (Interrupted, UserError, download_file_with_lock, duration, get_base_dir, interruptible,
-                             print0)
+from nanochat.common import (Interrupted, UserError, download_file_with_lock, duration, get_base_dir, interruptible, is_distributed, print0)
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 BUNDLE_KINDS = ("dclm", "offline")
@@ -86,7 +85,7 @@ def prepare_bundle(kind=""):
 
       dclm     bundle_url() -> <base_dir>/eval_bundle.zip (download_file_with_lock), unzipped to
                <base_dir>/eval_bundle/
-      offline  built from the pydocs records (nanochat/core_bundle_offline.py) into
+      offline  built from the pydocs records (nanochat/core_bundle.py) into
                <base_dir>/eval_bundle_pydocs_v<N>/, in the same format, in a few seconds
 
     Either way the directory appears by one rename of a complete, validated temporary directory, made under
@@ -97,7 +96,7 @@ def prepare_bundle(kind=""):
     if kind not in BUNDLE_KINDS:
         raise UserError(f"unknown eval bundle {kind!r}: use one of {', '.join(BUNDLE_KINDS)}")
     if kind == "offline":
-        from nanochat.core_bundle_offline import BUNDLE_DIR, write_offline_bundle
+        from nanochat.core_bundle import BUNDLE_DIR, write_offline_bundle
         return _materialize(os.path.join(get_base_dir(), BUNDLE_DIR), write_offline_bundle)
     final = os.path.join(get_base_dir(), DCLM_DIR)
     if os.path.isdir(final):  # only a complete bundle is ever renamed to this name
@@ -359,7 +358,7 @@ def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_token
     Returns (correct, total) over all ranks, and this rank's outcomes: [{"index", "correct", "pred" (chosen
     option; None for language modeling), "losses" (mean loss per row)}, ...].
     """
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = is_distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     indices = list(range(rank, len(data), world))
     outcomes = []

@@ -3,7 +3,7 @@ The pretraining corpora: where the text comes from, how it lies on disk, and how
 
 Two corpora share one on-disk format, so the tokenizer and the dataloader never know which one they read:
 parquet shards `shard_00000.parquet`, `shard_00001.parquet`, ... with a single `text` column (one document
-per row; nanochat/shards.py), in `<base_dir>/base_data/<corpus>/`. The LAST shard is the validation shard; all others are
+per row; the shard format below), in `<base_dir>/base_data/<corpus>/`. The LAST shard is the validation shard; all others are
 training shards. $NANOCHAT_DATASET picks the corpus, read at every call (not at import):
 
   fineweb-edu (default)  FineWeb-Edu 100B, shuffled: 1823 shards of ~250M characters of educational web
@@ -12,7 +12,7 @@ training shards. $NANOCHAT_DATASET picks the corpus, read at every call (not at 
   pydocs                 The running Python's own documentation (~2.5M characters), built offline in seconds
                          from the standard library: the corpus for CPU runs, tests and laptops. Built by
                          `NANOCHAT_DATASET=pydocs python -m nanochat.dataset`, or on demand by
-                         list_parquet_files() (see nanochat/pydocs.py).
+                         list_parquet_files() (build_pydocs; the documents: nanochat/pydocs.py).
 
 Reading API (used by the tokenizer trainer and the dataloader):
   list_parquet_files(split)   sorted shard paths of "train" or "val"
@@ -29,17 +29,20 @@ of the global order: every rank reads different documents, nobody reads a whole 
 import argparse
 import logging
 import os
+import re
 import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+import pyarrow as pa
 import pyarrow.parquet as pq
+from filelock import FileLock
 
-from nanochat.common import UserError, download_file_with_lock, get_base_dir, setup_default_logging
+from nanochat.common import (UserError, atomic_write, download_file_with_lock, file_sha256, get_base_dir,
+                             setup_default_logging)
 from nanochat.configurator import closest
-from nanochat.files import file_sha256
-from nanochat.pydocs import build_pydocs
-from nanochat.shards import SHARD_RE, check_shard, read_checksums, record_checksums, shard_name
+from nanochat.pydocs import pydocs_documents
 
 logger = logging.getLogger("nanochat.dataset")  # not __name__: that is "__main__" under `python -m`
 
@@ -50,6 +53,62 @@ DEFAULT_CORPUS = "fineweb-edu"
 # uniform sample of the whole dataset, and downloading the first N shards is as good as any N.
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 FINEWEB_SHARDS = 1823  # shard_00000 .. shard_01822; the last one is the validation shard
+
+
+# -----------------------------------------------------------------------------
+# The shard format both corpora share
+
+SHARD_RE = re.compile(r"^shard_(\d{5})\.parquet$")
+ROW_GROUP_SIZE = 1024  # documents per row group: the unit the dataloader reads and strides over
+PYDOCS_VAL_DOCS = 1024  # documents in pydocs's validation shard: one row group
+PYDOCS_SHARD_DOCS = 2 * ROW_GROUP_SIZE  # documents per pydocs training shard: two row groups
+
+
+def shard_name(index):
+    return f"shard_{index:05d}.parquet"
+
+
+def check_shard(path):
+    """
+    Raise IOError unless `path` is a readable parquet file with a string `text` column. Reads only the
+    footer (a few KB), so checking every shard is cheap. A truncated file fails here: the footer, and the
+    `PAR1` magic bytes that end every parquet file, are at its end.
+    """
+    try:
+        schema = pq.ParquetFile(path).schema_arrow
+    except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) or OSError, depending on the damage
+        raise IOError(f"{path} is not a valid parquet file: {e}") from e
+    text_type = schema.field("text").type if "text" in schema.names else None
+    if text_type is None or not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        raise IOError(f"{path} has no string column `text` (columns: {', '.join(schema.names)})")
+
+
+CHECKSUMS = "SHA256SUMS"  # beside the shards: "<sha256>  <shard name>" per line, written when a shard is written
+
+
+def read_checksums(directory):
+    """{shard name: sha256} recorded in <directory>/SHA256SUMS ({} if none)."""
+    try:
+        with open(os.path.join(directory, CHECKSUMS), encoding="utf-8") as f:
+            return {name: digest for digest, name in (line.split() for line in f if line.strip())}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_checksums(directory, digests):
+    """Write <directory>/SHA256SUMS listing {shard name: sha256} (the format of the `sha256sum` tool)."""
+    with atomic_write(os.path.join(directory, CHECKSUMS), "w") as f:
+        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
+
+
+def record_checksums(directory, digests):
+    """Add {shard name: sha256} to <directory>/SHA256SUMS, under a lock (parallel downloads record at once)."""
+    with FileLock(os.path.join(directory, CHECKSUMS + ".lock")):
+        write_checksums(directory, dict(read_checksums(directory), **digests))
+
+
+# -----------------------------------------------------------------------------
+# The corpora
 
 
 def dataset_name():
@@ -191,6 +250,60 @@ def parquets_iter_batched(split, start=0, step=1):
 
 # -----------------------------------------------------------------------------
 # FineWeb-Edu: download
+
+
+def _write_pydocs(directory):
+    """Write the shards into `directory`: training shards of 2 row groups, then one validation shard."""
+    docs = pydocs_documents()
+    if len(docs) < 2 * PYDOCS_VAL_DOCS:
+        raise RuntimeError(f"pydocs found only {len(docs)} documents: is Python's standard library there?")
+    train, val = docs[:-PYDOCS_VAL_DOCS], docs[-PYDOCS_VAL_DOCS:]
+    shards = [train[i:i + PYDOCS_SHARD_DOCS] for i in range(0, len(train), PYDOCS_SHARD_DOCS)] + [val]
+    os.makedirs(directory)
+    for index, shard in enumerate(shards):
+        table = pa.table({"text": pa.array(shard, type=pa.string())})
+        # Same bytes on every build: no timestamps in parquet metadata, a fixed compression codec, and
+        # pyarrow writes row groups and pages deterministically. row_group_size sets the reading unit.
+        pq.write_table(table, os.path.join(directory, shard_name(index)), row_group_size=ROW_GROUP_SIZE,
+                       compression="zstd")
+    write_checksums(directory, {shard_name(i): file_sha256(os.path.join(directory, shard_name(i))) for i in range(len(shards))})
+    return len(docs), sum(len(d) for d in docs), len(shards)
+
+
+def build_pydocs():
+    """
+    Make sure the pydocs corpus exists in <base_dir>/base_data/pydocs and return that directory; build
+    it if missing (seconds). list_parquet_files() calls it, so pydocs never needs a separate step; this
+    is the one place a read builds data, because the build is offline, quick and deterministic.
+
+    Safe under torchrun and against crashes: builders take a file lock (N ranks -> one build, the others
+    wait and then find it done) and write into a temporary directory that is renamed to the final name
+    only when complete. A build killed midway leaves a `pydocs.tmp<pid>` directory, never a corpus; the
+    next build deletes it. To rebuild (e.g. after a Python upgrade changed the docs), delete the directory.
+    """
+    final = os.path.join(get_base_dir(), "base_data", "pydocs")
+    if os.path.isdir(final):
+        return final
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    with FileLock(final + ".lock"):
+        if os.path.isdir(final):  # built by whoever held the lock before us
+            return final
+        for name in os.listdir(parent):  # we hold the lock: a temp dir here is from a builder that died
+            if name.startswith("pydocs.tmp"):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        tmp = f"{final}.tmp{os.getpid()}"
+        logger.info(f"Building the pydocs corpus from the docs of Python {sys.version.split()[0]} in {final}")
+        t0 = time.time()
+        try:
+            docs, chars, shards = _write_pydocs(tmp)
+            os.rename(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+        logger.info(f"Built pydocs: {docs:,} docs, {chars / 1e6:.2f}M chars, {shards} shards "
+                    f"in {time.time() - t0:.1f}s")
+    return final
 
 
 def fineweb_num_shards():

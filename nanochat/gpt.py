@@ -19,13 +19,12 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nanochat.common import UserError, print0
-from nanochat.softcap_loss import softcapped_cross_entropy
+from nanochat.common import UserError, is_distributed, print0
+from nanochat.losses import softcapped_cross_entropy
 
 
 @dataclass
@@ -315,7 +314,7 @@ class GPT(nn.Module):
             dict(params=lm_head_params, lr=unembedding_lr * lr_scale),
             dict(params=embedding_params, lr=embedding_lr * lr_scale),
         ]
-        distributed = dist.is_available() and dist.is_initialized()
+        distributed = is_distributed()
         adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
         adamw = (DistAdamW if distributed else AdamW)(adam_groups, **adamw_kwargs)
         muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95)

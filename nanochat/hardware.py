@@ -1,7 +1,7 @@
 """
 What the hardware can do: the dtype to compute in (compute_dtype: decided here, once, for training, Muon, the
-evaluations and the Engine) and the peak FLOP/s that MFU (model FLOPs utilisation) is measured against
-(get_peak_flops).
+evaluations and the Engine), the peak FLOP/s that MFU (model FLOPs utilisation) is measured against
+(get_peak_flops), and whether to torch.compile (compile_model).
 """
 
 import functools
@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 
-from nanochat.common import UserError, get_base_dir
-from nanochat.files import atomic_write
+from nanochat.common import UserError, atomic_write, get_base_dir, is_distributed
 
 # A CPU does bf16 natively if it multiplies bf16 matrices in hardware: x86 AVX512-BF16 (AMD Zen 4 and later,
 # Intel Cooper Lake) or AMX-BF16 (Intel Xeon since Sapphire Rapids); Arm's BF16 extension ("bf16" in Linux's
@@ -69,7 +68,7 @@ def compute_dtype(device_type):
 
 @functools.lru_cache(maxsize=None)
 def _decided(device_type, override):
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = is_distributed()
     decision = [None]
     if not distributed or dist.get_rank() == 0:
         flags = cpu_bf16_flags() if device_type == "cpu" and not override else ()
@@ -262,3 +261,13 @@ def cpu_model_name():
     brand = _sysctl("machdep.cpu.brand_string") if platform.system() == "Darwin" else ""  # "Apple M2 Pro"
     return brand or platform.processor() or platform.machine()
 
+
+def compile_model(model, setting, device_type, dynamic=False):
+    """
+    torch.compile per the stages' `compile` setting: "auto" is on for CUDA (fused kernels, far fewer launches)
+    and off on CPU and MPS (compiling takes longer than the short runs made there); "true" / "false" force it.
+    `dynamic=True` for rows whose length changes from batch to batch (SFT, RL), which would otherwise recompile.
+    Returns (the model to call, whether it is compiled); save and evaluate the uncompiled one.
+    """
+    use = setting == "true" or (setting == "auto" and device_type == "cuda")
+    return (torch.compile(model, dynamic=dynamic) if use else model), use

@@ -23,7 +23,7 @@ Muon is only defined for 2-D matrices, hence the split: Muon for every matrix in
 blocks (attention q/k/v/proj, MLP fc/proj), AdamW for the embedding and lm_head.
 
 Momentum warm-up: the training script sets `group["momentum"]` every step, from 0.85 to 0.95 over
-the first 300 steps (nanochat.schedules.muon_momentum). Momentum 0.95 averages the gradients of roughly
+the first 300 steps (nanochat.optim.muon_momentum). Momentum 0.95 averages the gradients of roughly
 the last 1/(1-0.95) = 20 steps. Early in training the weights, and so the gradients, change fast, and a
 20-step average still points where the gradient was many steps ago. A shorter memory at the start
 (0.85, ~7 steps) follows the changing gradient; once training has settled, the longer average of 0.95
@@ -37,8 +37,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from nanochat.common import is_distributed
 from nanochat.hardware import autocast_dtype
-from nanochat.sharding import ShardedGradients
+from nanochat.optim import ShardedGradients
 
 
 def zeropower_via_newtonschulz5(G, steps=5):
@@ -146,7 +147,7 @@ def _batches(params):
 
 
 def _momentum_state(opt, params, name_of):
-    """Checkpoint entries (nanochat.sharding) of the momentum buffers of `params`: whole matrices, from row 0."""
+    """Checkpoint entries (nanochat.optim) of the momentum buffers of `params`: whole matrices, from row 0."""
     return {name_of[p]: {"row_start": 0, "step": None, "momentum_buffer": opt.state[p]["momentum_buffer"]}
             for p in params if "momentum_buffer" in opt.state.get(p, {})}
 
@@ -199,7 +200,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def owned_state(self, name_of):
-        """Every matrix's momentum buffer (one process holds them all); see nanochat.sharding."""
+        """Every matrix's momentum buffer (one process holds them all); see nanochat.optim."""
         return _momentum_state(self, [p for group in self.param_groups for p in group["params"]], name_of)
 
     def load_owned_state(self, name_of, full_state):
@@ -208,7 +209,7 @@ class Muon(torch.optim.Optimizer):
 
 class DistMuon(ShardedGradients, torch.optim.Optimizer):
     """
-    Muon for data-parallel training (torchrun), ZeRO-2 style (what that means: nanochat/sharding.py). The part
+    Muon for data-parallel training (torchrun), ZeRO-2 style (what that means: nanochat/optim.py). The part
     of the optimizer a rank owns is a set of WHOLE matrices (Newton-Schulz needs the whole matrix): each
     matrix has one owner rank, which alone keeps its momentum buffer and computes its update.
 
@@ -232,12 +233,12 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
     rank. params is an iterable of 2-D tensors (not param-group dicts: the groups are made by shape).
     lr and momentum are read from the groups at every step: set them on every group.
 
-    Checkpoints: owned_state / load_owned_state, through nanochat.sharding.optimizer_shard and
+    Checkpoints: owned_state / load_owned_state, through nanochat.optim.optimizer_shard and
     load_optimizer_shards, which work across world sizes (and with Muon in one process).
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             raise RuntimeError("DistMuon needs an initialised process group (torchrun + compute_init); use Muon in a single process")
         params = list(params)
         _check_matrices(params, "DistMuon")
@@ -318,7 +319,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
         return [p for group in self.param_groups for j, p in enumerate(group["params"]) if j % world_size == rank]
 
     def owned_state(self, name_of):
-        """The momentum buffers of the matrices this rank owns (whole matrices); see nanochat.sharding."""
+        """The momentum buffers of the matrices this rank owns (whole matrices); see nanochat.optim."""
         return _momentum_state(self, self._owned(), name_of)
 
     def load_owned_state(self, name_of, full_state):

@@ -64,8 +64,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from nanochat.engine import TextStreamer
-from nanochat.openai_requests import (MAX_LOGPROBS, APIError, bad, chat_prompt, check_sampling,
-                                      completion_prompts, get, read_body)
+from nanochat.openai_requests import (APIError, MAX_LOGPROBS, bad, chat_prompt, check_sampling, completion_prompts,
+                                      get, read_body)
 
 logger = logging.getLogger("nanochat.openai_api")
 

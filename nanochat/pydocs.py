@@ -1,8 +1,7 @@
 """
-The pydocs corpus: the running Python's own documentation as an offline pretraining corpus, built in
-seconds with no download, in the same on-disk format as FineWeb-Edu (parquet shards with one `text`
-column; the last shard is the validation shard). nanochat.dataset reads it like any other corpus and calls
-build_pydocs() when it is selected ($NANOCHAT_DATASET=pydocs) and not yet on disk.
+The pydocs corpus's documents: the running Python's own documentation as an offline pretraining corpus, made in
+seconds with no download. nanochat.dataset writes them as shards in FineWeb-Edu's format (build_pydocs) when the
+corpus is selected ($NANOCHAT_DATASET=pydocs) and not yet on disk.
 
 Also the source of the offline chat tasks and evaluations (tasks/, core_eval's offline bundle), through
 pydocs_entries(): the records the corpus documents are made of.
@@ -14,18 +13,8 @@ import inspect
 import logging
 import os
 import random
-import shutil
 import sys
-import time
 import tokenize
-
-import pyarrow as pa
-import pyarrow.parquet as pq
-from filelock import FileLock
-
-from nanochat.common import get_base_dir
-from nanochat.files import file_sha256
-from nanochat.shards import ROW_GROUP_SIZE, shard_name, write_checksums
 
 logger = logging.getLogger("nanochat.pydocs")
 
@@ -55,8 +44,6 @@ _PYDOCS_SKIP_FILES = {"this.py", "antigravity.py", "__hello__.py"}
 # C twins whose pure-Python source lives under a name the generic rule (_x -> x, _pyx, _py_x) misses
 _C_TWINS = {"_elementtree": ["xml.etree.ElementTree"]}
 PYDOCS_SEED = 1337      # fixed shuffle: same corpus bytes on every build
-PYDOCS_VAL_DOCS = 1024  # documents in the validation shard: one row group
-PYDOCS_SHARD_DOCS = 2 * ROW_GROUP_SIZE  # documents per training shard: two row groups
 
 
 def _is_public(name):
@@ -317,57 +304,3 @@ def pydocs_documents():
     docs = [pydocs_document(r) for r in pydocs_entries()]
     random.Random(PYDOCS_SEED).shuffle(docs)
     return docs
-
-
-def _write_pydocs(directory):
-    """Write the shards into `directory`: training shards of 2 row groups, then one validation shard."""
-    docs = pydocs_documents()
-    if len(docs) < 2 * PYDOCS_VAL_DOCS:
-        raise RuntimeError(f"pydocs found only {len(docs)} documents in {_stdlib_dir()}: is the standard library there?")
-    train, val = docs[:-PYDOCS_VAL_DOCS], docs[-PYDOCS_VAL_DOCS:]
-    shards = [train[i:i + PYDOCS_SHARD_DOCS] for i in range(0, len(train), PYDOCS_SHARD_DOCS)] + [val]
-    os.makedirs(directory)
-    for index, shard in enumerate(shards):
-        table = pa.table({"text": pa.array(shard, type=pa.string())})
-        # Same bytes on every build: no timestamps in parquet metadata, a fixed compression codec, and
-        # pyarrow writes row groups and pages deterministically. row_group_size sets the reading unit.
-        pq.write_table(table, os.path.join(directory, shard_name(index)), row_group_size=ROW_GROUP_SIZE,
-                       compression="zstd")
-    write_checksums(directory, {shard_name(i): file_sha256(os.path.join(directory, shard_name(i))) for i in range(len(shards))})
-    return len(docs), sum(len(d) for d in docs), len(shards)
-
-
-def build_pydocs():
-    """
-    Make sure the pydocs corpus exists in <base_dir>/base_data/pydocs and return that directory; build
-    it if missing (seconds). list_parquet_files() calls it, so pydocs never needs a separate step; this
-    is the one place a read builds data, because the build is offline, quick and deterministic.
-
-    Safe under torchrun and against crashes: builders take a file lock (N ranks -> one build, the others
-    wait and then find it done) and write into a temporary directory that is renamed to the final name
-    only when complete. A build killed midway leaves a `pydocs.tmp<pid>` directory, never a corpus; the
-    next build deletes it. To rebuild (e.g. after a Python upgrade changed the docs), delete the directory.
-    """
-    final = os.path.join(get_base_dir(), "base_data", "pydocs")
-    if os.path.isdir(final):
-        return final
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    with FileLock(final + ".lock"):
-        if os.path.isdir(final):  # built by whoever held the lock before us
-            return final
-        for name in os.listdir(parent):  # we hold the lock: a temp dir here is from a builder that died
-            if name.startswith("pydocs.tmp"):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        tmp = f"{final}.tmp{os.getpid()}"
-        logger.info(f"Building the pydocs corpus from the docs of Python {sys.version.split()[0]} in {final}")
-        t0 = time.time()
-        try:
-            docs, chars, shards = _write_pydocs(tmp)
-            os.rename(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-        logger.info(f"Built pydocs: {docs:,} docs, {chars / 1e6:.2f}M chars, {shards} shards "
-                    f"in {time.time() - t0:.1f}s")
-    return final

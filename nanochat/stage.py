@@ -25,75 +25,22 @@ import os
 import signal
 import sys
 import time
+import urllib.parse
 
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (SOURCES, STAGE_COMMANDS, carry_tokenizer, check_data_settings, check_tokenizer,
-                                         checkpoint_dir_for, checkpoint_tokenizer, claim_checkpoint_dir, find_model_tag,
-                                         load_checkpoint, load_model, model_from_state, open_metrics, save_checkpoint)
-from nanochat.common import UserError, compute_cleanup, get_base_dir, print0
-from nanochat.sharding import load_optimizer_shards, optimizer_shard
-from nanochat.tracking import init_wandb
+from nanochat.checkpoint_manager import (SOURCES, STAGE_COMMANDS, carry_tokenizer, check_data_settings,
+                                         check_tokenizer, checkpoint_dir_for, checkpoint_tokenizer,
+                                         claim_checkpoint_dir, find_model_tag, load_checkpoint, load_model,
+                                         model_from_state, open_metrics, save_checkpoint)
+from nanochat.common import UserError, any_rank, compute_cleanup, gather_from_ranks, get_base_dir, is_distributed, print0
+from nanochat.optim import load_optimizer_shards, optimizer_shard
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
 #                          with --resume_from_step (75 = EX_TEMPFAIL of sysexits.h, "try again later")
 
 WANDB_PROJECTS = {"base": "nanochat", "mid": "nanochat-mid", "sft": "nanochat-sft", "rl": "nanochat-rl"}
-
-
-# -----------------------------------------------------------------------------
-# Ranks agreeing with each other
-
-
-def _distributed():
-    return dist.is_available() and dist.is_initialized()
-
-
-def gather_from_ranks(obj):
-    """[obj of rank 0, obj of rank 1, ...] on every rank, for small picklable things; [obj] in one process."""
-    if not _distributed():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def any_rank(*flags):
-    """
-    For each flag: True on every rank if it is True on ANY rank (one all_reduce). A stop request may reach one
-    rank only, and one rank may run out of data first; a rank that stopped alone would leave the others waiting
-    forever in their next collective, so every rank decides to stop on the same combined flags.
-    """
-    values = torch.tensor([float(bool(f)) for f in flags], dtype=torch.float64)
-    if _distributed():
-        values = values.to(_collective_device())
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return tuple(v > 0 for v in values.tolist())
-
-
-def per_rank(value):
-    """[value of rank 0, value of rank 1, ...] on every rank, for one number (a rank's loss, its token count)."""
-    if not _distributed():
-        return [float(value)]
-    values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=_collective_device())
-    values[dist.get_rank()] = float(value)
-    dist.all_reduce(values)
-    return values.tolist()
-
-
-def sum_over_ranks(*values):
-    """The sum over all ranks of each number, on every rank (one all_reduce)."""
-    totals = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if _distributed():
-        totals = totals.to(_collective_device())
-        dist.all_reduce(totals)
-    return tuple(totals.tolist())
-
-
-def _collective_device():
-    # NCCL moves CUDA tensors only; gloo CPU tensors
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 class StopRequest:
@@ -115,7 +62,7 @@ class StopRequest:
     def __init__(self, rank):
         self.rank, self.requested = rank, False
         self._store = self._last_look = None
-        if _distributed():
+        if is_distributed():
             try:
                 self._store = dist.distributed_c10d._get_default_store()
             except (AttributeError, RuntimeError):  # a torch without it: the ranks still agree at each step's end
@@ -146,15 +93,47 @@ class StopRequest:
         return self.requested
 
 
-def compile_model(model, setting, device_type, dynamic=False):
+# -----------------------------------------------------------------------------
+# Experiment tracking: a wandb run on the master process, or a stand-in that logs nothing
+
+
+class DummyWandb:
+    """Stands in for a wandb run when tracking is off (run name "dummy", or a rank other than 0)."""
+
+    def log(self, *args, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+
+def init_wandb(run, master_process, config, project="nanochat"):
     """
-    torch.compile per the stages' `compile` setting: "auto" is on for CUDA (fused kernels, far fewer launches)
-    and off on CPU and MPS (compiling takes longer than the short runs made there); "true" / "false" force it.
-    `dynamic=True` for rows whose length changes from batch to batch (SFT, RL), which would otherwise recompile.
-    Returns (the model to call, whether it is compiled); save and evaluate the uncompiled one.
+    A real wandb run on the master process unless `run == "dummy"`; DummyWandb otherwise. Checked at
+    start-up, before any training: a run name without a way to log (no `wandb login`, no WANDB_API_KEY, and
+    WANDB_MODE not offline/disabled) is a UserError now, not a prompt or a crash hours later.
     """
-    use = setting == "true" or (setting == "auto" and device_type == "cuda")
-    return (torch.compile(model, dynamic=dynamic) if use else model), use
+    if run == "dummy" or not master_process:
+        return DummyWandb()
+    import wandb
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode not in ("offline", "disabled", "dryrun") and not _wandb_has_login():
+        raise UserError(f"--run={run} logs to wandb, but wandb has no login on this machine: run `wandb login` "
+                        f"(or set WANDB_API_KEY), set WANDB_MODE=offline to log locally, or leave --run out")
+    return wandb.init(project=project, name=run, config=config)
+
+
+def _wandb_has_login():
+    """An API key in the environment or in ~/.netrc (where `wandb login` writes it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    try:
+        hosts = netrc.netrc(os.environ.get("NETRC")).hosts
+    except (OSError, netrc.NetrcParseError):
+        return False
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return urllib.parse.urlsplit(base_url).hostname in hosts
 
 
 # -----------------------------------------------------------------------------
@@ -183,7 +162,7 @@ class Stage:
         if name not in SOURCES:
             raise ValueError(f"unknown stage {name!r}")
         self.name, self.config, self.device = name, config, device
-        self.rank = dist.get_rank() if _distributed() else 0
+        self.rank = dist.get_rank() if is_distributed() else 0
         self.dry_run = config.get("dry_run", False)  # everything runs, nothing is written
         self.resume_from_step = config["resume_from_step"]
         self.resumed = self.resume_from_step >= 0
@@ -254,8 +233,8 @@ class Stage:
         if not self.resumed:
             return
         check_data_settings(self.meta["data_settings"], data_settings, self.where())
-        if self.meta["world_size"] != (dist.get_world_size() if _distributed() else 1):
-            print0(f"Resuming a run of {self.meta['world_size']} process(es) on {dist.get_world_size() if _distributed() else 1}: "
+        if self.meta["world_size"] != (dist.get_world_size() if is_distributed() else 1):
+            print0(f"Resuming a run of {self.meta['world_size']} process(es) on {dist.get_world_size() if is_distributed() else 1}: "
                    f"allowed, every step reads the same data (its settings do not depend on the world size); "
                    f"optimizer state re-sharded")
         load_optimizer_shards(optimizers, self.model, self.optimizer_shards, self.where())

@@ -37,8 +37,7 @@ import sys
 import tiktoken
 import torch
 
-from nanochat.common import UserError, _use_color, get_base_dir
-from nanochat.files import atomic_write
+from nanochat.common import UserError, _use_color, atomic_write, get_base_dir
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from nanochat.common import autodetect_device_type, compute_cleanup, compute_ini
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.hardware import autocast_context, compute_dtype_line
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.losses import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
 

@@ -18,17 +18,17 @@ import psutil
 import torch
 
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import Interrupted, UserError, autodetect_device_type, compute_init, print0, print_banner
+from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_init, per_rank,
+                             print0, print_banner)
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
 from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
-from nanochat.hardware import autocast_context, compute_dtype_line, get_peak_flops
-from nanochat.loss_eval import evaluate_bpb
-from nanochat.schedules import lr_multiplier, muon_momentum, set_learning_rates
-from nanochat.sharding import clip_grad_norm_
-from nanochat.stage import Stage, StopRequest, any_rank, check_stage_settings, compile_model, per_rank
+from nanochat.hardware import autocast_context, compile_model, compute_dtype_line, get_peak_flops
+from nanochat.losses import evaluate_bpb
+from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum, set_learning_rates
+from nanochat.stage import Stage, StopRequest, check_stage_settings
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -251,7 +251,7 @@ while True:
     # The norm it returns is the one BEFORE clipping, every rank scales its share by the same factor.
     grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
-    momentum = muon_momentum(step)  # 0.85 -> 0.95 over the first 300 steps (why: nanochat/schedules.py)
+    momentum = muon_momentum(step)  # 0.85 -> 0.95 over the first 300 steps (why: nanochat/optim.py)
     set_learning_rates(optimizers, lrm, momentum)
     for opt in optimizers:
         opt.step()  # without clipping, this is where gradients are averaged across ranks (reduce_scatter)

@@ -24,16 +24,15 @@ import torch.distributed as dist
 
 from nanochat.chat_scoring import Progress
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import (Interrupted, UserError, autodetect_device_type, compute_init, interruptible, print0,
-                             print_banner)
+from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_init, interruptible,
+                             print0, print_banner, sum_over_ranks)
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
-from nanochat.hardware import autocast_context, compute_dtype_line
-from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
-from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
-from nanochat.sharding import clip_grad_norm_
-from nanochat.stage import Stage, StopRequest, any_rank, check_stage_settings, compile_model, sum_over_ranks
+from nanochat.hardware import autocast_context, compile_model, compute_dtype_line
+from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
+from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
+from nanochat.stage import Stage, StopRequest, check_stage_settings
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)

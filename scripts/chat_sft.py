@@ -14,7 +14,7 @@ r+2W, ... of the shuffled mixture), each rendered with its training mask (only w
 trained on: its text, its tool calls and <|assistant_end|>; user turns and tool outputs are not), cut to
 max_seq_len + 1 tokens, and padded to the longest row of the micro-batch with ignored targets (-1). A step is
 `examples_per_step` conversations of all ranks together. The loss is the mean over every supervised token of
-the step (nanochat/loss_eval.py), so a long answer weighs more than a short one, as in midtraining.
+the step (nanochat/losses.py), so a long answer weighs more than a short one, as in midtraining.
 """
 
 import os
@@ -25,15 +25,14 @@ import torch.distributed as dist
 
 from nanochat.chat_scoring import score_categorical
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import (Interrupted, UserError, autodetect_device_type, compute_init, get_base_dir, interruptible,
-                             print0, print_banner)
+from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_init,
+                             gather_from_ranks, get_base_dir, interruptible, per_rank, print0, print_banner)
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader
-from nanochat.hardware import autocast_context, compute_dtype_line
-from nanochat.loss_eval import count_step_targets, evaluate_bpb, supervised_loss
-from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
-from nanochat.sharding import clip_grad_norm_
-from nanochat.stage import Stage, StopRequest, any_rank, check_stage_settings, compile_model, gather_from_ranks, per_rank
+from nanochat.hardware import autocast_context, compile_model, compute_dtype_line
+from nanochat.losses import count_step_targets, evaluate_bpb, supervised_loss
+from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
+from nanochat.stage import Stage, StopRequest, check_stage_settings
 from nanochat.tokenizer import get_token_bytes
 
 # -----------------------------------------------------------------------------
@@ -237,7 +236,7 @@ while True:
     synchronize()
     t0 = time.time()
     # The loss is the mean over ALL supervised targets of the step: count them first (one all_reduce), then
-    # each micro-step backpropagates its loss sum scaled by world_size / that count (nanochat/loss_eval.py).
+    # each micro-step backpropagates its loss sum scaled by world_size / that count (nanochat/losses.py).
     rank_targets, step_targets = count_step_targets(step_batches, ddp_rank, ddp_world_size)
     step_loss_sum = torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):

@@ -21,9 +21,9 @@ import torch
 from nanochat.checkpoint_manager import SOURCES, load_model
 from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
-from nanochat.hf_format import CHAT_TEMPLATE, generation_config, hf_config, rename_weights, tokenizer_config, tokenizer_json
-from nanochat.model_card import model_card
-from nanochat.model_files import check_free, save_safetensors, staged_directory
+from nanochat.hf_format import (CHAT_TEMPLATE, check_free, generation_config, hf_config, rename_weights,
+                                save_safetensors, staged_directory, tokenizer_config, tokenizer_json)
+from nanochat.report import model_card
 
 source = "sft"  # which checkpoints: base | mid | sft | rl
 model_tag = ""  # which model under the source's checkpoint directory (needed only if there are several)

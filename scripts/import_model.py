@@ -20,12 +20,12 @@ import fcntl
 import json
 import os
 
-from nanochat.checkpoint_manager import (SOURCES, TOKENIZER_SUBDIR, check_model_tag, checkpoint_dir_for, model_from_state,
-                                         save_checkpoint)
+from nanochat.checkpoint_manager import (SOURCES, TOKENIZER_SUBDIR, check_model_tag, checkpoint_dir_for,
+                                         model_from_state, save_checkpoint)
 from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
-from nanochat.hf_format import check_weight_names, model_config_from_hf, rename_weights, tokenizer_from_json
-from nanochat.model_files import load_safetensors_dir, staged_directory
+from nanochat.hf_format import (check_weight_names, load_safetensors_dir, model_config_from_hf, rename_weights,
+                                staged_directory, tokenizer_from_json)
 from nanochat.reference_format import find_steps, read_checkpoint
 
 path = ""  # the directory to import (required)

@@ -20,14 +20,14 @@ import time
 import torch
 
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import Interrupted, UserError, autodetect_device_type, compute_init, get_base_dir, print0, print_banner
+from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_init,
+                             gather_from_ranks, get_base_dir, per_rank, print0, print_banner)
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
-from nanochat.hardware import autocast_context, compute_dtype_line, get_peak_flops
-from nanochat.loss_eval import count_step_targets, evaluate_bpb, supervised_loss
-from nanochat.schedules import lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
-from nanochat.sharding import clip_grad_norm_
-from nanochat.stage import Stage, StopRequest, any_rank, check_stage_settings, compile_model, gather_from_ranks, per_rank
+from nanochat.hardware import autocast_context, compile_model, compute_dtype_line, get_peak_flops
+from nanochat.losses import count_step_targets, evaluate_bpb, supervised_loss
+from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
+from nanochat.stage import Stage, StopRequest, check_stage_settings
 from nanochat.tokenizer import get_token_bytes
 
 # -----------------------------------------------------------------------------
@@ -208,7 +208,7 @@ while True:
     t0 = time.time()
     # The loss of the step is the mean over ALL its supervised targets (all micro-steps, all ranks): count them
     # first (one all_reduce), then each micro-step backpropagates its loss sum scaled by world_size / that count
-    # (why, and why not a mean per micro-batch: nanochat/loss_eval.py).
+    # (why, and why not a mean per micro-batch: nanochat/losses.py).
     rank_targets, step_targets = count_step_targets(step_batches, ddp_rank, ddp_world_size)
     step_loss_sum = torch.zeros((), device=device)  # this rank's summed token losses, for logging
     for micro_step in range(grad_accum_steps):

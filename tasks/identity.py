@@ -25,8 +25,7 @@ import os
 import random
 import re
 
-from nanochat.common import UserError
-from nanochat.files import atomic_write
+from nanochat.common import UserError, atomic_write
 from tasks.common import Task, check_choice
 
 SPLITS = ("train", "test")

@@ -62,7 +62,7 @@ def _code_use(text, start, end):
 
 @functools.lru_cache(maxsize=1)
 def _all_words():
-    from nanochat.pydocs import pydocs_entries  # slow only the first time in a process (cached there)
+    from nanochat.pydocs import pydocs_entries
     docs_per_word = collections.Counter()  # in how many docstrings a word appears
     uses, code_uses = collections.Counter(), collections.Counter()  # all its occurrences; those as code
     identifiers = set()

@@ -291,7 +291,7 @@ def pydocs_dir(tmp_path_factory):
     a shared temporary base dir. Returns that corpus directory (`<shared base>/base_data/pydocs`).
     Treat it as read-only; tests get a private copy through `pydocs_corpus`.
     """
-    from nanochat.pydocs import build_pydocs
+    from nanochat.dataset import build_pydocs
 
     def build(base):
         with pytest.MonkeyPatch.context() as mp:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_loss import ToyModel, step_micro_batches  # noqa: E402
 
-from nanochat.loss_eval import count_step_targets, supervised_loss  # noqa: E402
+from nanochat.losses import count_step_targets, supervised_loss
 
 
 def main():

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import CORES, REPO_ROOT, run_script, start_script, stop_at, wait_for_steps
-from nanochat.loss_eval import evaluate_bpb
-from nanochat.schedules import lr_multiplier, muon_momentum
+from nanochat.losses import evaluate_bpb
+from nanochat.optim import lr_multiplier, muon_momentum
 
 TINY = ["--depth=1", "--max_seq_len=32", "--device_batch_size=2", "--total_batch_size=128", "--eval_tokens=128",
         "--sample_every=-1", "--core_metric_every=-1", "--eval_every=3"]
@@ -113,7 +113,7 @@ def test_help_and_one_line_errors(trained_tokenizer):
 # One rank with two micro-steps and two ranks with one each train the same weights to the last bit, in bf16 as in
 # fp32: halving a loss halves every gradient exactly, two gradients add up the same in either order, and both
 # placements run the same optimizer arithmetic (nanochat/adamw.py) and add up the clipping norm the same way
-# (nanochat/sharding.py clip_grad_norm_). In bf16 a last-bit difference of a weight rounds a product to another
+# (nanochat/optim.py clip_grad_norm_). In bf16 a last-bit difference of a weight rounds a product to another
 # bf16 number and grows from step to step, so the property is tested here, in bf16. (Other splits, 3 ranks or
 # 4 micro-steps, add the gradients in another order: equal to rounding, test_training_core, in fp32.) A resume
 # does the same operations on the same numbers: exact too.

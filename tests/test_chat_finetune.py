@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import run_script, start_script, stop_at
-from nanochat.loss_eval import count_step_targets, group_advantages, policy_gradient_loss
+from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 from test_loss import ToyModel
 
 SFT = ["-m", "scripts.chat_sft", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2", "--examples_per_step=4",

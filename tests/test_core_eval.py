@@ -1,5 +1,5 @@
 """
-nanochat/core_eval.py (the CORE metric), nanochat/core_bundle_offline.py and scripts/base_eval.py.
+nanochat/core_eval.py (the CORE metric), nanochat/core_bundle.py and scripts/base_eval.py.
 
 The fixture tests/fixtures/core_bundle/eval_bundle/ is a tiny bundle in DCLM's format (core.yaml, eval_data/,
 eval_meta_data.csv): 3 tasks, one per type. The tests zip it, serve it over local HTTP and let prepare_bundle
@@ -25,8 +25,8 @@ import torch
 
 from conftest import REPO_ROOT, build_once, run_script
 from nanochat.common import UserError
-from nanochat.core_eval import (PAD_SLACK, continuation_rows, evaluate_core, evaluate_task, fewshot_indices, load_bundle,
-                                load_task_data, pack_rows, prepare_bundle, render_prompts)
+from nanochat.core_eval import (PAD_SLACK, continuation_rows, evaluate_core, evaluate_task, fewshot_indices,
+                                load_bundle, load_task_data, pack_rows, prepare_bundle, render_prompts)
 from nanochat.tokenizer import Tokenizer
 
 FIXTURE = os.path.join(REPO_ROOT, "tests", "fixtures", "core_bundle")

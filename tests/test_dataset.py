@@ -15,8 +15,8 @@ import pytest
 import nanochat.common
 from conftest import run_script
 from nanochat import dataset, pydocs
-from nanochat.shards import ROW_GROUP_SIZE
 from nanochat.common import UserError
+from nanochat.dataset import ROW_GROUP_SIZE
 
 
 
@@ -79,7 +79,7 @@ def test_pydocs_layout_and_content(pydocs_corpus):
         meta = pq.ParquetFile(path).metadata
         sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         assert all(n == ROW_GROUP_SIZE for n in sizes[:-1]) and 0 < sizes[-1] <= ROW_GROUP_SIZE
-    assert pq.ParquetFile(val[0]).metadata.num_rows == pydocs.PYDOCS_VAL_DOCS
+    assert pq.ParquetFile(val[0]).metadata.num_rows == dataset.PYDOCS_VAL_DOCS
 
     train_docs = [d for p in train for d in pq.read_table(p).column("text").to_pylist()]
     val_docs = pq.read_table(val[0]).column("text").to_pylist()
@@ -122,7 +122,7 @@ def test_pydocs_entries_are_fresh_copies(pydocs_dir):
 
 def _small_pydocs(monkeypatch, n=3000):
     docs = [f"Small document number {i}: Return the value." for i in range(n)]
-    monkeypatch.setattr(pydocs, "pydocs_documents", lambda: list(docs))
+    monkeypatch.setattr(dataset, "pydocs_documents", lambda: list(docs))
     return docs
 
 
@@ -130,13 +130,13 @@ def test_pydocs_built_on_demand_once_under_concurrency(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     docs = _small_pydocs(monkeypatch)
     calls = []
-    real_write = pydocs._write_pydocs
+    real_write = dataset._write_pydocs
 
     def counting_write(directory):
         calls.append(directory)
         return real_write(directory)
 
-    monkeypatch.setattr(pydocs, "_write_pydocs", counting_write)
+    monkeypatch.setattr(dataset, "_write_pydocs", counting_write)
     results, errors = [], []
 
     def reader():
@@ -164,7 +164,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     _small_pydocs(monkeypatch)
     final = os.path.join(nanochat.common.get_base_dir(), "base_data", "pydocs")
-    real_write = pydocs._write_pydocs
+    real_write = dataset._write_pydocs
 
     def crashing_write(directory):
         os.makedirs(directory)
@@ -172,7 +172,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
             f.write(b"half a shard")
         raise RuntimeError("killed midway")
 
-    monkeypatch.setattr(pydocs, "_write_pydocs", crashing_write)
+    monkeypatch.setattr(dataset, "_write_pydocs", crashing_write)
     with pytest.raises(RuntimeError):
         dataset.list_parquet_files("train")
     assert not os.path.exists(final)
@@ -181,7 +181,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
     os.makedirs(stale)
     with open(os.path.join(stale, "shard_00000.parquet"), "wb") as f:
         f.write(b"half a shard")
-    monkeypatch.setattr(pydocs, "_write_pydocs", real_write)
+    monkeypatch.setattr(dataset, "_write_pydocs", real_write)
     assert dataset.list_parquet_files("val") == [os.path.join(final, "shard_00001.parquet")]
     assert not os.path.exists(stale)
     assert sorted(os.listdir(os.path.dirname(final))) == ["pydocs", "pydocs.lock"]

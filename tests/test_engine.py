@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import build_once
-from nanochat.common import UserError
 from nanochat.calculator import use_calculator
+from nanochat.common import UserError
 from nanochat.engine import Engine, KVCache, TextStreamer
 from nanochat.gpt import GPT, GPTConfig, sample_next_token
 from nanochat.tokenizer import Tokenizer

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from nanochat.engine import KVCache
 from nanochat.gpt import GPT, GPTConfig, config_from_depth
-from nanochat.softcap_loss import softcapped_cross_entropy
+from nanochat.losses import softcapped_cross_entropy
 
 
 def make_model(**overrides):
@@ -172,7 +172,7 @@ def test_chunked_loss_equals_whole_batch_loss(monkeypatch):
 
 @pytest.mark.parametrize("dtype, loss_tol, grad_tol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 0.05, 0.02)])
 def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol):
-    """nanochat/softcap_loss.py (the CPU's training loss) against F.cross_entropy(15 tanh(z / 15)) in float64: the
+    """nanochat/losses.py (the CPU's training loss) against F.cross_entropy(15 tanh(z / 15)) in float64: the
     per-row losses, 0 at ignored rows, and the gradients of x and the head for an uneven upstream gradient. Under
     bf16 autocast the head's matmul is bf16 (errors of ~1% allowed), the rest fp32."""
     torch.manual_seed(0)

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from conftest import run_script
-from nanochat.common import UserError
-from nanochat.files import file_sha256
+from nanochat.common import UserError, file_sha256
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,7 +186,7 @@ def test_export_refusals(chat_base, tmp_path, monkeypatch):
 
 
 def test_mlx_layout_keeps_our_names(chat_base, tmp_path, monkeypatch):
-    from nanochat.model_files import load_safetensors
+    from nanochat.hf_format import load_safetensors
     run_inprocess("scripts.export_model", "--source=mid", f"--out={tmp_path / 'mlx'}", "--layout=mlx", monkeypatch=monkeypatch)
     assert "transformer.wte.weight" in load_safetensors(tmp_path / "mlx" / "model.safetensors")
     assert json.loads((tmp_path / "mlx" / "config.json").read_text())["rope_theta"] == 10000.0

@@ -1,5 +1,5 @@
 """
-The supervised loss of the conversation stages (nanochat/loss_eval.py): normalised by the supervised targets of
+The supervised loss of the conversation stages (nanochat/losses.py): normalised by the supervised targets of
 the whole step, so the gradient is the mean over every supervised token whatever the split into micro-batches
 and ranks. Hand-computed on a toy model whose per-token losses are known exactly.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, run_script
-from nanochat.loss_eval import count_step_targets, supervised_loss
+from nanochat.losses import count_step_targets, supervised_loss
 
 
 class ToyModel(torch.nn.Module):

@@ -9,11 +9,11 @@ test_training_core, test_chat_finetune).
 import pytest
 import torch
 
-from nanochat.common import UserError
+from nanochat.common import UserError, any_rank, gather_from_ranks, per_rank, sum_over_ranks
 from nanochat.dataloader import ConversationLoader, pad_rows
-from nanochat.schedules import lr_multiplier, scale_initial_lrs, set_learning_rates
-from nanochat.stage import (Stage, any_rank, check_stage_settings, compile_model, gather_from_ranks, per_rank,
-                            sum_over_ranks)
+from nanochat.hardware import compile_model
+from nanochat.optim import lr_multiplier, scale_initial_lrs, set_learning_rates
+from nanochat.stage import Stage, check_stage_settings
 from nanochat.tokenizer import Tokenizer
 
 

@@ -209,7 +209,7 @@ def write_offline_bundle(directory):
     """Write the bundle's files into the (empty) `directory` and return it (see core_eval.prepare_bundle)."""
     docs = _docs()
     os.makedirs(os.path.join(directory, "eval_data", "pydocs"))
-    yaml_lines = ["# CORE-style tasks built offline from the pydocs records by nanochat/core_bundle_offline.py,",
+    yaml_lines = ["# CORE-style tasks built offline from the pydocs records by nanochat/core_bundle.py,",
                   "# in the format of DCLM's eval_bundle. The score is pydocs-CORE, not comparable with CORE.",
                   f"score_name: {SCORE_NAME}", "icl_tasks:"]
     meta_rows = []
