@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nanochat.common import UserError, is_distributed, print0
+from nanochat.hardware import autocast_dtype
 from nanochat.losses import softcapped_cross_entropy
 
 
@@ -317,7 +318,9 @@ class GPT(nn.Module):
         distributed = is_distributed()
         adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
         adamw = (DistAdamW if distributed else AdamW)(adam_groups, **adamw_kwargs)
-        muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95)
+        # Newton-Schulz computes in the compute dtype, decided once for the run (nanochat/hardware.py)
+        muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95,
+                                                   ns_dtype=autocast_dtype(self.lm_head.weight.device.type))
         optimizers = [adamw, muon]
         for opt in optimizers:
             for group in opt.param_groups:

@@ -1,35 +1,8 @@
 """
-Muon: the optimizer for the hidden weight matrices of the transformer. DistMuon: the same, sharded
-across ranks.
-
-AdamW vs Muon, for a newcomer
------------------------------
-AdamW (nanochat/adamw.py) treats every number of a parameter on its own: it keeps two running averages
-per entry (exp_avg, the momentum, and exp_avg_sq, the mean squared gradient) and moves each entry by
-roughly lr * sign-ish(gradient). It works on any tensor, which is why nanochat uses it for the token
-embedding `wte` (a lookup table: each step only the rows of the tokens in the batch get gradient, and
-per-entry adaptive step sizes suit that) and for the `lm_head` unembedding (a very wide output layer that
-is sensitive to the step size, trained with a small lr).
-
-Muon ("MomentUm Orthogonalized by Newton-schulz") treats a weight matrix as a linear map. It keeps
-one momentum buffer per matrix (half of AdamW's state) and, instead of stepping along the momentum M,
-steps along the orthogonalised momentum: M = U S V^T (SVD) is replaced by U V^T, i.e. all singular values
-are set to 1. The update then changes the map by the same amount in every direction it touches, instead
-of being dominated by the few largest directions of the gradient, which is what plain SGD/Adam updates
-of transformer matrices tend to be (they are close to low rank). In practice this trains the hidden
-matrices of a transformer faster per token than AdamW, at the cost of a few matrix multiplications per
-step (the Newton-Schulz iteration below, instead of an SVD, which would be far too slow on a GPU).
-Muon is only defined for 2-D matrices, hence the split: Muon for every matrix inside the transformer
-blocks (attention q/k/v/proj, MLP fc/proj), AdamW for the embedding and lm_head.
-
-Momentum warm-up: the training script sets `group["momentum"]` every step, from 0.85 to 0.95 over
-the first 300 steps (nanochat.optim.muon_momentum). Momentum 0.95 averages the gradients of roughly
-the last 1/(1-0.95) = 20 steps. Early in training the weights, and so the gradients, change fast, and a
-20-step average still points where the gradient was many steps ago. A shorter memory at the start
-(0.85, ~7 steps) follows the changing gradient; once training has settled, the longer average of 0.95
-gives a smoother, less noisy direction.
-
-No weight decay here: nanochat trains the matrices without it.
+Muon, the optimizer of the transformer blocks' matrices (Muon: one process; DistMuon: sharded across ranks). A step
+orthogonalises each matrix's Nesterov momentum with a Newton-Schulz iteration and moves the matrix along it:
+    p <- p - lr * sqrt(max(1, rows/cols)) * NS(momentum direction)
+No weight decay. Why Muon, and how the iteration works: docs/optimizers.md.
 """
 
 import math
@@ -38,57 +11,28 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import is_distributed
-from nanochat.hardware import autocast_dtype
 from nanochat.optim import ShardedGradients
 
 
-def zeropower_via_newtonschulz5(G, steps=5):
+def zeropower_via_newtonschulz5(G, steps=5, dtype=torch.float32):
     """
-    Approximately orthogonalise the matrix G (2-D), or each matrix of a batch G (3-D):
-    if G = U S V^T is its (reduced) SVD, return approximately U V^T, the nearest semi-orthogonal matrix
-    (the "polar factor" of G). "zeropower" because U V^T = U S^0 V^T.
-
-    How: first divide G by its Frobenius norm. The Frobenius norm is >= the spectral norm (the largest
-    singular value), so afterwards every singular value lies in (0, 1]. Then apply, `steps` times,
-        X <- a X + b (X X^T) X + c (X X^T)^2 X,   (a, b, c) = (3.4445, -4.7750, 2.0315).
-    That is an odd polynomial in X, so it keeps U and V and maps every singular value s to
-    p(s) = a s + b s^3 + c s^5. The coefficients make p as steep as possible at 0 (a = 3.4 multiplies small
-    singular values by 3.4 per step) while still pulling everything in (0, 1] towards ~1, so 5 steps
-    suffice. Why quintic: a cubic iteration (s -> 1.5 s - 0.5 s^3, the classic Newton-Schulz) grows small
-    singular values only by 1.5 per step and would need many more steps; a quintic gets much steeper slope
-    per matrix multiplication. The price: the iteration does not converge to exactly 1, it oscillates
-    around it.
-
-    What it actually produces (5 steps, fp32; measured by iterating p on a fine grid of s and confirmed on
-    random matrices, tests/test_optim.py checks it): every singular value s of G with s >= 0.0016 * ||G||_F
-    comes out in [0.68, 1.21], and no singular value comes out above 1.21 (the exact extremes are 0.6818
-    and 1.2024). Singular values below 0.0016 * ||G||_F are multiplied by at most a^5 ~ 490 and come out
-    smaller than that threshold's image, 0.718: a direction with almost no gradient stays small, which is
-    harmless. So the result is
-    U S' V^T with S' in about 0.7..1.2, not exactly U V^T: close enough for an update direction (cosine
-    with the exact U V^T ~0.98 on random Gaussian matrices, square ones included). The bf16 iteration on
-    a GPU stays in the same band (measured on an H100: bench/RESULTS.md).
-
-    The iteration works on the wide side: a tall matrix (rows > cols) is transposed first, so X X^T is
-    the smaller (cols x cols) Gram matrix, and transposed back at the end.
-
-    Precision: the dtype the model's matmuls run in (hardware.compute_dtype; $NANOCHAT_DTYPE overrides it):
-    bf16 on CUDA and on a CPU that does bf16 natively (the iteration tolerates the rounding, see above, and it is
-    faster than TF32 / fp32), fp32 on MPS and on a CPU without native bf16, which would emulate it far slower.
-    Returns a tensor of G's shape and dtype.
+    Approximately orthogonalise G (a matrix, or a batch of them in a 3-D tensor): for G = U S V^T, returns
+    U S' V^T with every singular value s >= 0.0016 ||G||_F mapped into [0.68, 1.21] (none above 1.21), the smaller
+    ones kept small (tests/test_optim.py; the measured band: bench/RESULTS.md). `steps` quintic Newton-Schulz
+    iterations computed in `dtype` (the caller's compute dtype); the result has G's shape and dtype. An all-zero G
+    gives zeros. ValueError for a tensor that is neither 2-D nor 3-D.
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"zeropower_via_newtonschulz5 needs a matrix (or a batch of them), got shape {tuple(G.shape)}")
-    a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.to(autocast_dtype(G.device.type))
+    a, b, c = 3.4445, -4.7750, 2.0315  # p(s) = a s + b s^3 + c s^5: steep at 0, oscillating around 1
+    X = G.to(dtype)
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT
     # The 1e-7 only guards against division by zero for an all-zero G (the result is then zero).
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    # addmm(C, M1, M2, beta, alpha) = beta * C + alpha * M1 @ M2 in one kernel (baddbmm: batched). The
-    # iteration is launch-bound for small matrices on a GPU, and fusing the scaled additions into the
-    # products is faster than separate ops (bench/RESULTS.md).
+    # addmm(C, M1, M2, beta, alpha) = beta * C + alpha * M1 @ M2 in one kernel (baddbmm: batched): small matrices
+    # are launch-bound on a GPU, and fusing the scaled additions into the products saves launches
     addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for _ in range(steps):
         A = X @ X.mT
@@ -110,12 +54,8 @@ def _check_matrices(params, who):
 
 
 def _lr_scale(p):
-    """
-    Per-matrix lr multiplier sqrt(max(1, rows/cols)). The orthogonalised update has all singular values
-    ~1, so its entries have RMS ~ 1/sqrt(max(rows, cols)): for a tall matrix (rows > cols, e.g. the MLP
-    up-projection, whose weight is (4*n_embd, n_embd)) the entries would be sqrt(rows/cols) times smaller
-    than for a square one. This factor undoes that, so one lr fits every shape.
-    """
+    """sqrt(max(1, rows/cols)): a tall matrix's orthogonalised update has smaller entries; this makes one lr fit
+    every shape (docs/optimizers.md)."""
     return math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
 
 
@@ -132,11 +72,10 @@ def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
 
 def _batches(params):
     """
-    The matrices Muon orthogonalises together, in one call. On a CPU with several threads, all those of one shape,
-    stacked: the same products (tests/test_optim.py), but a few large batched matmuls keep the threads busy where a
-    loop of small ones makes them wait on each other at every op, which collapses as soon as another program wants
-    a core (2 threads on a busy 2-core VM: 8x faster). With one thread the loop is a few % faster; on CUDA it is
-    what always ran, one matrix at a time, with one direction in memory at a time (measured: bench/RESULTS.md).
+    The groups of matrices Muon orthogonalises in one call: on a CPU with several threads, all those of one shape,
+    stacked (a few large batched matmuls keep the threads busy, where many small ones make them wait on each other);
+    otherwise one at a time (one thread, or CUDA: one direction in memory at a time). Same results either way
+    (tests/test_optim.py); the measured difference: bench/RESULTS.md.
     """
     if not params or params[0].device.type != "cpu" or torch.get_num_threads() == 1:
         return [[p] for p in params]
@@ -161,18 +100,14 @@ def _load_momentum_state(opt, params, name_of, full_state):
 
 class Muon(torch.optim.Optimizer):
     """
-    Single-process Muon for 2-D matrices: Nesterov momentum, then orthogonalisation, then
-    p <- p - lr * sqrt(max(1, rows/cols)) * update (see the module docstring for why, and _lr_scale for
-    the factor). State per matrix: one momentum buffer (fp32, the parameter's shape). No weight decay.
-
-    params: an iterable of 2-D tensors (or of param-group dicts, as for any torch optimizer); anything
-    that is not 2-D raises ValueError. lr and momentum are read from each param group at every step, so
-    the training script may set `group["lr"]` (lr schedule) and `group["momentum"]` (0.85 -> 0.95
-    warm-up) before each step. Parameters without a gradient are skipped.
+    Muon in one process (the step in the module docstring). params: 2-D tensors (or param-group dicts); anything
+    else raises ValueError. lr and momentum are read from each param group at every step (the schedules set them);
+    ns_dtype is the dtype Newton-Schulz computes in. State per matrix: one momentum buffer (fp32). Parameters
+    without a gradient are skipped.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype)
         super().__init__(params, defaults)
         for group in self.param_groups:
             _check_matrices(group["params"], "Muon")
@@ -192,9 +127,9 @@ class Muon(torch.optim.Optimizer):
                         state["momentum_buffer"] = torch.zeros_like(p)
                     directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]))
                 if len(batch) == 1:
-                    updates = [zeropower_via_newtonschulz5(directions[0], steps=group["ns_steps"])]
+                    updates = [zeropower_via_newtonschulz5(directions[0], group["ns_steps"], group["ns_dtype"])]
                 else:
-                    updates = zeropower_via_newtonschulz5(torch.stack(directions), steps=group["ns_steps"]).unbind(0)
+                    updates = zeropower_via_newtonschulz5(torch.stack(directions), group["ns_steps"], group["ns_dtype"]).unbind(0)
                 for p, update in zip(batch, updates):
                     p.add_(update, alpha=-group["lr"] * _lr_scale(p))
         return loss
@@ -237,7 +172,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
     load_optimizer_shards, which work across world sizes (and with Muon in one process).
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32):
         if not is_distributed():
             raise RuntimeError("DistMuon needs an initialised process group (torchrun + compute_init); use Muon in a single process")
         params = list(params)
@@ -246,7 +181,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
         for p in params:
             by_shape.setdefault(tuple(p.shape), []).append(p)
         param_groups = [{"params": ps} for ps in by_shape.values()]
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype)
         super().__init__(param_groups, defaults)
         # one zero matrix per shape, for padding the last block; kept out of the param groups so that
         # it does not end up in state_dict()
@@ -301,7 +236,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 # One matrix at a time: the block's other matrices belong to other ranks (on a CPU, torchrun gives
                 # each rank one thread, where Muon would not stack either: _batches).
                 direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
-                update = zeropower_via_newtonschulz5(direction, steps=group["ns_steps"])
+                update = zeropower_via_newtonschulz5(direction, group["ns_steps"], group["ns_dtype"])
                 p.add_(update, alpha=-group["lr"] * _lr_scale(p))
                 source = p
             else:

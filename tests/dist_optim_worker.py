@@ -81,8 +81,8 @@ def set_grads(params, step, ranks, world_size):
 def build(muon, adamw, distributed):
     groups = [dict(params=ps, initial_lr=g["lr"], **g) for ps, g in zip(adamw, ADAMW_GROUPS)]
     if distributed:
-        return DistMuon(muon, lr=MUON_LR), DistAdamW(groups, betas=BETAS, eps=EPS)
-    return Muon(muon, lr=MUON_LR), torch.optim.AdamW(groups, betas=BETAS, eps=EPS)
+        return DistMuon(muon, lr=MUON_LR, ns_dtype=autocast_dtype("cpu")), DistAdamW(groups, betas=BETAS, eps=EPS)
+    return Muon(muon, lr=MUON_LR, ns_dtype=autocast_dtype("cpu")), torch.optim.AdamW(groups, betas=BETAS, eps=EPS)
 
 
 def run_steps(opt_muon, opt_adamw, muon, adamw, steps, ranks, world_size):

@@ -2,8 +2,8 @@
 Optimizers: Newton-Schulz orthogonalisation, Muon against a hand-written step, and DistMuon / DistAdamW
 on 2 and 3 gloo processes against Muon / torch.optim.AdamW in one process (the worker script
 tests/dist_optim_worker.py does the distributed part; these tests assert on what it saved). Newton-Schulz runs
-in the compute dtype (nanochat/hardware.py), so each test pins it ($NANOCHAT_DTYPE) and those that hold in both
-run in both, with the tolerance each dtype allows (bf16 keeps 8 bits of mantissa: ~3 significant digits).
+in the dtype its caller gives (GPT.setup_optimizers: the compute dtype); the tests that hold in fp32 and bf16 run
+in both, with the tolerance each allows (bf16 keeps 8 bits of mantissa: ~3 significant digits).
 """
 
 import math
@@ -24,15 +24,9 @@ DTYPES = ["float32", "bfloat16"]
 
 
 @pytest.fixture(params=DTYPES)
-def dtype(request, monkeypatch):
-    """Each test using it runs once per compute dtype."""
-    monkeypatch.setenv("NANOCHAT_DTYPE", request.param)
+def dtype(request):
+    """Each test using it runs once per dtype of Newton-Schulz."""
     return request.param
-
-
-@pytest.fixture
-def fp32(monkeypatch):
-    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
 
 
 def exact_polar(G):
@@ -44,7 +38,7 @@ def exact_polar(G):
 def test_newton_schulz_band_and_direction(shape, dtype):
     gen = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
     G = torch.randn(shape, generator=gen) * 3.0
-    X = zeropower_via_newtonschulz5(G)
+    X = zeropower_via_newtonschulz5(G, dtype=getattr(torch, dtype))
     assert X.shape == G.shape and X.dtype == torch.float32
     U, S, Vh = exact_polar(G)
     out = torch.linalg.svdvals(X.double())
@@ -64,19 +58,19 @@ def test_newton_schulz_band_and_direction(shape, dtype):
 
 
 def test_newton_schulz_zero_and_rank_checks(dtype):
-    assert torch.equal(zeropower_via_newtonschulz5(torch.zeros(4, 6)), torch.zeros(4, 6))
+    assert torch.equal(zeropower_via_newtonschulz5(torch.zeros(4, 6), dtype=getattr(torch, dtype)), torch.zeros(4, 6))
     with pytest.raises(ValueError):
         zeropower_via_newtonschulz5(torch.ones(5))
 
 
-def muon_steps(initial, grads, threads, steps=2):
+def muon_steps(initial, grads, threads, dtype, steps=2):
     """Muon's parameters after `steps` steps from `initial` with the same gradients each step, with `threads`."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         params = [torch.nn.Parameter(w.clone()) for w in initial]
         batches = [len(batch) for batch in _batches(params)]
-        opt = Muon(params, lr=0.05)
+        opt = Muon(params, lr=0.05, ns_dtype=getattr(torch, dtype))
         for _ in range(steps):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
@@ -92,8 +86,8 @@ def test_muon_with_several_threads_stacks_each_shape_with_the_same_result(dtype)
     gen = torch.Generator().manual_seed(3)
     shapes = [(16, 8), (8, 32), (16, 8), (24, 8), (16, 8), (8, 32)]
     initial, grads = [torch.randn(s, generator=gen) for s in shapes], [torch.randn(s, generator=gen) for s in shapes]
-    one, one_batches = muon_steps(initial, grads, threads=1)
-    several, several_batches = muon_steps(initial, grads, threads=2)
+    one, one_batches = muon_steps(initial, grads, threads=1, dtype=dtype)
+    several, several_batches = muon_steps(initial, grads, threads=2, dtype=dtype)
     assert one_batches == [1] * 6 and several_batches == [3, 2, 1]
     for a, b, w in zip(one, several, initial):
         assert not torch.equal(a, w)
@@ -114,7 +108,7 @@ def reference_newton_schulz(M, steps=5):
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_matches_hand_written_steps(nesterov, fp32):
+def test_muon_matches_hand_written_steps(nesterov):
     gen = torch.Generator().manual_seed(7)
     tall = torch.randn(24, 8, generator=gen)   # lr scaled by sqrt(24 / 8)
     wide = torch.randn(8, 20, generator=gen)   # lr not scaled
