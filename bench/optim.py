@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, is_ddp, print0
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, get_dist_info, print0
 from nanochat.configurator import configure
 from nanochat.gpt import GPT, config_from_depth
 
@@ -85,7 +85,7 @@ def count(opt):
     return sum(p.numel() for g in opt.param_groups for p in g["params"])
 
 
-if mode == "dist" and not is_ddp():
+if mode == "dist" and not get_dist_info()[0]:
     os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                               f"--nproc_per_node={nproc}", __file__] + sys.argv[1:])
 

@@ -1,12 +1,12 @@
 """
-What every nanochat script needs first: output (UserError, logging, print0), the base directory, the locked
-download, the set-up of processes and devices for plain and torchrun launches, and long phases that a stop request
-cuts short (Interrupted).
+What every nanochat script needs first: output (UserError, logging, print0), the base directory and files written
+all or nothing, the locked download, processes and devices (compute_init, for plain and torchrun launches), the
+collectives by which ranks agree, and long phases that a stop request cuts short (Interrupted).
 
-Importing this module changes nothing in the importing program (no logger, RNG or process group is touched).
-configure() and compute_init(), which scripts call, run setup_default_logging(): from then on the "nanochat"
-logger prints to stderr instead of propagating to the root logger, and sys.excepthook prints a UserError as
-one line. A program that uses nanochat as a library and keeps its own logging calls neither.
+Importing this module touches no RNG, no process group and no handler of the importing program's loggers; it only
+adds a NullHandler to the "nanochat" logger (silent until configured). configure() and compute_init(), which scripts
+call, run setup_default_logging(): from then on "nanochat" prints to stderr instead of propagating to the root
+logger, and sys.excepthook prints a UserError as one line. A program using nanochat as a library calls neither.
 """
 
 import contextlib
@@ -32,20 +32,16 @@ logging.getLogger("nanochat").addHandler(logging.NullHandler())  # library etiqu
 # Output
 
 class UserError(Exception):
-    """
-    A mistake in the user's input (a config value, missing data, a missing checkpoint, the launch), not a bug.
-    Scripts print it as one line, `error: <message>`, and exit 1: the message already says what to do.
-    """
+    """A mistake in the user's input (a setting, missing data or checkpoint, the launch), not a bug: scripts print
+    it as one line, `error: <message>`, and exit 1. The message says what to do."""
 
 
 def _user_error_hook(exc_type, exc, tb, _previous=sys.excepthook):
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-    if issubclass(exc_type, UserError):
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
-        return
-    if issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C in a script without a stop protocol (evaluations, chat)
-        print(f"{prefix}interrupted (Ctrl-C)", file=sys.stderr, flush=True)  # Python still exits with status 130
+    if issubclass(exc_type, (UserError, KeyboardInterrupt)):  # Ctrl-C: a script without a stop protocol (evals, chat)
+        text = f"error: {exc}" if issubclass(exc_type, UserError) else "interrupted (Ctrl-C)"
+        print(f"{prefix}{text}", file=sys.stderr, flush=True)
         return
     _previous(exc_type, exc, tb)
 
@@ -55,12 +51,8 @@ def _use_color(stream):  # for a human at a terminal only; https://no-color.org:
 
 
 class ColoredFormatter(logging.Formatter):
-    """
-    Log format `2025-12-25 10:00:01 - nanochat.dataset - INFO - Downloaded Shard 3 (95.2 MB)`. At a terminal
-    the level name is colored (DEBUG cyan, INFO green, WARNING yellow, ERROR red, CRITICAL magenta), and INFO
-    messages show in bold what a log is scanned for: `15.5 GB`, `200 MB`, `45%`, `1,024 docs`, `Shard 12`.
-    Without a terminal (a log file, a pipe, CI) or with NO_COLOR set, the same text comes out plain.
-    """
+    """`2025-12-25 10:00:01 - nanochat.dataset - INFO - Downloaded Shard 3 (95.2 MB)`; at a terminal the level is
+    colored and INFO messages show sizes, percentages and shard numbers in bold (plain with NO_COLOR or no terminal)."""
 
     COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m", "CRITICAL": "\033[35m"}
     BOLD, RESET = "\033[1m", "\033[0m"
@@ -87,11 +79,8 @@ class ColoredFormatter(logging.Formatter):
 
 
 def setup_default_logging(level=logging.INFO):
-    """
-    For scripts (configure() and compute_init() call it; idempotent): the "nanochat" logger and its children
-    print to stderr through ColoredFormatter, and a UserError ends the program with a one-line message. The
-    root logger is never touched.
-    """
+    """For scripts (configure() and compute_init() call it; idempotent): "nanochat" and its children log to stderr
+    through ColoredFormatter, a UserError ends the program in one line. The root logger is never touched."""
     nano = logging.getLogger("nanochat")
     if not any(getattr(h, "_nanochat", False) for h in nano.handlers):
         handler = logging.StreamHandler(sys.stderr)
@@ -104,20 +93,16 @@ def setup_default_logging(level=logging.INFO):
 
 
 def print0(s="", **kwargs):
-    """
-    print() on rank 0 only: under torchrun every process runs the same script, and a plain print would show
-    each line world_size times. Works before compute_init too (RANK is torchrun's variable).
-    """
+    """print() on rank 0 only: under torchrun every process runs the same script, and each line would come world_size
+    times, interleaved; rank 0 speaks for the run. Works before compute_init too (RANK is torchrun's variable)."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(s, flush=True, **kwargs)
 
 
 def duration(seconds):
     """A duration for people: 45s, 6m, 1h05m."""
-    if seconds < 60:
-        return f"{seconds:.0f}s"
     if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
+        return f"{seconds:.0f}s" if seconds < 60 else f"{seconds / 60:.0f}m"
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
 
 
@@ -140,40 +125,28 @@ _checked_base_dirs = set()
 
 
 def get_base_dir():
-    """
-    Where nanochat writes everything (data, tokenizer, checkpoints, reports): $NANOCHAT_BASE_DIR, else ~/.cache/
-    nanochat. Created on demand and checked once to be writable (better at start-up than at the first save).
-    """
+    """Where nanochat writes everything (data, tokenizer, checkpoints, reports): $NANOCHAT_BASE_DIR, else
+    ~/.cache/nanochat. Created on demand, checked once to be writable (at start-up, not at the first save)."""
     base_dir = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
     if base_dir not in _checked_base_dirs:
         hint = "set NANOCHAT_BASE_DIR to a writable directory"
+        if os.path.exists(base_dir) and not os.path.isdir(base_dir):
+            raise UserError(f"NANOCHAT_BASE_DIR {base_dir} is a file, not a directory: {hint}")
         try:
             os.makedirs(base_dir, exist_ok=True)
-        except FileExistsError:
-            raise UserError(f"NANOCHAT_BASE_DIR {base_dir} is a file, not a directory: {hint}") from None
-        except OSError as e:
-            raise UserError(f"cannot create NANOCHAT_BASE_DIR {base_dir} ({e.strerror}): {hint}") from None
-        try:
             with tempfile.TemporaryFile(dir=base_dir):
                 pass
         except OSError as e:
-            raise UserError(f"NANOCHAT_BASE_DIR {base_dir} is not writable ({e.strerror}): {hint}") from None
+            raise UserError(f"NANOCHAT_BASE_DIR {base_dir} cannot be created, or is not writable ({e.strerror}): {hint}") from None
         _checked_base_dirs.add(base_dir)
     return base_dir
 
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
-    """
-    Write `path` all or nothing: yields a file object for a temporary file beside it (`<path>.tmp<pid>`),
-    renamed over `path` when the block ends without an error. os.replace is atomic on one filesystem, so
-    `path` always holds either its old content or the complete new one: a crash or a kill mid-write leaves
-    at most the temporary file, which this removes on any error (a kill -9 leaves it for the next writer
-    of the directory to clean up). A full disk or a read-only directory becomes a one-line UserError.
-
-        with atomic_write(path) as f:
-            torch.save(obj, f)
-    """
+    """`with atomic_write(path) as f:` writes `path` all or nothing, via `<path>.tmp<pid>` renamed over it at the end
+    (os.replace is atomic): `path` holds its old or its complete new content, never part. A full disk or a read-only
+    directory is a one-line UserError. Everything another process or a later run reads is written this way."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
@@ -202,25 +175,16 @@ def file_sha256(path):
 def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=None,
                             retries=5, timeout=30, backoff=2.0, retry_command=None):
     """
-    Download `url` to `<base_dir>/<filename>` once, however many processes ask at the same time, and
-    return the local path.
-
-    Why a lock: `torchrun --nproc_per_node=8` starts 8 copies of the script at once. Without a lock all 8
-    see "file missing", all 8 download, and all 8 write the same file, interleaving bytes. With it:
-
-    1. Fast path, no lock: the file exists -> return it (the common case once downloaded).
-    2. Take an inter-process file lock (`<path>.lock`): one process gets it, the others wait.
-    3. Check again under the lock (double-checked locking): whoever held it before us may have just
-       finished the download, which must not happen a second time.
-    4. Stream to a temporary file beside it, check the optional sha256, run the optional postprocess_fn(tmp),
-       then os.replace it to the final name (atomic on one filesystem: the final path never holds partial
-       bytes). A downloader killed with -9 leaves a `.tmp` file that the next one (holding the lock) removes;
-       the OS releases a dead process's lock, so the next call simply downloads again.
-
-    Failures: a host that cannot be reached at all (no name, refused, no route, connect timeout) fails at once
-    with a UserError naming `retry_command`: waiting will not bring a network back. Transient failures (HTTP
-    5xx/429, a connection dropped mid-transfer, a read timeout) are retried `retries` times with exponential
-    backoff. HTTP 4xx is permanent: no retries.
+    Download `url` to `<base_dir>/<filename>` once, however many processes ask at the same time; returns the path.
+    Why a lock: torchrun starts N copies of the script at once; without one all N download the file, and each,
+    taking the others' temporary files for a dead downloader's, deletes them mid-download. So: (1) the file exists
+    -> return it, no lock; (2) take an inter-process file lock (`<path>.lock`), the others wait; (3) check again
+    under the lock (double-checked locking: whoever held it may have just downloaded it); (4) stream into
+    `<path>.tmp<pid>`, check the optional sha256, run the optional postprocess_fn(tmp), os.replace it to the final
+    name, which never holds partial bytes. A downloader killed with -9 leaves its temporary file, which the next one
+    removes under the lock; the OS frees a dead process's lock. A host that cannot be reached at all is a UserError
+    at once (naming `retry_command`); transient failures (5xx, 429, a dropped connection, a read timeout) get
+    `retries` attempts in all, with exponential backoff; other 4xx are final.
     """
     import requests  # imported here: only code paths that download need it
 
@@ -228,7 +192,6 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
     if os.path.exists(file_path):
         return file_path
     os.makedirs(os.path.dirname(file_path), exist_ok=True)
-
     with FileLock(file_path + ".lock"):
         if os.path.exists(file_path):
             return file_path
@@ -267,74 +230,55 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
 
 
 def _stream_to_file(url, path, timeout):
-    """
-    GET `url` into `path` (raises on HTTP errors and on a connection closed before Content-Length bytes),
-    logging the progress of files above 10 MB. Returns the sha256 of the bytes, hashed as they arrive.
-    """
+    """GET `url` into `path`, logging the progress of files above 10 MB; the sha256 of the bytes. Raises on HTTP
+    errors and on a connection closed before Content-Length bytes."""
     import requests
-    # (connect, read) timeouts: connecting takes well under a second on a working network
-    with requests.get(url, stream=True, timeout=(5, timeout)) as response:
+    with requests.get(url, stream=True, timeout=(5, timeout)) as response:  # (connect, read): connecting takes < 1 s
         response.raise_for_status()
         total = int(response.headers.get("Content-Length") or 0)
-        report_every = max(total // 10, 1)
-        done, next_report, sha = 0, report_every, hashlib.sha256()
-        t0 = time.time()
+        done, next_report, sha, t0 = 0, total // 10, hashlib.sha256(), time.time()
         with open(path, "wb") as f:
             for chunk in response.iter_content(chunk_size=1 << 20):
                 f.write(chunk)
                 sha.update(chunk)
                 done += len(chunk)
-                if total > 10 * 2**20 and done >= next_report:
+                if total > 10 * 2**20 and done >= next_report:  # every 10% of a large file
                     logger.info(f"{os.path.basename(url)}: {done / 2**20:.1f} MB of {total / 2**20:.1f} MB "
                                 f"({100 * done / total:.0f}%, {done / 2**20 / max(time.time() - t0, 1e-9):.1f} MB/s)")
-                    next_report += report_every
+                    next_report += total // 10
         if total and done != total:
             raise IOError(f"connection closed after {done} of {total} bytes")
     return sha.hexdigest()
 
 
 def _unreachable_reason(e):
-    """
-    For a failure where the connection could not even be established (name not resolved, refused, no route,
-    connect timeout): the short reason, e.g. "Connection refused". None for anything else (retry those).
-    """
+    """The short reason ("Connection refused") when no connection could be established at all; None otherwise."""
     import requests
     from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
     reason = getattr(e.args[0], "reason", None) if isinstance(e, requests.ConnectionError) and e.args else None
-    if not (isinstance(e, requests.exceptions.ConnectTimeout) or isinstance(reason, (NewConnectionError, ConnectTimeoutError))):
-        return None
-    text = str(reason if reason is not None else e)
-    return text.split(": ", 1)[-1] if ": " in text else text
+    if isinstance(e, requests.exceptions.ConnectTimeout) or isinstance(reason, (NewConnectionError, ConnectTimeoutError)):
+        return str(reason if reason is not None else e).split(": ", 1)[-1]
 
 
 # -----------------------------------------------------------------------------
 # Processes and devices
 #
-# One process per device: `torchrun --nproc_per_node=N` starts N copies of the script (processes sidestep
-# Python's GIL, so each drives its GPU at full speed) and tells each who it is in environment variables:
-#   RANK        global index of this process, 0..WORLD_SIZE-1 (rank 0 prints, logs and saves)
-#   LOCAL_RANK  index on its own machine, 0..nproc_per_node-1: it selects the GPU, as GPUs are numbered per
-#               machine. On one machine RANK == LOCAL_RANK; on the 2nd of two 8-GPU machines RANK = 8 + LOCAL_RANK.
-#   WORLD_SIZE  number of processes in total = machines x nproc_per_node = number of GPUs in use.
-
-
-def is_ddp():
-    """
-    True when launched by torchrun (or any launcher that sets the env:// variables): when any of RANK /
-    LOCAL_RANK / WORLD_SIZE is set. Any one, not only RANK, so a half-set environment gets get_dist_info()'s
-    clear error instead of silently running as one process.
-    """
-    return any(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+# One process per device: `torchrun --nproc_per_node=N` starts N copies of the script (processes sidestep Python's
+# GIL, so each drives its GPU at full speed) and tells each who it is in environment variables: RANK, the global
+# index 0..WORLD_SIZE-1 (rank 0 prints, logs and saves); LOCAL_RANK, the index on its own machine,
+# 0..nproc_per_node-1, which selects the GPU (GPUs are numbered per machine: on one machine RANK == LOCAL_RANK, on
+# the 2nd of two 8-GPU machines RANK = 8 + LOCAL_RANK); WORLD_SIZE = machines x nproc_per_node = GPUs in use.
 
 
 def get_dist_info():
     """
-    Returns (ddp, rank, local_rank, world_size); outside torchrun (False, 0, 0, 1). Under torchrun all three
-    variables must be set and consistent (0 <= local_rank <= rank < world_size), or a UserError says which is not.
+    (ddp, rank, local_rank, world_size); outside torchrun (False, 0, 0, 1). Launched by torchrun (or any launcher
+    setting the env:// variables) when any of RANK / LOCAL_RANK / WORLD_SIZE is set, not only RANK: all three must
+    then be set and consistent (0 <= local_rank <= rank < world_size), or a UserError says which is not.
     """
-    if not is_ddp():
-        return False, 0, 0, 1
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    if not any(v in os.environ for v in names):
+        return False, 0, 0, 1
     found = ", ".join(f"{v}={os.environ[v]}" for v in names if v in os.environ)
     if any(v not in os.environ for v in names):
         raise UserError(f"distributed launch is incomplete: {', '.join(v for v in names if v not in os.environ)} not set "
@@ -351,9 +295,9 @@ def get_dist_info():
 
 def autodetect_device_type():
     """
-    The best device PyTorch can see, in order cuda > mps > cpu (PyTorch answers "is X available" per backend;
-    choosing is ours). AMD GPUs with a ROCm build of PyTorch report as "cuda" (HIP is exposed through the
-    torch.cuda API) and are picked up unchanged. TPUs need torch_xla and are not supported.
+    The best device PyTorch can see, cuda > mps > cpu (PyTorch answers "is X available" per backend; choosing is
+    ours). AMD GPUs with a ROCm build of PyTorch report as "cuda" (HIP behind the torch.cuda API): the same path.
+    TPUs need torch_xla and are not supported.
     """
     if torch.cuda.is_available():
         device_type = "cuda"
@@ -367,15 +311,13 @@ def autodetect_device_type():
 
 def compute_init(device_type="cuda"):
     """
-    Set up the process for computing; call once at the top of every script.
-    Returns (ddp, ddp_rank, ddp_local_rank, ddp_world_size, device):
-      ddp            True under torchrun; guards every collective (all_reduce, barrier) in the scripts
+    Set up the process for computing, once, at the top of every script (also its output: setup_default_logging).
+    Returns (ddp, ddp_rank, ddp_local_rank, ddp_world_size, device); plain `python -m scripts.X`: (False, 0, 0, 1, ..):
+      ddp            True under torchrun: there are other ranks to agree with (collectives, sharded optimizers)
       ddp_rank       global rank; rank 0 is the "master process" that prints, logs to wandb and saves
       ddp_local_rank rank within this machine; selects the GPU (cuda:<local_rank>)
       ddp_world_size number of processes; divides the work (batch arithmetic, data striding)
       device         the torch.device this process computes on
-    Plain `python -m scripts.X` (e.g. on a Mac): (False, 0, 0, 1, mps or cpu). Also sets up the script's output
-    (setup_default_logging, see the module docstring): compute_init is for scripts, not for host programs.
     """
     setup_default_logging()
     if device_type not in ("cuda", "mps", "cpu"):
@@ -391,25 +333,23 @@ def compute_init(device_type="cuda"):
         raise UserError("torchrun is not supported on MPS (a Mac has one GPU and no MPS process-group backend); "
                         "run the script with plain `python -m scripts.X` instead")
 
-    # Same seed on every rank, for whatever draws from the global RNG. The initial weights do not: they have a
-    # generator of their own (GPT.init_weights), the same on every rank, so no broadcast is needed. Ranks read
-    # different data because the loaders shard by rank, not because of their seeds.
+    # One seed on every rank, for whatever draws from the global RNG (the initial weights have a generator of their
+    # own: GPT.init_weights). Ranks read different data because the loaders shard by rank, not by seed.
     torch.manual_seed(42)
     if device_type == "cuda":
         torch.cuda.manual_seed(42)
-        # fp32 matmuls may use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation): much faster on
-        # Ampere/Hopper, precision loss irrelevant for training; affects the matmuls bf16 autocast leaves fp32.
+        # TF32 tensor cores for the fp32 matmuls bf16 autocast leaves (10-bit mantissa inputs, fp32 sums): much
+        # faster on Ampere/Hopper, a precision loss irrelevant for training
         torch.set_float32_matmul_precision("high")
-        # grow allocations in place: less fragmentation when nearly all of the GPU's memory is in use (read at
-        # the first CUDA allocation, which has not happened yet)
+        # grow allocations in place: less fragmentation near full memory (read at the first CUDA allocation)
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if ddp and device_type == "cuda":
         if ddp_local_rank >= torch.cuda.device_count():  # more processes than this machine has GPUs
             raise UserError(f"LOCAL_RANK={ddp_local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible: "
                             f"--nproc_per_node must not exceed the GPUs of one machine")
         device = torch.device("cuda", ddp_local_rank)
-        # set_device first: otherwise every process creates its CUDA context (and NCCL its buffers) on
-        # GPU 0. device_id binds the NCCL communicator to this GPU eagerly instead of guessing later.
+        # set_device first, or every process creates its CUDA context (and NCCL its buffers) on GPU 0; device_id
+        # binds the NCCL communicator to this GPU now instead of guessing later
         torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl", device_id=device)
     elif ddp:  # gloo runs the same collectives on CPU: every distributed code path runs (and is tested) without GPUs
@@ -417,21 +357,17 @@ def compute_init(device_type="cuda"):
         dist.init_process_group(backend="gloo")
     else:
         device = torch.device(device_type)
-    # No barrier needed: init_process_group returns when every rank has joined, and _print_topology's
-    # all_gather_object is itself a collective every rank must reach.
+    # No barrier: init_process_group returns when every rank has joined, and _print_topology's all_gather is itself
+    # a collective every rank reaches. Then the compute dtype: rank 0's decision, sent to every rank, here where
+    # every rank is (nanochat/hardware.py, imported here as it imports this module)
     _print_topology(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device)
-    # The compute dtype: one decision for the whole run, rank 0's, sent to every rank here, where every rank is
-    # (nanochat/hardware.py; imported here because hardware.py imports this module)
     from nanochat.hardware import compute_dtype
     compute_dtype(device_type)
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 
 
 def _print_topology(ddp, rank, local_rank, world_size, device):
-    rows = [(rank, local_rank, world_size, str(device), socket.gethostname())]
-    if ddp:
-        rows = [None] * world_size
-        dist.all_gather_object(rows, (rank, local_rank, world_size, str(device), socket.gethostname()))
+    rows = gather_from_ranks((rank, local_rank, world_size, str(device), socket.gethostname()))
     header = ("rank", "local_rank", "world_size", "device", "host")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join("{:<%d}" % w for w in widths)
@@ -440,21 +376,19 @@ def _print_topology(ddp, rank, local_rank, world_size, device):
 
 
 def is_distributed():
-    """True under torchrun once compute_init has set up the process group (then collectives are needed)."""
+    """True under torchrun once compute_init has set up the process group: there are other ranks."""
     return dist.is_available() and dist.is_initialized()
 
 
 def compute_cleanup():
-    """End of a script: tear down the process group so every rank exits cleanly (no NCCL/gloo warnings)."""
+    """End of a script: tear down the process group, so every rank exits cleanly."""
     if is_distributed():
         dist.barrier()
         dist.destroy_process_group()
 
 
-
 # -----------------------------------------------------------------------------
-# Ranks agreeing with each other (under torchrun; the same calls work in one process)
-
+# Ranks agreeing with each other (the same calls work in one process)
 
 def gather_from_ranks(obj):
     """[obj of rank 0, obj of rank 1, ...] on every rank, for small picklable things; [obj] in one process."""
@@ -466,40 +400,29 @@ def gather_from_ranks(obj):
 
 
 def any_rank(*flags):
-    """
-    For each flag: True on every rank if it is True on ANY rank (one all_reduce). A stop request may reach one
-    rank only, and one rank may run out of data first; a rank that stopped alone would leave the others waiting
-    forever in their next collective, so every rank decides to stop on the same combined flags.
-    """
-    values = torch.tensor([float(bool(f)) for f in flags], dtype=torch.float64)
-    if is_distributed():
-        values = values.to(_collective_device())
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return tuple(v > 0 for v in values.tolist())
+    """Each flag True on every rank if it is True on ANY rank (one all_reduce): a rank that stopped alone (a signal
+    that reached it only, its data ran out first) would leave the others waiting in their next collective."""
+    return tuple(v > 0 for v in _reduced([float(bool(f)) for f in flags], dist.ReduceOp.MAX))
 
 
 def per_rank(value):
     """[value of rank 0, value of rank 1, ...] on every rank, for one number (a rank's loss, its token count)."""
-    if not is_distributed():
-        return [float(value)]
-    values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=_collective_device())
-    values[dist.get_rank()] = float(value)
-    dist.all_reduce(values)
-    return values.tolist()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+    return _reduced([float(value) if r == rank else 0.0 for r in range(world_size)])
 
 
 def sum_over_ranks(*values):
     """The sum over all ranks of each number, on every rank (one all_reduce)."""
-    totals = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if is_distributed():
-        totals = totals.to(_collective_device())
-        dist.all_reduce(totals)
-    return tuple(totals.tolist())
+    return tuple(_reduced([float(v) for v in values]))
 
 
-def _collective_device():
-    # NCCL moves CUDA tensors only; gloo CPU tensors
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def _reduced(values, op=dist.ReduceOp.SUM):
+    """The floats `values` reduced over the ranks, in float64 (as they are in one process)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if is_distributed():  # NCCL moves CUDA tensors only; gloo CPU tensors
+        t = t.to(torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=op)
+    return t.tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -507,37 +430,21 @@ def _collective_device():
 
 
 class Interrupted(Exception):
-    """
-    A long phase (an evaluation, sampling) ended before its end because a stop was requested (its `stop()` said so,
-    nanochat/stage.py StopRequest): its result is incomplete, and not reported. Under torchrun a phase with
-    collectives raises it on every rank at the same point (interruptible), so no rank is left waiting in a collective
-    that the others skipped.
-    """
+    """A long phase (an evaluation, sampling) stopped on a stop request (its `stop()`: a stage's StopRequest); its
+    incomplete result is not reported. With collectives, raised on every rank at one point (interruptible)."""
 
 
 @contextlib.contextmanager
-def interruptible(device):
+def interruptible():
     """
-    Around the part of a phase that each rank computes on its own, before the phase's collectives, on every rank:
-
-        with interruptible(device):
-            for batch in my_share:
-                if stop and stop():
-                    raise Interrupted
-                ...
-        dist.all_reduce(totals)
-
-    An Interrupted raised inside is held until the block ends; there every rank learns whether any rank was
-    interrupted (one all_reduce under torchrun), and then all raise Interrupted together, or all go on.
+    `with interruptible(): <a rank's own share, which may raise Interrupted>`, then the phase's collectives: the
+    Interrupted is held to the end of the block, where the ranks learn whether any was interrupted (one all_reduce)
+    and all raise it together, or all go on. No rank is left waiting in a collective that the others skipped.
     """
     stopped = False
     try:
         yield
     except Interrupted:
         stopped = True
-    if is_distributed():
-        flag = torch.tensor([float(stopped)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stopped = flag.item() > 0
-    if stopped:
+    if any_rank(stopped)[0]:
         raise Interrupted

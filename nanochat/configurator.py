@@ -13,7 +13,7 @@ Every int / float / bool / str global that does not start with "_", is not an AL
 defined before the call is a config key. Rules:
 - only declared keys are accepted; a typo gets an error naming the closest valid keys;
 - values are parsed and checked against the type of the default: an int is fine for a float, bools take
-  true/false/1/0/yes/no, strings are taken as they are, and values may themselves contain "=";
+  true/false/1/0/yes/no/on/off, strings are taken as they are, and values may themselves contain "=";
 - `-` and `_` are interchangeable in key names;
 - a key given twice on the command line is an error (which one was meant?); a `--key` after a config file
   overrides the file's value;
@@ -37,7 +37,7 @@ SIMPLE_TYPES = (bool, int, float, str)
 
 
 def _config_keys(scope):
-    # ALL_CAPS names are constants (often imported, like EXIT_STOPPED_EARLY), never settings
+    # ALL_CAPS names are constants (a script's own, or imported ones), never settings
     return {k: v for k, v in scope.items() if not k.startswith("_") and not k.isupper() and type(v) in SIMPLE_TYPES}
 
 
@@ -50,7 +50,7 @@ def parse_value(key, raw, default):
             return True
         if lowered in ("false", "0", "no", "off"):
             return False
-        raise UserError(f"--{key} expects a bool (true/false/1/0), got {raw!r}")
+        raise UserError(f"--{key} expects a bool (true/false, 1/0, yes/no, on/off), got {raw!r}")
     if kind is int:
         try:
             return int(raw)

@@ -3,10 +3,8 @@ The CORE metric of the DCLM paper (https://arxiv.org/abs/2406.11794): how well a
 in-context-learning tasks (HellaSwag, ARC, Jeopardy, LAMBADA, SQuAD, ...), as one number.
 
 Usage (scripts/base_eval.py, and scripts/base_train.py every core_metric_every steps):
-
     bundle_dir = prepare_bundle()       # at start-up: a run must not find out at step 2000 that it is offline
-    results = evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=500)
-    results["score"], results["name"]   # 0.2190, "CORE"  (report key: f"{results['name']} metric")
+    results = evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=500)   # ["score"], ["name"]
 
 The bundle (`eval_bundle.zip`, unzipped to <base_dir>/eval_bundle/) holds:
   core.yaml           `icl_tasks:` a list of {label, dataset_uri, num_fewshot: [k], icl_task_type,
@@ -19,7 +17,7 @@ The bundle (`eval_bundle.zip`, unzipped to <base_dir>/eval_bundle/) holds:
                         language_modeling  {"context", "continuation"}
   eval_meta_data.csv  columns "Eval Task" (= label) and "Random baseline" (accuracy of guessing, in percent)
 
-How one example is scored (the same as nanochat's reference implementation, so the numbers compare):
+How one example is scored (as nanochat's reference implementation does, so the numbers compare):
   - the task's examples are shuffled with random.Random(1337), then optionally cropped to max_per_task;
   - example i gets k few-shot examples drawn by random.Random(1234 + i) from the others (never itself),
     rendered solved and each followed by "\\n\\n"; then the example itself, context + delimiter + answer;
@@ -27,8 +25,8 @@ How one example is scored (the same as nanochat's reference implementation, so t
     prompts' common token prefix; the choice with the lowest MEAN loss over its continuation wins. Schema: the
     continuation is the prompts' common token suffix, the context whose continuation has the lowest mean loss
     wins. Language modeling: correct when the greedy argmax predicts every continuation token.
-  - accuracy per task; centered = (accuracy - b) / (1 - b) with b the random baseline as a fraction, so 0 is
-    chance and 1 is perfect; CORE = mean centered accuracy over the tasks.
+  - per task, centered accuracy = (accuracy - b) / (1 - b), b its random baseline (0 chance, 1 perfect); CORE =
+    their mean.
 """
 
 import csv
@@ -79,18 +77,12 @@ def default_bundle_kind():
 
 def prepare_bundle(kind=""):
     """
-    Make sure the bundle of `kind` ("dclm" | "offline"; empty = default_bundle_kind()) is on disk and return
-    its directory. Call it at start-up, before any training or evaluation: the DCLM bundle is downloaded
-    here, so a missing network shows up at once, not at the first evaluation hours later.
-
-      dclm     bundle_url() -> <base_dir>/eval_bundle.zip (download_file_with_lock), unzipped to
-               <base_dir>/eval_bundle/
-      offline  built from the pydocs records (nanochat/core_bundle.py) into
-               <base_dir>/eval_bundle_pydocs_v<N>/, in the same format, in a few seconds
-
-    Either way the directory appears by one rename of a complete, validated temporary directory, made under
-    an inter-process lock (torchrun ranks: one builds, the others wait and find it done). A process killed
-    half-way leaves a `.tmp<pid>` directory, never a bundle that looks complete; the next call removes it.
+    The directory of the bundle of `kind` ("dclm": bundle_url() downloaded and unzipped to <base_dir>/eval_bundle/;
+    "offline": built from the pydocs records by nanochat/core_bundle.py into <base_dir>/eval_bundle_pydocs_v<N>/ in
+    seconds; empty: default_bundle_kind()), made if missing. Call it at start-up: a missing network shows at once,
+    not at the first evaluation hours later. The directory appears by one rename of a complete, validated temporary
+    directory made under an inter-process lock (torchrun ranks: one builds); a killed build leaves a `.tmp<pid>`
+    directory, never a bundle that looks complete, and the next call removes it.
     """
     kind = kind or default_bundle_kind()
     if kind not in BUNDLE_KINDS:
@@ -362,7 +354,7 @@ def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_token
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     indices = list(range(rank, len(data), world))
     outcomes = []
-    with interruptible(device):  # stop: Interrupted on every rank here
+    with interruptible():  # stop: Interrupted on every rank here
         for c in range(0, len(indices), EXAMPLES_PER_CHUNK):
             outcomes += _evaluate_examples(model, tokenizer, task, data, indices[c:c + EXAMPLES_PER_CHUNK], device,
                                            num_fewshot, batch_tokens, max_seq_len, stop)
@@ -408,18 +400,14 @@ def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewsho
 def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_tokens=DEFAULT_BATCH_TOKENS,
                   max_seq_len=None, verbose=True, stop=None):
     """
-    Evaluate `model` (called as model(ids) -> logits (B, T, vocab)) on every task of the bundle in `bundle_dir`
-    (from prepare_bundle). max_per_task > 0 keeps the first N examples of each task's fixed shuffle.
-    max_seq_len: rows longer than this are cropped from the left; default the model's config.sequence_len.
-    Run it under the autocast context of training, with the uncompiled model (shapes vary). Every rank must
-    call it under torchrun; all get the same result. verbose: print a line per task (rank 0). stop: asked before
-    every forward (a stage's StopRequest); when it says so, Interrupted on every rank at the end of the task.
-
-    Returns {"name": "CORE" (the offline bundle: "pydocs-CORE"), "score": mean centered accuracy,
-             "tasks": {label: {"type", "shots", "examples", "correct", "accuracy", "baseline", "centered",
-                               "seconds"}}, "bundle_dir", "max_per_task"}.
-    Few-shot counts larger than a task's examples minus one (a small task, or a small max_per_task) are
-    clamped, with a note.
+    `model` (model(ids) -> logits (B, T, vocab); the uncompiled one: shapes vary) on every task of the bundle in
+    `bundle_dir`, under the caller's autocast; every rank calls it under torchrun and all get the same result.
+    max_per_task > 0: the first N examples of each task's fixed shuffle; max_seq_len: rows cropped from the left
+    (default the model's context); verbose: what it covers up front, then a line per task with the time left (rank
+    0); stop: asked before every forward (a StopRequest): Interrupted on every rank at the end of the task.
+    Returns {"name": "CORE" (offline bundle: "pydocs-CORE"), "score": mean centered accuracy, "tasks": {label:
+    {"type", "shots", "examples", "correct", "accuracy", "baseline", "centered", "seconds"}}, "bundle_dir",
+    "max_per_task"}. Few-shot counts above a task's examples minus one are clamped, with a note.
     """
     bundle = load_bundle(bundle_dir)
     if max_seq_len is None:

@@ -1,29 +1,20 @@
 """
 The pretraining corpora: where the text comes from, how it lies on disk, and how it is read back.
 
-Two corpora share one on-disk format, so the tokenizer and the dataloader never know which one they read:
-parquet shards `shard_00000.parquet`, `shard_00001.parquet`, ... with a single `text` column (one document
-per row; the shard format below), in `<base_dir>/base_data/<corpus>/`. The LAST shard is the validation shard; all others are
-training shards. $NANOCHAT_DATASET picks the corpus, read at every call (not at import):
+Two corpora share one on-disk format (the shard format below), so the tokenizer and the dataloader never know
+which they read: parquet shards `shard_00000.parquet`, ... with one `text` column (a document per row), in
+`<base_dir>/base_data/<corpus>/`; the LAST shard is the validation shard. $NANOCHAT_DATASET picks the corpus (read
+at every call, not at import):
+  fineweb-edu (default)  FineWeb-Edu 100B, shuffled: 1823 shards of ~250M characters of educational web text,
+                         downloaded from the Hugging Face hub by `python -m nanochat.dataset -n N`. For GPU runs.
+  pydocs                 The running Python's own documentation (~2.5M characters, nanochat/pydocs.py), built
+                         offline in seconds by `NANOCHAT_DATASET=pydocs python -m nanochat.dataset` or on demand by
+                         list_parquet_files() (build_pydocs). For CPU runs, tests and laptops.
 
-  fineweb-edu (default)  FineWeb-Edu 100B, shuffled: 1823 shards of ~250M characters of educational web
-                         text, downloaded from the Hugging Face hub by `python -m nanochat.dataset -n N`.
-                         The real thing, for GPU runs.
-  pydocs                 The running Python's own documentation (~2.5M characters), built offline in seconds
-                         from the standard library: the corpus for CPU runs, tests and laptops. Built by
-                         `NANOCHAT_DATASET=pydocs python -m nanochat.dataset`, or on demand by
-                         list_parquet_files() (build_pydocs; the documents: nanochat/pydocs.py).
-
-Reading API (used by the tokenizer trainer and the dataloader):
-  list_parquet_files(split)   sorted shard paths of "train" or "val"
-  list_row_groups(split)      [(path, row_group_index), ...] in one fixed global order
-  read_row_group(path, i)     the documents (list[str]) of one row group
-  parquets_iter_batched(split, start, step)
-                              one pass over row groups start, start+step, ... (rank striding)
-
-Why row groups: a parquet file is split into row groups that can be read independently, so a row group
-(~1024 documents) is the unit of reading. Rank r of a world of size W reads row groups r, r+W, r+2W, ...
-of the global order: every rank reads different documents, nobody reads a whole shard it does not need.
+Reading: list_parquet_files(split) (sorted shard paths of "train" or "val"), list_row_groups(split) ([(path, row
+group index)] in one fixed global order), read_row_group(path, i) (a row group's documents), parquets_iter_batched(
+split, start, step) (one pass over row groups start, start+step, ...). A row group (~1024 documents) is the unit
+of reading: rank r of W reads row groups r, r+W, ... of the global order, never a whole shard it does not need.
 """
 
 import argparse

@@ -43,9 +43,10 @@ class GPTConfig:
 
 def config_from_depth(depth, vocab_size=65536, sequence_len=2048):
     """
-    The one size dial every script uses. width = 64 * depth, heads = ceil(width / 128) so each head is
-    128 wide (the width GPUs' attention kernels are fastest at). depth 20 -> 1280 wide, 10 heads.
-    An odd depth makes width / 128 fractional (depth 5 -> 320 / 3); then heads = depth and heads are 64 wide.
+    The one size dial every script uses: width = 64 * depth, heads = ceil(width / 128), so that heads are 128 wide
+    (the width GPUs' attention kernels are fastest at) where width divides: depth 20 -> 1280 wide, 10 heads. An odd
+    depth gets narrower heads: 3 -> 2 of 96, 7 -> 4 of 112, 15 -> 8 of 120; where width does not divide by
+    ceil(width / 128) (depth 5: 320 / 3), heads = depth, 64 wide.
     """
     if not isinstance(depth, int) or depth < 1:
         raise UserError(f"depth must be a positive integer, got {depth!r}")
@@ -166,16 +167,11 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed=42):
         """
-        The initial weights, drawn from a generator of their own seeded with `seed`: they depend on nothing else (not on
-        what else drew from the global RNG first in this process, such as a measurement), and every rank draws the same.
-        Initialisation scheme:
-        - wte: N(0, 1). The embedding output is RMS-normalised right away, so its scale is free; unit
-          variance keeps it well away from the norm's epsilon.
-        - every Linear that reads the residual stream (c_q, c_k, c_v, c_fc): uniform with std
-          1/sqrt(fan_in) * min(1, sqrt(fan_out/fan_in)), so activations start with unit scale.
-        - the Linears that write into the residual stream (attn.c_proj, mlp.c_proj) and lm_head: zeros.
-          Each block then starts as the identity and the model starts with uniform predictions, so the
-          initial loss is exactly ln(vocab_size).
+        The initial weights, from a generator of their own seeded with `seed`: the same on every rank and in every run,
+        whatever else drew from the global RNG first. wte N(0, 1) (RMS-normalised right after: its scale is free);
+        the Linears that read the residual stream (c_q, c_k, c_v, c_fc) uniform with std 1/sqrt(fan_in) *
+        min(1, sqrt(fan_out/fan_in)) (unit-scale activations); those that write into it (c_proj) and lm_head zero, so
+        every block starts as the identity and the initial loss is exactly ln(vocab_size).
         """
         rng = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
         nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0, generator=rng)
@@ -285,20 +281,11 @@ class GPT(nn.Module):
 
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0):
         """
-        Two optimizers, each parameter in exactly one of them. Returns [adamw, muon].
-
-        - Muon for every 2-D matrix inside the transformer blocks (attention q/k/v/proj, MLP fc/proj), about
-          all of the compute. Muon orthogonalises its momentum (Newton-Schulz) so every direction of the
-          matrix moves at a similar rate; it trains these hidden matrices faster than AdamW.
-        - AdamW for the token embedding (wte) and the output head (lm_head). Muon's "matrix as a linear map"
-          view does not fit a lookup table, nor the classifier head, whose rows see very different gradient
-          scales (rare vs frequent tokens); AdamW's per-element adaptivity handles exactly that.
-          Their learning rates are scaled by (n_embd / 768) ** -0.5: tuned at width 768, smaller for wider
-          models. betas (0.8, 0.95) and eps 1e-10, as tuned for this setup.
-
-        Under torchrun (process group initialised) the ZeRO-2-style DistAdamW / DistMuon are used: they
-        average gradients across ranks inside step() and shard the optimizer state and update compute.
-        Every group gets "initial_lr" so the training loop can set lr = initial_lr * schedule multiplier.
+        [adamw, muon], each parameter in exactly one (why two: docs/optimizers.md). Muon: every matrix of the blocks,
+        nearly all the compute. AdamW: wte and lm_head (a lookup table and a classifier whose rows see very different
+        gradient scales), betas (0.8, 0.95), eps 1e-10, lrs scaled by (n_embd / 768) ** -0.5 (tuned at width 768),
+        weight_decay on both. Under torchrun the ZeRO-2 DistAdamW / DistMuon (gradients averaged inside step()).
+        Every group gets "initial_lr": the loop sets lr = initial_lr * the schedule's multiplier.
         """
         from nanochat.adamw import AdamW, DistAdamW
         from nanochat.muon import DistMuon, Muon
@@ -329,7 +316,7 @@ class GPT(nn.Module):
         n = lambda ps: sum(p.numel() for p in ps)
         print0(f"Optimizers ({'distributed, ZeRO-2 style' if distributed else 'single process'}):")
         print0(f"  AdamW  lm_head {n(lm_head_params):,} params, lr {unembedding_lr * lr_scale:.6f} "
-               f"(= {unembedding_lr} x (n_embd/768)^-0.5)")
+               f"(= {unembedding_lr} x (n_embd/768)^-0.5), weight decay {weight_decay}")
         print0(f"  AdamW  wte     {n(embedding_params):,} params, lr {embedding_lr * lr_scale:.6f} "
                f"(= {embedding_lr} x (n_embd/768)^-0.5), weight decay {weight_decay}")
         print0(f"  Muon   {len(matrix_params)} block matrices, {n(matrix_params):,} params, lr {matrix_lr}")
@@ -370,19 +357,12 @@ class GPT(nn.Module):
     @torch.no_grad()
     def decode_step(self, idx, kv_cache, weights, positions=None, key_mask=None):
         """
-        One decoding step. idx (B,) holds the newest token of each row, kv_cache everything before it;
-        returns the next-token logits (B, vocab) in fp32 and advances the cache by one position.
-
-        The same computation as forward(idx[:, None], kv_cache=kv_cache)[:, -1], written for the one-token
-        case that is almost all of generation. A step does little arithmetic (one row per sample), so its
-        cost is reading every weight matrix once plus a fixed overhead per operation; hence matrices from
-        decode_weights() (no nn.Module calls), the new keys/values written in place into the cache, and
-        attention of one query per head over the cached positions with no mask (all are in the past).
-
-        Rows whose prompts have different lengths (Engine.generate with several prompts) sit in the cache
-        right-aligned, the columns before a shorter prompt being padding: then `positions` (B,) gives each row's
-        own position of the new token (the cache's column minus the row's padding) and `key_mask` (B, 1, 1, >= the
-        cache's position + 1, bool) the columns each row may attend to (False: its padding).
+        One decoding step: idx (B,) the newest token of each row, kv_cache everything before it; returns the next-token
+        logits (B, vocab) in fp32 and advances the cache one position. forward(idx[:, None], kv_cache)[:, -1] written
+        for one token: its cost is reading every matrix once plus a fixed cost per op, hence decode_weights()' matrices
+        (no nn.Module calls) and keys/values written in place. Rows of prompts of different lengths (Engine.
+        generate_many) sit right-aligned in the cache: `positions` (B,) gives each row's own position, `key_mask`
+        (B, 1, 1, >= pos + 1, bool) the columns it may attend to (False: the padding before its prompt).
         """
         B, pos = idx.size(0), kv_cache.pos
         if pos + 1 > self.rotary_len:

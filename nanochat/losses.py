@@ -118,7 +118,7 @@ def evaluate_bpb(model, batches, steps, token_bytes, stop=None):
     total_nats = torch.zeros((), dtype=acc_dtype, device=device)
     total_bytes = torch.zeros((), dtype=torch.int64, device=device)
     batch_iter = iter(batches)
-    with interruptible(device):
+    with interruptible():
         for _ in range(steps):
             if stop is not None and stop():
                 raise Interrupted

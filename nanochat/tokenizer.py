@@ -1,13 +1,10 @@
 """
 The tokenizer: text <-> token ids, and conversations -> (ids, mask) for chat training.
 
-A byte-level BPE in the style of GPT-4: `rustbpe` (Rust, parallel) learns the merges from a text iterator,
-`tiktoken` (Rust) applies them (nothing is ever downloaded), both with the same split pattern, SPLIT_PATTERN.
-Token ids 0..255 are the 256 single bytes, then one id per learned merge, then the special tokens
-(SPECIAL_TOKENS, in that order); `vocab_size` counts all of them.
-
-Special tokens never come out of ordinary text: every encode here is tiktoken's `encode_ordinary`, so a user
-who types "<|bos|>" gets the tokens of those seven characters, not the id of <|bos|>. Special tokens only
+A byte-level BPE in the style of GPT-4: `rustbpe` learns the merges from a text iterator, `tiktoken` applies them
+(nothing is downloaded), both with the split pattern SPLIT_PATTERN. Ids 0..255 are the 256 bytes, then one id per
+merge, then SPECIAL_TOKENS in order; `vocab_size` counts them all. Special tokens never come out of ordinary text
+(every encode is tiktoken's `encode_ordinary`: a user who types "<|bos|>" gets seven characters' tokens); they only
 enter a sequence through encode_special / prepend / append / render_conversation.
 
 Files, under $NANOCHAT_BASE_DIR/tokenizer/ (written by `python -m scripts.tok_train`; an imported model keeps

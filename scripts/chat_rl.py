@@ -176,7 +176,7 @@ def evaluate_pass_at_k():
            f"{f' on {ddp_world_size} ranks' if ddp else ''}, {problems_together} problems decoded together")
     progress = Progress("pass@k", len(mine), every=10, enabled=master_process, share=" on rank 0" if ddp else "")
     try:
-        with interruptible(device):
+        with interruptible():
             for first in range(0, len(mine), problems_together):
                 conversations = [test_task[i] for i in mine[first:first + problems_together]]
                 with autocast_ctx:
@@ -233,7 +233,7 @@ while True:
     conversations = [train_task[(step * prompts_per_step + j) % len(train_task)] for j in mine]
     prompts = [tokenizer.render_for_completion(conversation) for conversation in conversations]
     try:
-        with interruptible(device), autocast_ctx:
+        with interruptible(), autocast_ctx:
             answers = sample(prompts, seed * 1_000_003 + 10**9 + (step * ddp_world_size + ddp_rank) * prompts_per_step)
     except Interrupted:
         stop_now = True

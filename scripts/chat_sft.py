@@ -167,7 +167,7 @@ def evaluate_metrics():
     out = {}
     for name, task in metric_tasks.items():
         count = len(task) if eval_metrics_max_problems < 0 else min(eval_metrics_max_problems, len(task))
-        with interruptible(device), autocast_ctx:
+        with interruptible(), autocast_ctx:
             outcomes = score_categorical(orig_model, tokenizer, task, list(range(ddp_rank, count, ddp_world_size)), 8, device,
                                          stop=stop_request)
         counts = torch.tensor([sum(passed for passed, _ in outcomes), len(outcomes)], dtype=torch.float64, device=device)
