@@ -107,7 +107,8 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     rows for the collectives (a copy, only for such parameters), and the padding rows are dropped again.
     Padding rows have zero gradient and zero value, so their update is exactly zero. A rank whose slice
     is all padding still keeps (zero) state for it. 0-d parameters are treated as 1-D of length 1.
-    The big parameters (wte, lm_head: vocab_size rows, a multiple of 8) take the copy-free path.
+    wte and lm_head (vocab_size rows) take the copy-free path only where vocab_size divides by W (65,536 on 1, 2,
+    4 or 8 ranks); nothing requires it, another vocabulary pays one padded copy per step.
 
     param_groups: as for torch.optim.AdamW (an iterable of tensors or of dicts with per-group lr, betas,
     eps, weight_decay). Each group's lr is read at every step, so the training script may set

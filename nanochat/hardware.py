@@ -31,7 +31,8 @@ def decide_compute_dtype(device_type, override, cpu_flags, probe):
       override  $NANOCHAT_DTYPE ("" if unset): bfloat16 or float32 wins over everything else
       cpu_flags the native-bf16 flags the CPU reports (cpu_bf16_flags()); only read for device "cpu"
       probe     () -> (bf16 FLOP/s, fp32 FLOP/s) of a short matmul; called only for a CPU with such flags
-    CUDA: bf16 where the GPU does it natively (SM80+: A100, H100). MPS: fp32. A CPU: bf16 when it has the flags and
+    CUDA: bf16 where the GPU does it natively (compute capability 8.0+: A100, H100; a V100 or T4 only emulates it,
+    which torch.cuda.is_bf16_supported() counts as support, so the capability is what is asked). MPS: fp32. A CPU: bf16 when it has the flags and
     its bf16 matmul is clearly faster than fp32's (a flag alone does not say that PyTorch's kernels use it).
     Weights and optimizer state stay fp32 whatever this says.
     """
@@ -40,9 +41,10 @@ def decide_compute_dtype(device_type, override, cpu_flags, probe):
             raise UserError(f"NANOCHAT_DTYPE={override!r}: use bfloat16 or float32")
         return getattr(torch, override), f"NANOCHAT_DTYPE={override}"
     if device_type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "a CUDA GPU with native bf16"
-        return torch.float32, "a CUDA GPU without native bf16"
+        major, minor = torch.cuda.get_device_capability()
+        if major >= 8:
+            return torch.bfloat16, f"a CUDA GPU with native bf16 (compute capability {major}.{minor})"
+        return torch.float32, f"a CUDA GPU without native bf16 (compute capability {major}.{minor} < 8.0)"
     if device_type != "cpu":
         return torch.float32, f"fp32 on {device_type}"
     if not cpu_flags:
@@ -167,8 +169,8 @@ def _kept_per_machine(filename, key, update):
     return entry, path
 
 
-PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU
-    "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
+PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU; the longest name that matches wins
+    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,  # "H100" alone: the SXM part "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
     "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
 }
 
@@ -203,8 +205,8 @@ def get_peak_flops(device, dtype):
     The denominator of MFU (model FLOPs utilisation = achieved model FLOP/s / peak FLOP/s), per device.
     Returns (flops, how it was got).
 
-    - Known CUDA GPUs in bf16: the datasheet dense bf16 peak (an H100 SXM: 989 TFLOP/s).
-    - $NANOCHAT_PEAK_FLOPS (a number, e.g. 1.5e11): use that, for machines where you know better.
+    - $NANOCHAT_PEAK_FLOPS (a number, e.g. 1.5e11): used as it is, first, for machines where you know better.
+    - Known CUDA GPUs in bf16: the datasheet dense bf16 peak (H100 SXM 989 TFLOP/s, H100 PCIe 756).
     - Anything else (CPU, MPS, unknown GPUs): measured, as the best FLOP/s of several matmuls in the dtype we
       compute in (1024^3 and 2048^3: the large one is what a well-fed BLAS reaches; on a CPU also one thread's
       best times the number of threads, which a program busy on another core does not lower). A measurement can only
@@ -214,11 +216,6 @@ def get_peak_flops(device, dtype):
       inflate the MFU of the run.
     """
     device = torch.device(device)
-    if device.type == "cuda" and dtype == torch.bfloat16:
-        name = torch.cuda.get_device_name(device)
-        for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
-            if key in name:
-                return flops, f"{name} datasheet bf16 peak"
     override = os.environ.get("NANOCHAT_PEAK_FLOPS")
     if override:
         try:
@@ -228,6 +225,11 @@ def get_peak_flops(device, dtype):
         if not (0 < flops < float("inf")):
             raise UserError(f"NANOCHAT_PEAK_FLOPS={override!r}: need a positive number of FLOP/s, e.g. 1.5e11")
         return flops, "NANOCHAT_PEAK_FLOPS"
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        name = torch.cuda.get_device_name(device)
+        for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+            if key in name:
+                return flops, f"{name} datasheet bf16 peak"
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)

@@ -58,10 +58,12 @@ def test_the_override_wins_both_ways():
         decide_compute_dtype("cpu", "fp16", (), never)
 
 
-def test_cuda_and_mps_ignore_cpu_flags():
-    # CUDA as before: bf16 exactly where torch says the GPU does it (no GPU here: fp32); no CPU probe
-    cuda = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    assert decide_compute_dtype("cuda", "", ("amx_bf16",), never)[0] == cuda
+def test_cuda_and_mps_ignore_cpu_flags(monkeypatch):
+    # CUDA: bf16 from compute capability 8.0 (A100, H100); a V100 (7.0) or T4 (7.5) only emulates it, although
+    # torch.cuda.is_bf16_supported() says yes there. No CPU probe either way. (The GPU's answer is given here.)
+    for capability, dtype in (((7, 0), torch.float32), ((7, 5), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert decide_compute_dtype("cuda", "", ("amx_bf16",), never)[0] == dtype
     assert decide_compute_dtype("mps", "", ("bf16",), never)[0] == torch.float32
 
 
