@@ -402,3 +402,25 @@ def open_metrics(checkpoint_dir, start_step, enabled=True):
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(metrics) + "\n")
     return path, log
+
+
+def lineage(meta, source):
+    """
+    [(stage, model_tag, step, meta or None)]: this checkpoint, then the one it was trained from, back to its base
+    model, as far as their meta files are on this machine (midtraining records `base_model`, SFT and RL `parent`).
+    """
+    chain = [(source, meta.get("model_tag"), meta.get("step"), meta)]
+    while chain[-1][3] is not None and len(chain) < 8:  # base, mid, sft, rl: 8 bounds a cycle of edited meta files
+        m = chain[-1][3]
+        if isinstance(m.get("base_model"), dict):
+            parent = ("base", m["base_model"].get("model_tag"), m["base_model"].get("step"))
+        elif isinstance(m.get("parent"), dict):
+            parent = (m["parent"].get("source"), m["parent"].get("model_tag"), m["parent"].get("step"))
+        else:
+            break
+        try:
+            parent_meta = read_meta(checkpoint_dir_for(parent[0], parent[1]), parent[2])
+        except (UserError, TypeError):
+            parent_meta = None
+        chain.append((*parent, parent_meta))
+    return chain

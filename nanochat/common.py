@@ -358,11 +358,8 @@ def compute_init(device_type="cuda"):
     else:
         device = torch.device(device_type)
     # No barrier: init_process_group returns when every rank has joined, and _print_topology's all_gather is itself
-    # a collective every rank reaches. Then the compute dtype: rank 0's decision, sent to every rank, here where
-    # every rank is (nanochat/hardware.py, imported here as it imports this module)
+    # a collective every rank reaches
     _print_topology(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device)
-    from nanochat.hardware import compute_dtype
-    compute_dtype(device_type)
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 
 

@@ -62,8 +62,8 @@ def compute_dtype(device_type):
     (dtype, why) on this machine: decide_compute_dtype with $NANOCHAT_DTYPE, the CPU's flags and the probe
     (measured once per machine, thread count and torch version: bf16_probe). Decided once per process; under
     torchrun it is rank 0's decision, sent to the other ranks (one dtype for the whole run: a rank that measured
-    the probe on its own could come out differently). compute_init makes that first, collective call, so that
-    every rank makes it at the same point.
+    the probe on its own could come out differently), so the first call is a collective: every script makes it on
+    every rank, right after compute_init (its autocast_context line).
     """
     return _decided(device_type, os.environ.get("NANOCHAT_DTYPE", ""))
 

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from nanochat.checkpoint_manager import SOURCES, load_model
+from nanochat.checkpoint_manager import SOURCES, lineage, load_model
 from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
 from nanochat.hf_format import (CHAT_TEMPLATE, check_free, generation_config, hf_config, rename_weights,
@@ -46,7 +46,7 @@ files = {
     "tokenizer.json": tokenizer_json(tokenizer),
     "tokenizer_config.json": tokenizer_config(model_config["sequence_len"]),
     "chat_template.jinja": CHAT_TEMPLATE,
-    "README.md": model_card(meta, source, model, tokenizer, dtype, layout),
+    "README.md": model_card(meta, lineage(meta, source), model, tokenizer, dtype, layout),
 }
 state = {name: t.to(getattr(torch, dtype)) for name, t in model.state_dict().items()}
 if layout == "hf":

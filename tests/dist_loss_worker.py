@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_loss import ToyModel, step_micro_batches  # noqa: E402
+from helpers import ToyModel, step_micro_batches  # noqa: E402
 
 from nanochat.losses import count_step_targets, supervised_loss
 

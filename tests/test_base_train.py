@@ -18,42 +18,9 @@ import time
 import pytest
 import torch
 
-from conftest import CORES, REPO_ROOT, run_script, start_script, stop_at, wait_for_steps
+from helpers import CORES, REPO_ROOT, TINY, assert_same_weights, base_train, metrics, run_script, start_script, stop_at, train_losses, wait_for_steps, weights, with_defaults
 from nanochat.losses import evaluate_bpb
 from nanochat.optim import lr_multiplier, muon_momentum
-
-TINY = ["--depth=1", "--max_seq_len=32", "--device_batch_size=2", "--total_batch_size=128", "--eval_tokens=128",
-        "--sample_every=-1", "--core_metric_every=-1", "--eval_every=3"]
-
-
-def with_defaults(defaults, args):
-    """defaults + args, an arg replacing the default of the same key (a key given twice is an error)."""
-    given = {a.split("=", 1)[0] for a in args}
-    return [a for a in defaults if a.split("=", 1)[0] not in given] + list(args)
-
-
-def base_train(*args, timeout=300):
-    return run_script("-m", "scripts.base_train", *with_defaults(TINY, args), timeout=timeout)
-
-
-def metrics(base_dir, tag="d1"):
-    with open(base_dir / "base_checkpoints" / tag / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def train_losses(base_dir, tag="d1"):
-    return [m["step_loss"] for m in metrics(base_dir, tag) if "step_loss" in m]
-
-
-def weights(base_dir, step, tag="d1"):
-    return torch.load(base_dir / "base_checkpoints" / tag / f"model_{step:06d}.pt", map_location="cpu")
-
-
-def assert_same_weights(a, b, rtol, atol):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=rtol, atol=atol), (k, (a[k] - b[k]).abs().max().item())
-
 
 @pytest.mark.slow
 def test_trains_writes_a_checkpoint_and_resumes_exactly(trained_tokenizer, isolated_env, tmp_path, monkeypatch):

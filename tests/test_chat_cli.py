@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import computed_as_in_scripts, run_script, start_script
+from helpers import computed_as_in_scripts, run_script, start_script
 
 SAMPLING = ["--temperature=1.0", "--top_k=50"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_script
+from helpers import run_script
 from nanochat.chat_scoring import Progress
 from nanochat.common import UserError
 from nanochat.engine import Engine

@@ -10,9 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import run_script, start_script, stop_at
+from helpers import run_script, start_script, stop_at, ToyModel
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
-from test_loss import ToyModel
 
 SFT = ["-m", "scripts.chat_sft", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2", "--examples_per_step=4",
        "--eval_tokens=1024", "--eval_metrics_max_problems=8"]

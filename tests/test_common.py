@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from conftest import run_script, start_script
+from helpers import run_script, start_script
 from nanochat import common
-from nanochat.common import (ColoredFormatter, UserError, compute_init, download_file_with_lock, get_base_dir,
-                             get_dist_info, print0)
+from nanochat.common import (ColoredFormatter, UserError, any_rank, compute_init, download_file_with_lock,
+                             gather_from_ranks, get_base_dir, get_dist_info, per_rank, print0, sum_over_ranks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,3 +229,8 @@ def test_postprocess_runs_before_the_file_appears(file_server):
 
     path = download_file_with_lock(f"{file_server.url}/p.txt", "p.txt", postprocess_fn=post)
     assert seen and seen[0][1] == "abc" and seen[0][2] is False and seen[0][0] != path
+
+
+def test_rank_agreement_in_one_process():
+    assert any_rank(False, True) == (False, True)
+    assert per_rank(2.5) == [2.5] and sum_over_ranks(1, 2.5) == (1.0, 2.5) and gather_from_ranks({"a": 1}) == [{"a": 1}]

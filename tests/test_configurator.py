@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from conftest import run_script
+from helpers import run_script
 from nanochat.common import UserError
 from nanochat.configurator import configure, parse_args
 

@@ -23,7 +23,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import REPO_ROOT, build_once, run_script
+from helpers import REPO_ROOT, build_once, run_script
 from nanochat.common import UserError
 from nanochat.core_eval import (PAD_SLACK, continuation_rows, evaluate_core, evaluate_task, fewshot_indices,
                                 load_bundle, load_task_data, pack_rows, prepare_bundle, render_prompts)

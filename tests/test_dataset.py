@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import nanochat.common
-from conftest import run_script
+from helpers import run_script
 from nanochat import dataset, pydocs
 from nanochat.common import UserError
 from nanochat.dataset import ROW_GROUP_SIZE

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import build_once
+from helpers import build_once
 from nanochat.calculator import use_calculator
 from nanochat.common import UserError
 from nanochat.engine import Engine, KVCache, TextStreamer

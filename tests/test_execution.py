@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import start_script
+from helpers import start_script
 from nanochat.execution import ExecutionResult, execute_code
 
 

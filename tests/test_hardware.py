@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanochat.common import UserError
-from nanochat.hardware import (autocast_context, bf16_flags_in, bf16_probe, compute_dtype, compute_dtype_line,
+from nanochat.hardware import (autocast_context, bf16_flags_in, bf16_probe, compile_model, compute_dtype, compute_dtype_line,
                                cpu_bf16_flags, decide_compute_dtype, get_peak_flops)
 
 # /proc/cpuinfo lines of real CPUs (shortened): an Intel Xeon of the Sapphire Rapids generation, an AMD Zen 4, an
@@ -102,3 +102,9 @@ def test_measuring_the_hardware_leaves_the_global_rng_alone(isolated_env, monkey
     bf16_probe(n=64)
     get_peak_flops("cpu", torch.float32)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_compile_auto_is_on_for_cuda_only():
+    model = torch.nn.Linear(2, 2)
+    assert compile_model(model, "auto", "cpu") == (model, False)
+    assert compile_model(model, "false", "cuda") == (model, False)

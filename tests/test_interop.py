@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import run_script
+from helpers import run_script
 from nanochat.common import UserError, file_sha256
 
 transformers = pytest.importorskip("transformers")

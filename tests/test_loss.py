@@ -9,40 +9,8 @@ import os
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_script
+from helpers import REPO_ROOT, run_script, step_micro_batches, ToyModel
 from nanochat.losses import count_step_targets, supervised_loss
-
-
-class ToyModel(torch.nn.Module):
-    """
-    One parameter w; the loss of a supervised target t is w * t (so its gradient is t), of an ignored target
-    (-1) 0: every number below can be done by hand. Same interface as GPT's forward(x, y, loss_reduction).
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor(1.0))
-
-    def forward(self, x, y, loss_reduction="mean"):
-        per_token = torch.where(y >= 0, self.w * y.float(), torch.zeros((), dtype=torch.float32))
-        if loss_reduction == "none":
-            return per_token.view(-1)
-        if loss_reduction == "sum":
-            return per_token.sum()
-        return per_token.sum() / (y >= 0).sum().clamp(min=1)
-
-
-def step_micro_batches():
-    """
-    The micro-batches of one step, deliberately uneven: A has 3 targets (1, 2, 3), B has 1 (14), C none.
-    Mean over the step's 4 targets: (1 + 2 + 3 + 14) / 4 = 5, so the gradient is 5. Averaging per-micro-batch
-    means instead would give (2 + 14) / 2 = 8 for A, B, and (2 + 14 + 0) / 3 = 5.33 once C is added.
-    """
-    x = torch.zeros(1, 4, dtype=torch.long)
-    a = torch.tensor([[1, 2, 3, -1]])
-    b = torch.tensor([[-1, -1, 14, -1]])
-    c = torch.tensor([[-1, -1, -1, -1]])
-    return [(x, a), (x, b), (x, c)]
 
 
 def one_process(batches):

@@ -13,8 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import CORES, REPO_ROOT, run_script, speedrun_env, start_script, wait_for_steps
-from test_base_train import assert_same_weights
+from helpers import CORES, REPO_ROOT, assert_same_weights, run_script, speedrun_env, start_script, wait_for_steps
 
 pytestmark = pytest.mark.slow  # every test here runs mid_train or the pipeline
 

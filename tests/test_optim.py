@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_once, run_script
+from helpers import build_once, run_script
 from nanochat.muon import DistMuon, Muon, _batches, zeropower_via_newtonschulz5
+from nanochat.optim import lr_multiplier, scale_initial_lrs, set_learning_rates
 
 # The band stated in zeropower_via_newtonschulz5's docstring: singular values s >= 0.0016 * ||G||_F
 # come out in [0.68, 1.21] (bf16: [0.67, 1.21]); none comes out above 1.21.
@@ -222,3 +223,22 @@ def test_optimizer_checkpoint_resumes_on_any_world_size(dist_results):
             for i, (resumed, ref) in enumerate(zip(res[key], straight)):
                 torch.testing.assert_close(resumed, ref, rtol=rtol, atol=atol, msg=lambda m: f"{key}, rank {rank} param {i}: {m}")
         assert res["missing_shard_error"] is not None and "incomplete" in res["missing_shard_error"]
+
+
+def test_one_schedule_with_each_stages_defaults():
+    # SFT and RL (warmdown_ratio=1): a linear decay from 1 at the first step to 0 at the end
+    assert [lr_multiplier(s, 4, 0.0, 1.0) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    # midtraining of one epoch: the progress is conversations read out of the epoch's, decay over the last 20%
+    assert lr_multiplier(500, 1000) == 1.0 and lr_multiplier(900, 1000) == pytest.approx(0.5)
+    assert lr_multiplier(1000, 1000, final_lr_frac=0.1) == pytest.approx(0.1)
+    model = torch.nn.Linear(2, 2)
+    adam = torch.optim.AdamW(model.parameters(), lr=0.2)
+    from nanochat.muon import Muon
+    muon = Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.02, momentum=0.95)
+    for opt in (adam, muon):
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    scale_initial_lrs([adam, muon], 0.5)
+    set_learning_rates([adam, muon], 0.5, 0.9)
+    assert adam.param_groups[0]["lr"] == pytest.approx(0.05) and muon.param_groups[0]["lr"] == pytest.approx(0.005)
+    assert muon.param_groups[0]["momentum"] == 0.9 and "momentum" not in adam.param_groups[0]

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import run_script
+from helpers import run_script
 from nanochat.common import UserError
 from nanochat.pydocs import pydocs_entries
 from nanochat.tokenizer import get_tokenizer

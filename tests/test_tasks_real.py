@@ -16,7 +16,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import TASK_FIXTURES, TASK_REPOS, run_script
+from helpers import TASK_FIXTURES, TASK_REPOS, run_script
 from nanochat.common import UserError
 from nanochat.tokenizer import Tokenizer
 from tasks.arc import ARC

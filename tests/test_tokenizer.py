@@ -12,7 +12,7 @@ import pytest
 import rustbpe
 from pydoc_data.topics import topics
 
-from conftest import run_script
+from helpers import run_script
 from nanochat.common import UserError
 from nanochat.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, get_token_bytes, get_tokenizer,
                                 get_tokenizer_dir)

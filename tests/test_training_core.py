@@ -17,8 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO_ROOT, TINY_SIZES, refusal_in_process, run_script, speedrun_env, start_script, wait_for_steps
-from test_base_train import TINY, base_train, metrics, train_losses, weights, with_defaults
+from helpers import REPO_ROOT, TINY, TINY_SIZES, base_train, metrics, refusal_in_process, run_script, speedrun_env, start_script, train_losses, wait_for_steps, weights, with_defaults
 
 from nanochat.common import UserError
 
