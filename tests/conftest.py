@@ -396,7 +396,7 @@ def tiny_model(tiny_models, isolated_env, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# The web server (scripts/chat_web.py), shared by the test modules that talk to it
+# The web server (nanochat/serving.py), shared by the test modules that talk to it
 
 HELLO = [{"role": "user", "content": "Hello! What is a list comprehension?"}]
 
@@ -436,24 +436,26 @@ class ChatWebServer:
 
 @pytest.fixture(scope="session")
 def chat_web_server(chat_web_base):
-    """scripts.chat_web's app with one CPU worker, served by uvicorn in a thread on a free port: started once
-    per session, for every test module that talks to the web server (one model build, one server)."""
+    """The app of nanochat.serving with one CPU worker and chat_web's default settings, served by uvicorn in a thread
+    on a free port: started once per session, for every test module that talks to the web server (one model build,
+    one server)."""
     import uvicorn
 
-    import scripts.chat_web as chat_web
+    from nanochat.serving import Settings, WorkerPool, create_app, load_workers
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(chat_web_base))
-        pool = chat_web.WorkerPool(chat_web.load_workers("base", "cpu"))
-    chat_web.app.state.pool = pool
+        pool = WorkerPool(load_workers("base", "cpu"))
+    app = create_app(pool, Settings(temperature=0.8, top_k=50, max_tokens=512, max_tokens_limit=4096, max_messages=500,
+                                    max_message_chars=8000, max_conversation_chars=32000, model_name="nanochat", api_key=""))
     port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(chat_web.app, host="127.0.0.1", port=port, log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not uv.started:
         assert time.time() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    served = ChatWebServer(f"http://127.0.0.1:{port}", chat_web.app, pool)
+    served = ChatWebServer(f"http://127.0.0.1:{port}", app, pool)
     yield served
     served.http.close()
     uv.should_exit = True

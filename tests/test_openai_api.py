@@ -160,7 +160,7 @@ def test_another_model_or_path_is_a_404(chat_web_server, client):
 
 
 def test_with_an_api_key_only_that_key_is_accepted(chat_web_server, client, monkeypatch):
-    monkeypatch.setattr(chat_web_server.app.state.openai, "api_key", "secret-key")
+    monkeypatch.setattr(chat_web_server.app.state.settings, "api_key", "secret-key")
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
     with pytest.raises(openai.AuthenticationError):
