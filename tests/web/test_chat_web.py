@@ -1,9 +1,9 @@
 """
-Tests of scripts/chat_web.py and its page (nanochat/ui.html), against a real uvicorn server on 127.0.0.1 serving
-a tiny trained checkpoint: validation (400 naming the field), streaming (the text is exactly what the engine
-generates for the same seed, then the done event), 16 concurrent requests on one worker, a client that leaves
-frees its worker and stops its generation, a failing generation leaves the server serving, the command line,
-and the page in a real browser (headless Chromium driven by Playwright).
+Tests of the chat web server (scripts/chat_web.py, nanochat/serving.py) and its page (nanochat/ui.html), against
+a real uvicorn server on 127.0.0.1 serving a tiny trained checkpoint: validation (400 naming the field), streaming
+(the text is exactly what the engine generates for the same seed, then the done event), 16 concurrent requests on
+one worker, a client that leaves frees its worker and stops its generation, a failing generation leaves the server
+serving, the command line, and the page in a real browser (headless Chromium driven by Playwright).
 """
 
 import json
@@ -17,20 +17,21 @@ import time
 import httpx
 import pytest
 
-from conftest import HELLO, engine_reply, free_port, run_script, start_script, wait_idle, wait_serving
+from conftest import run_script, start_script
+from web.conftest import HELLO, engine_reply, free_port, wait_idle, wait_serving
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 
 
 @pytest.fixture
 def server(chat_web_server):
-    """The session's server (conftest.py), under the short name these tests use."""
+    """The session's server (web/conftest.py), under the short name these tests use."""
     return chat_web_server
 
 
 def post_chat(url, body, timeout=120):
     """POST /chat/completions. Returns (200, [events]) for a stream, or (status, JSON body) for a refusal."""
-    with httpx.Client(timeout=timeout, verify=False) as client:  # verify=False: see conftest.ChatWebServer
+    with httpx.Client(timeout=timeout, verify=False) as client:  # verify=False: see web/conftest.py's ChatWebServer
         with client.stream("POST", url + "/chat/completions", json=body) as response:
             if response.status_code != 200:
                 response.read()

@@ -1,7 +1,7 @@
 """
 Tests of the OpenAI-compatible API (nanochat/openai_api.py) with OpenAI's own Python client, against the session's
-real uvicorn server on 127.0.0.1 (conftest.chat_web_server: a tiny trained model, one CPU worker): the model list,
-a whole reply and a streamed one (the engine's tokens, usage counts, stop strings, whole characters only), bad
+real uvicorn server on 127.0.0.1 (web/conftest.py's chat_web_server: a tiny trained model, one CPU worker): the
+model list, a whole reply and a streamed one (the engine's tokens, usage counts, stop strings, whole characters only), bad
 requests (400 naming the field), an unknown model (404), the API key (401), a client that leaves, a failing
 generation, and /v1/completions as lm-evaluation-harness's `local-completions` calls it (token-id prompts, echo,
 logprobs equal to the model's own forward pass after one <|bos|>, the token that ends a document reported).
@@ -10,7 +10,7 @@ logprobs equal to the model's own forward pass after one <|bos|>, the token that
 import pytest
 import torch
 
-from conftest import HELLO, document_ends, engine_reply, wait_idle
+from web.conftest import HELLO, document_ends, engine_reply, wait_idle
 
 openai = pytest.importorskip("openai", reason="needs the openai pip package: pip install openai")
 
@@ -160,7 +160,7 @@ def test_another_model_or_path_is_a_404(chat_web_server, client):
 
 
 def test_with_an_api_key_only_that_key_is_accepted(chat_web_server, client, monkeypatch):
-    monkeypatch.setattr(chat_web_server.app.state.openai, "api_key", "secret-key")
+    monkeypatch.setattr(chat_web_server.app.state.settings, "api_key", "secret-key")
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
     with pytest.raises(openai.AuthenticationError):

@@ -22,11 +22,12 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO_ROOT, document_ends, free_port, run_script, start_script, wait_serving
+from conftest import REPO_ROOT, run_script, start_script
+from web.conftest import document_ends, free_port, wait_serving
 
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install -e '.[dev]'")
 
-TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "lm_eval")
+TASKS = os.path.join(REPO_ROOT, "tests", "fixtures", "lm_eval")
 TOLERANCE = 1e-3  # nats, per request
 # The README's commands, as written there (a model of context 2048; the tiny model's is 512)
 SERVER_ARGS = "model=nanochat,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,max_length=2047,num_concurrent=1"

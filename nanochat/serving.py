@@ -1,0 +1,448 @@
+"""
+Serve a model over HTTP: the workers that generate, the checks every request passes, and the FastAPI app
+(create_app) with nanochat's own API and the OpenAI-compatible one (nanochat/openai_api.py) on the same workers.
+
+A Worker is one Engine on one device with its own thread; a request waits in the WorkerPool's queue for a free
+worker and holds it for its whole reply (Job). Tokens are sampled in the worker's thread, one blocking model step
+each, and handed to the event loop at once: the loop stays free to accept requests, answer /stats and stream every
+reply. Between two tokens the server checks that the client is still there (reply_pieces): one that left frees its
+worker at once, and its generation stops before its next step.
+
+Both APIs check a request with the same functions (read_body, get, check_chat, check_sampling) before anything is
+generated: a bad one raises APIError 400, its message starting with the field at fault ("messages[2].role: ...").
+"""
+
+import asyncio
+import json
+import logging
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+
+import nanochat
+from nanochat.checkpoint_manager import load_model
+from nanochat.common import UserError
+from nanochat.engine import Engine, TextStreamer
+from nanochat.hardware import autocast_context
+
+logger = logging.getLogger("nanochat.serving")
+UI_PATH = os.path.join(os.path.dirname(os.path.abspath(nanochat.__file__)), "ui.html")  # shipped as package data
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # a stream's headers: no proxy buffering
+
+
+@dataclass
+class Settings:
+    """The server's settings (chat_web's command line), in app.state.settings: read by both APIs."""
+    temperature: float  # a request's defaults, where it sets none
+    top_k: int
+    max_tokens: int
+    max_tokens_limit: int  # the largest max_tokens a request may ask for
+    max_messages: int  # most messages a request may hold
+    max_message_chars: int  # longest message, in characters
+    max_conversation_chars: int  # longest conversation (all messages together), or text prompt, in characters
+    model_name: str  # the OpenAI API's model, in /v1/models; a request naming another gets 404
+    api_key: str  # if not empty, the OpenAI API requires "Authorization: Bearer <api_key>"
+
+
+# -----------------------------------------------------------------------------
+# Workers: one engine per device, each stepping in its own thread
+
+
+class Worker:
+    """
+    One Engine on one device, with one thread of its own (`self.thread`) that runs its generations, one after
+    the other: a generation that was told to stop finishes its current step before the next one starts.
+    """
+
+    def __init__(self, index, engine):
+        self.index, self.engine = index, engine
+        device = engine.model.lm_head.weight.device
+        self.device_type = device.type
+        # on CUDA the thread's current device is the worker's GPU, so nothing lands on GPU 0 by default
+        setup = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nanochat-worker{index}",
+                                         initializer=setup[0], initargs=setup[1])
+        self.tokens_generated = 0  # written by self.thread only
+
+    def autocast(self):
+        """A fresh autocast context in the compute dtype (nanochat/hardware.py), entered in this worker's thread around
+        a whole generation: autocast state is per thread, and one context object must not be entered twice at once."""
+        return autocast_context(self.device_type)[1]
+
+    def start(self, prompt, sampling, stop):
+        """
+        Start generating the reply to `prompt` in this worker's thread. Returns an asyncio.Queue that receives
+        each token id of the reply as soon as it is sampled, the token that ends the turn included (one of
+        engine.end_tokens: the caller decides whether to show it), then None at the end (the end of the turn,
+        max_tokens, the end of the context), or the exception that ended it. Setting the threading.Event `stop`
+        ends the generation before its next step. The thread never waits for the event loop: it computes
+        the next token while the loop sends the last one.
+        """
+        loop = asyncio.get_running_loop()
+        tokens = asyncio.Queue()
+        generation = self.engine.generate(prompt, **sampling)  # checks the arguments now, in the caller
+
+        def run():
+            outcome = None
+            try:
+                with self.autocast():  # per thread, so entered here, around the whole generation
+                    while not stop.is_set():
+                        step = next(generation, None)
+                        if step is None:
+                            break
+                        self.tokens_generated += 1
+                        token = step[0][0]
+                        loop.call_soon_threadsafe(tokens.put_nowait, token)
+                        if token in self.engine.end_tokens:
+                            break
+            except Exception as e:
+                outcome = e
+            finally:
+                generation.close()
+            loop.call_soon_threadsafe(tokens.put_nowait, outcome)
+
+        self.thread.submit(run)
+        return tokens
+
+
+class WorkerPool:
+    """The free workers (a queue that requests wait on) and the counters /stats reports."""
+
+    def __init__(self, workers):
+        self.workers = workers
+        self.tokenizer = workers[0].engine.tokenizer
+        self.context_len = workers[0].engine.context_len
+        self.vocab_size = workers[0].engine.vocab_size
+        self.free = asyncio.Queue()  # bound to the event loop at its first use, not here
+        for worker in workers:
+            self.free.put_nowait(worker)
+        self.waiting = 0  # requests waiting for a worker
+        self.served = self.cancelled = self.failed = 0  # finished requests, by how they ended
+        self.generating_seconds = 0.0  # time requests held a worker, all together
+        self.started = time.time()
+
+    async def acquire(self):
+        self.waiting += 1
+        try:
+            return await self.free.get()
+        finally:
+            self.waiting -= 1
+
+    def release(self, worker, outcome, seconds):
+        """Give `worker` back and count its request: outcome is "served", "cancelled" or "failed"."""
+        self.free.put_nowait(worker)
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        self.generating_seconds += seconds
+
+    def stats(self):
+        tokens = sum(w.tokens_generated for w in self.workers)
+        return {
+            "workers": len(self.workers),
+            "devices": [str(w.engine.model.lm_head.weight.device) for w in self.workers],
+            "busy": len(self.workers) - self.free.qsize(),
+            "queue": self.waiting,
+            "requests_served": self.served,
+            "requests_cancelled": self.cancelled,  # the client left before the reply was complete
+            "requests_failed": self.failed,
+            "tokens_generated": tokens,  # model steps run, including those of replies cut short
+            "tokens_per_second": round(tokens / self.generating_seconds, 1) if self.generating_seconds else 0.0,
+            "context_len": self.context_len,
+            "uptime_seconds": round(time.time() - self.started, 1),
+        }
+
+
+def load_workers(source, device_type, num_gpus=1, model_tag="", step=-1):
+    """One Worker per device: cuda:0..num_gpus-1 for CUDA, else one on `device_type` (cpu / mps)."""
+    if device_type == "cuda":
+        if num_gpus > torch.cuda.device_count():
+            raise UserError(f"--num_gpus={num_gpus} but {torch.cuda.device_count()} CUDA device(s) are visible")
+        devices = [torch.device("cuda", i) for i in range(num_gpus)]
+    else:
+        if num_gpus != 1:
+            raise UserError(f"--num_gpus={num_gpus} applies to CUDA; on {device_type} one worker serves (leave --num_gpus out)")
+        devices = [torch.device(device_type)]
+    workers = []
+    for index, device in enumerate(devices):
+        model, tokenizer, _ = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
+        workers.append(Worker(index, Engine(model, tokenizer)))
+    return workers
+
+
+# -----------------------------------------------------------------------------
+# Generating a reply on a worker
+
+
+class Job:
+    """
+    One request's hold on a worker (async with Job(pool) as job): waits in the pool's queue for a free worker,
+    and on exit stops the generation (before its next step) and gives the worker back, counting the request as
+    served (set job.outcome), cancelled (the client left: the default) or failed (an exception).
+    """
+
+    def __init__(self, pool):
+        self.pool, self.outcome, self.stop = pool, "cancelled", threading.Event()
+
+    async def __aenter__(self):
+        self.worker, self.t0 = await self.pool.acquire(), time.perf_counter()
+        return self
+
+    async def __aexit__(self, kind, error, traceback):
+        self.stop.set()
+        if kind is not None and issubclass(kind, Exception):  # not CancelledError: a client that left is no error
+            self.outcome = "failed"
+        seconds = time.perf_counter() - self.t0
+        self.pool.release(self.worker, self.outcome, seconds)
+        logger.info(f"worker {self.worker.index}: {self.outcome} after {seconds:.2f}s")
+
+    def start(self, prompt, sampling):
+        """Start a generation on the worker (Worker.start), stopping the job's last one; returns its queue of token ids."""
+        self.stop.set()
+        self.stop = threading.Event()
+        return self.worker.start(prompt, sampling, self.stop)
+
+
+class ReplyText:
+    """Token ids in, text out: whole characters only (engine.TextStreamer), and nothing from the first of `stops` on.
+    Text that may be the start of a stop string is held back until the next tokens show whether it is one."""
+
+    def __init__(self, tokenizer, stops):
+        self.streamer, self.stops, self.held, self.stopped = TextStreamer(tokenizer), stops, "", False
+
+    def put(self, token):
+        return self._release(self.streamer.put(token))
+
+    def end(self):
+        return self._release(self.streamer.end(), final=True)
+
+    def _release(self, text, final=False):
+        self.held += text
+        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self.held[:min(hits)]
+        keep = 0 if final else max((k for s in self.stops for k in range(1, min(len(s), len(self.held) + 1))
+                                    if self.held.endswith(s[:k])), default=0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+
+@dataclass
+class Reply:
+    tokens: list = field(default_factory=list)  # the token ids generated (not the end-of-turn token)
+    end_token: int = None  # the token that ended the turn (<|assistant_end|> or <|bos|>), if one did
+    finish_reason: str = None  # "stop" or "length"; None while generating, and if the client left
+    cut: bool = False  # a stop string ended it
+
+
+async def reply_pieces(job, request, prompt, sampling, stops, reply):
+    """
+    The text of one reply, piece by piece as it is generated on the job's worker, filling `reply`; the text ends
+    before the first of the strings `stops`. Between two tokens, checks that the client is still there; if not,
+    ends with reply.finish_reason None (the caller then stops too, and Job's exit stops the generation).
+    """
+    tokens = job.start(prompt, sampling)
+    text = ReplyText(job.pool.tokenizer, stops)
+    while (token := await tokens.get()) is not None:
+        if isinstance(token, Exception):
+            raise token
+        if token in job.worker.engine.end_tokens:  # the model ended its turn: not text, and the last token
+            reply.end_token = token
+            continue
+        reply.tokens.append(token)
+        piece = text.put(token)
+        if piece:
+            yield piece
+        if text.stopped:
+            job.stop.set()
+            break
+        if await request.is_disconnected():
+            return
+    piece = "" if text.stopped else text.end()
+    if piece:
+        yield piece
+    reply.cut = text.stopped
+    # neither the end of the turn nor a stop string: max_tokens (which the end of the context caps) ended it
+    reply.finish_reason = "stop" if text.stopped or reply.end_token is not None else "length"
+
+
+def sse(payload):
+    """One server-sent event."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# -----------------------------------------------------------------------------
+# Requests and their checks, for both APIs
+
+
+class APIError(Exception):
+    """A request answered with an error, raised anywhere in it: HTTP `status` and a message (OpenAI's error fields)."""
+
+    def __init__(self, status, message, param=None, code=None, kind="invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+def bad(param, problem, code=None):
+    """400 for field `param`: the message starts with the field's name."""
+    return APIError(400, f"{param}: {problem}", param=param, code=code)
+
+
+KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a number"), "bool": ((bool,), "true or false"),
+         "str": ((str,), "a string"), "list": ((list,), "a list"), "dict": ((dict,), "an object")}
+
+
+def get(body, name, kind, default=None):
+    """body[name], checked to be of `kind` (see KINDS; a bool is not a number); null or absent gives `default`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    types, description = KINDS[kind]
+    if not isinstance(value, types) or (isinstance(value, bool) and kind != "bool"):
+        raise bad(name, f"must be {description}, got {json.dumps(value)[:60]}")
+    return value
+
+
+async def read_body(request):
+    """The request's JSON object (whatever its Content-Type says), or 400 naming the body."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else None
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep for the parser
+        raise bad("body", f"not valid JSON ({type(e).__name__}: {e})"[:300]) from None
+    if not isinstance(body, dict):
+        raise bad("body", ("must be" if raw.strip() else "missing: send") + ' a JSON object like {"messages": [...]}')
+    return body
+
+
+def check_sampling(body, settings, vocab_size, tokens_field="max_tokens", min_tokens=1):
+    """
+    A request's sampling settings as Engine.generate's arguments: temperature (0-2), top_k (0 = the whole
+    vocabulary), max_tokens (from the field `tokens_field`, at least `min_tokens`), seed. The server's defaults
+    where the request sets none, and a fresh random seed.
+    """
+    temperature = get(body, "temperature", "number", settings.temperature)
+    if not 0 <= temperature <= 2:  # written this way round so that NaN fails too
+        raise bad("temperature", f"must be between 0 and 2 (0 = greedy), got {temperature}")
+    top_k = get(body, "top_k", "int", min(settings.top_k, vocab_size))
+    if not 0 <= top_k <= vocab_size:
+        raise bad("top_k", f"must be between 0 and {vocab_size} (the vocabulary; 0 = all of it), got {top_k}")
+    max_tokens = get(body, tokens_field, "int", settings.max_tokens)
+    if not min_tokens <= max_tokens <= settings.max_tokens_limit:
+        raise bad(tokens_field, f"must be between {min_tokens} and {settings.max_tokens_limit}, got {max_tokens}")
+    seed = get(body, "seed", "int")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise bad("seed", f"must be between 0 and 2**63 - 1, got {seed}")
+    return dict(temperature=float(temperature), top_k=top_k, max_tokens=max_tokens,
+                seed=random.randrange(2**31) if seed is None else seed)
+
+
+def check_chat(body, settings, pool, system=False, tokens_field="max_tokens"):
+    """
+    The prompt tokens and sampling settings (check_sampling) of a chat request. body["messages"]: roles alternate
+    user / assistant, starting and ending with user (the message to reply to), after a first system message if
+    `system`; contents are strings. The prompt (tokenizer.render_for_completion) leaves room in the model's context
+    for a token at least, and max_tokens is cut to that room. Limits are checked first, tokens last.
+    """
+    messages = get(body, "messages", "list")
+    if not messages:
+        raise bad("messages", "missing or empty: send at least one user message")
+    if len(messages) > settings.max_messages:
+        raise bad("messages", f"{len(messages)} messages, at most {settings.max_messages} are accepted")
+    roles = ("system", "user", "assistant") if system else ("user", "assistant")
+    conversation = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(where, 'must be an object like {"role": "user", "content": "Hi"}')
+        role, content = message.get("role"), message.get("content")
+        if role not in roles:
+            raise bad(f"{where}.role", f"{role!r} is not a role here: use {', '.join(roles)}")
+        if not isinstance(content, str):
+            raise bad(f"{where}.content", "must be a string")
+        if len(content) > settings.max_message_chars:
+            raise bad(f"{where}.content", f"{len(content):,} characters, at most {settings.max_message_chars:,} are accepted")
+        conversation.append({"role": role, "content": content})
+    first = int(conversation[0]["role"] == "system")
+    for i in range(first, len(conversation)):
+        expected = "user" if (i - first) % 2 == 0 else "assistant"
+        if conversation[i]["role"] != expected:
+            raise bad(f"messages[{i}].role", f"is {conversation[i]['role']!r}, expected {expected!r}: roles alternate user/"
+                                             f"assistant, starting with user{' after a first system message' if first else ''}")
+    if conversation[-1]["role"] != "user":
+        raise bad(f"messages[{len(messages) - 1}].role", "the conversation must end with a user message (the one to reply to)")
+    total = sum(len(m["content"]) for m in conversation)
+    if total > settings.max_conversation_chars:
+        raise bad("messages", f"the conversation is {total:,} characters, at most {settings.max_conversation_chars:,} are accepted")
+    sampling = check_sampling(body, settings, pool.vocab_size, tokens_field)
+    prompt = pool.tokenizer.render_for_completion({"messages": conversation})
+    if len(prompt) >= pool.context_len:
+        raise bad("messages", f"the conversation is {len(prompt):,} tokens and the model's context holds {pool.context_len:,} "
+                              f"(with room for the reply): start a new conversation, or send fewer or shorter messages",
+                  code="context_length_exceeded")
+    sampling["max_tokens"] = min(sampling["max_tokens"], pool.context_len - len(prompt))
+    return prompt, sampling
+
+
+# -----------------------------------------------------------------------------
+# The app
+
+
+def create_app(pool, settings):
+    """The FastAPI app that serves `pool`'s workers under `settings` (both kept in app.state): the chat page (/),
+    /health, /stats, nanochat's /chat/completions, and the OpenAI-compatible API (openai_api.mount)."""
+    from nanochat.openai_api import mount  # here, not at the top: openai_api imports this module
+    app = FastAPI(title="nanochat", docs_url=None, redoc_url=None)  # no /docs: those pages load from a CDN
+    app.state.pool, app.state.settings = pool, settings
+
+    @app.get("/")
+    async def page():
+        with open(UI_PATH, encoding="utf-8") as f:
+            return HTMLResponse(f.read())
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "workers": len(pool.workers)}
+
+    @app.get("/stats")
+    async def stats():
+        return pool.stats()
+
+    @app.post("/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            prompt, sampling = check_chat(await read_body(request), settings, pool)
+        except APIError as e:  # nanochat's shape: {"detail": "<field>: what is wrong"}
+            return JSONResponse(status_code=e.status, content={"detail": e.message})
+        return StreamingResponse(stream_reply(request, pool, prompt, sampling), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    mount(app)
+    return app
+
+
+async def stream_reply(request, pool, prompt, sampling):
+    """
+    The server-sent events of one reply of /chat/completions: {"token": text, "gpu": worker index} per piece as it
+    is generated, then {"done": true}; a failing generation sends {"error": "..."} before the done event. A client
+    that leaves ends it (reply_pieces) and frees its worker (Job).
+    """
+    reply = Reply()
+    try:
+        async with Job(pool) as job:
+            async for piece in reply_pieces(job, request, prompt, sampling, [], reply):
+                yield sse({"token": piece, "gpu": job.worker.index})
+            if reply.finish_reason is None:
+                return  # the client left
+            job.outcome = "served"
+        yield sse({"done": True})
+    except Exception as e:  # not CancelledError (a BaseException): a client that left is no error
+        logger.exception(f"generation failed after {len(reply.tokens)} tokens")
+        yield sse({"error": f"generation failed: {type(e).__name__}: {e}"})
+        yield sse({"done": True})
