@@ -396,8 +396,8 @@ def check_chat(body, settings, pool, system=False, tokens_field="max_tokens"):
 
 def create_app(pool, settings):
     """The FastAPI app that serves `pool`'s workers under `settings` (both kept in app.state): the chat page (/),
-    /health, /stats, nanochat's /chat/completions, and the OpenAI-compatible API (openai_api.mount)."""
-    from nanochat.openai_api import mount  # here, not at the top: openai_api imports this module
+    /health, /stats and nanochat's /chat/completions. nanochat.openai_api.mount(app) adds the OpenAI-compatible API
+    (it builds on this module, which therefore does not import it)."""
     app = FastAPI(title="nanochat", docs_url=None, redoc_url=None)  # no /docs: those pages load from a CDN
     app.state.pool, app.state.settings = pool, settings
 
@@ -423,7 +423,6 @@ def create_app(pool, settings):
         return StreamingResponse(stream_reply(request, pool, prompt, sampling), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
-    mount(app)
     return app
 
 

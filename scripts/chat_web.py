@@ -41,6 +41,7 @@ import uvicorn
 from nanochat.common import UserError, autodetect_device_type, compute_init, print0
 from nanochat.configurator import check_config, configure
 from nanochat.hardware import compute_dtype_line
+from nanochat.openai_api import mount as mount_openai_api
 from nanochat.serving import Settings, WorkerPool, create_app, load_workers
 
 # -----------------------------------------------------------------------------
@@ -94,7 +95,8 @@ pool = WorkerPool(load_workers(source, device_type, num_gpus, model_tag, step))
 app = create_app(pool, Settings(temperature=temperature, top_k=top_k, max_tokens=max_tokens,
                                 max_tokens_limit=max_tokens_limit, max_messages=max_messages,
                                 max_message_chars=max_message_chars, max_conversation_chars=max_conversation_chars,
-                                model_name=model_name, api_key=api_key))
+                                model_name=model_name, api_key=api_key))  # /, /health, /stats, /chat/completions
+mount_openai_api(app)  # /v1/models, /v1/chat/completions, /v1/completions on the same workers
 
 # -----------------------------------------------------------------------------
 # Serve

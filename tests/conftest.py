@@ -4,12 +4,10 @@ NANOCHAT_BASE_DIR, and downloads are served by a local HTTP server on 127.0.0.1.
 """
 
 import os
-import threading
-import time
 
 import pytest
 
-from helpers import CORES, REPO_ROOT, TASK_FIXTURES, TASK_REPOS, TINY_MODELS, FileServer, build_once, run_script, start_script  # noqa: F401
+from helpers import CORES, TASK_FIXTURES, TASK_REPOS, TINY_MODELS, FileServer, build_once, run_script
 
 
 def pytest_configure(config):

@@ -17,8 +17,7 @@ import time
 import httpx
 import pytest
 
-from conftest import run_script, start_script
-from web.conftest import HELLO, engine_reply, free_port, wait_idle, wait_serving
+from helpers import HELLO, engine_reply, free_port, run_script, start_script, wait_idle, wait_serving
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 

@@ -22,8 +22,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_script, start_script
-from web.conftest import document_ends, free_port, wait_serving
+from helpers import REPO_ROOT, document_ends, free_port, run_script, start_script, wait_serving
 
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install -e '.[dev]'")
 
@@ -72,8 +71,8 @@ def tasks(ours, chat_web_base, tmp_path_factory):
         f.writelines(json.dumps({"text": text}) + "\n" for text, _ in ends[:2])
     text, ids = ends[2]
     # the context: the document up to a few tokens before its end, cut where the harness would not move anything
-    cut = next(k for k in range(len(ids) - 2, 0, -1) if (context := tokenizer.decode(ids[:k])) == context.rstrip()
-               and tokenizer.encode(context) == ids[:k])
+    next(k for k in range(len(ids) - 2, 0, -1) if (context := tokenizer.decode(ids[:k])) == context.rstrip()
+         and tokenizer.encode(context) == ids[:k])
     row = {"context": context, "choices": [text[len(context):], " and so on.\n"], "answer": 0}
     with open(out / "choice.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
