@@ -2,8 +2,8 @@
 The pretraining corpora (fineweb-edu, pydocs): getting them onto disk as parquet shards, and reading them back.
 
 $NANOCHAT_DATASET picks the corpus (read at every call). Both lie in <base_dir>/base_data/<corpus>/ as
-shard_NNNNN.parquet files with one `text` column, in row groups of ROW_GROUP_SIZE documents; the LAST shard of the
-dataset is the validation shard. Reading: list_parquet_files(split), list_row_groups(split) (one global order),
+shard_NNNNN.parquet files with one `text` column, in row groups of ~1024 documents; the LAST shard of the dataset
+is the validation shard. Reading: list_parquet_files(split), list_row_groups(split) (one global order),
 read_row_group(path, i), parquets_iter_batched(split, start, step) (rank r of W reads row groups r, r + W, ...).
 Errors are UserErrors naming the command that fixes them. More: docs/data.md.
 """

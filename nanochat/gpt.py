@@ -149,8 +149,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed=42):
         """
-        The initial weights, and the rotary tables, from a generator of their own seeded with `seed`: the same on every
-        rank and in every run, whatever drew from the global RNG before. wte N(0, 1); c_q, c_k, c_v, c_fc uniform with
+        The initial weights, from a generator of their own seeded with `seed` (the same on every rank and in every run,
+        whatever drew from the global RNG before), then the rotary tables. wte N(0, 1); c_q, c_k, c_v, c_fc uniform with
         std 1/sqrt(fan_in) * min(1, sqrt(fan_out/fan_in)); both c_proj and lm_head zero, so every block starts as the
         identity and the initial loss is exactly ln(vocab_size) (why: docs/model.md).
         """
