@@ -29,7 +29,7 @@ DCLM_DIR = "eval_bundle"  # <base_dir>/eval_bundle: the unzipped DCLM bundle
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337  # the order of each task's examples (max_per_task keeps the first N of it)
 FEWSHOT_SEED = 1234  # example i draws its few-shot examples with random.Random(FEWSHOT_SEED + i)
-# padded tokens per forward: the fp32 logits of all of them, 2 GiB at vocab 65,536, are held at once (docs/evaluation.md)
+# padded tokens per forward; all their fp32 logits are held at once: 2 GiB at vocab 65,536 (docs/evaluation.md)
 DEFAULT_BATCH_TOKENS = 8192
 PAD_SLACK = 0.1  # a batch holds rows at least 90% as long as its longest (see pack_rows)
 EXAMPLES_PER_CHUNK = 2048  # examples rendered and tokenized at a time per rank: bounds host memory on big tasks

@@ -166,7 +166,7 @@ PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU; the long
 
 
 def _random_matrices(device, dtype, n):
-    """Two random n x n matrices from a private generator: a measurement never moves the global RNG (docs/hardware.md)."""
+    """Two random n x n matrices from a private generator: measuring never moves the global RNG (docs/hardware.md)."""
     rng = torch.Generator(device=device).manual_seed(0)
     return tuple(torch.randn(n, n, device=device, dtype=dtype, generator=rng) for _ in range(2))
 

@@ -156,7 +156,7 @@ class Tokenizer:
         return h.hexdigest()[:16]
 
     def compute_token_bytes(self):
-        """int32 tensor [vocab_size]: the number of raw bytes of each token (not of its decoded text), 0 for special tokens."""
+        """int32 tensor [vocab_size]: the number of raw bytes of each token (not of its text), 0 for special tokens."""
         token_bytes = torch.zeros(self.get_vocab_size(), dtype=torch.int32)
         for token, rank in self.mergeable_ranks.items():
             token_bytes[rank] = len(token)
