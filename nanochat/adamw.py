@@ -1,23 +1,9 @@
 """
-AdamW for the embedding and lm_head (AdamW, one process), and DistAdamW, its sharded version for
-data-parallel training (torchrun). GPT.setup_optimizers picks one. See nanochat/muon.py for why the model
-uses two optimizers (Muon for the matrices in the transformer blocks, AdamW for wte and lm_head).
+AdamW for the embedding and lm_head: AdamW in one process, DistAdamW sharded across ranks (GPT.setup_optimizers).
 
-Both apply the same function, adamw_update_, to the same numbers: AdamW to whole tensors, DistAdamW to
-each rank's slice of rows of the rank-averaged gradient. So one process with gradient accumulation and N
-ranks train bit-identical weights (when the averaged gradients are bit-identical: tests/test_base_train.py),
-in bf16 too, where a last-bit difference of a weight would grow. torch.optim.AdamW computes the same formulas
-with other kernels (fused, foreach) whose rounding differs in the last bit; results agree with it to fp32
-rounding (tests/test_optim.py).
-
-The AdamW update, per parameter, at step t (1, 2, ...), with lr, betas (b1, b2), eps and weight decay wd:
-    p        <- p * (1 - lr * wd)                       decoupled weight decay (the "W" in AdamW)
-    exp_avg    <- b1 * exp_avg    + (1 - b1) * g        momentum (first moment)
-    exp_avg_sq <- b2 * exp_avg_sq + (1 - b2) * g * g    second moment, per entry
-    p        <- p - lr / (1 - b1^t) * exp_avg / (sqrt(exp_avg_sq / (1 - b2^t)) + eps)
-The (1 - b^t) factors are the bias corrections: both averages start at zero and would be too small for
-the first ~1/(1-b) steps without them. eps is added after the square root of the bias-corrected second
-moment, as torch does.
+Both apply adamw_update_ to the same numbers (whole tensors, or each rank's rows of the rank-averaged gradient), so
+one process with gradient accumulation and N ranks train bit-identical weights, in bf16 too; torch.optim.AdamW
+agrees to fp32 rounding. Why two optimizers, the formulas, and the sharding: docs/optimizers.md.
 """
 
 import math
@@ -30,8 +16,11 @@ from nanochat.optim import ShardedGradients, all_gather_single, pad_rows, reduce
 
 
 def adamw_update_(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay):
-    """One AdamW step (the formulas above), in place on p, exp_avg and exp_avg_sq: step t (1, 2, ...) with
-    gradient g. Elementwise: a slice of rows gets exactly the numbers the whole tensor would."""
+    """
+    One AdamW step t (1, 2, ...) with gradient g, in place on p, exp_avg and exp_avg_sq: decoupled weight decay
+    p *= 1 - lr * wd, the two moments, then p -= lr / (1 - b1^t) * exp_avg / (sqrt(exp_avg_sq / (1 - b2^t)) + eps).
+    Elementwise: a slice of rows gets exactly the numbers the whole tensor would.
+    """
     beta1, beta2 = betas
     p.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
@@ -48,9 +37,9 @@ def _adamw_state(like):
 
 class AdamW(torch.optim.Optimizer):
     """
-    AdamW in one process: adamw_update_ on every parameter that has a gradient. param_groups, lr, betas, eps
-    and weight_decay as for torch.optim.AdamW; each group's lr is read at every step. State per parameter:
-    the step count and the two moments (fp32, the parameter's shape).
+    AdamW in one process: adamw_update_ on every parameter that has a gradient. param_groups, lr, betas, eps and
+    weight_decay as for torch.optim.AdamW; each group's lr is read at every step. State per parameter: the step
+    count and the two moments (the parameter's shape and dtype).
     """
 
     def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
@@ -87,37 +76,15 @@ class AdamW(torch.optim.Optimizer):
 
 class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     """
-    AdamW for data-parallel training (torchrun), ZeRO-2 style (what that means: nanochat/optim.py). The
-    part of the optimizer a rank owns is a slice of rows of EVERY parameter: each parameter is cut along dim 0
-    into W equal slices of ceil(rows / W) rows (W = world size); rank r owns slice r and keeps exp_avg /
-    exp_avg_sq (and the step count) for that slice only.
-
-    How a step works, per parameter:
-      1. reduce_scatter the gradient along dim 0: rank r receives slice r of the gradient, averaged over all
-         ranks (the data-parallel gradient);
-      2. AdamW on the owned slice of the parameter, with the owned slice of the state;
-      3. all_gather the updated slices, so every rank has the full updated parameter.
-    All reduce_scatters are issued asynchronously first, then each parameter waits for its own gradient
-    slice, updates, and issues its all_gather asynchronously, so communication overlaps computation.
-    Averaging is SUM followed by a division by W of the owned slice (ReduceOp.AVG does not exist for gloo
-    in older torch releases; this way NCCL and gloo run the same code).
-
-    Shapes that do not divide: if rows is not a multiple of W (say 10 rows on 3 ranks, or a 1-D parameter
-    with fewer entries than ranks), the gradient and the parameter are zero-padded to W * ceil(rows / W)
-    rows for the collectives (a copy, only for such parameters), and the padding rows are dropped again.
-    Padding rows have zero gradient and zero value, so their update is exactly zero. A rank whose slice
-    is all padding still keeps (zero) state for it. 0-d parameters are treated as 1-D of length 1.
-    wte and lm_head (vocab_size rows) take the copy-free path only where vocab_size divides by W (65,536 on 1, 2,
-    4 or 8 ranks); nothing requires it, another vocabulary pays one padded copy per step.
-
-    param_groups: as for torch.optim.AdamW (an iterable of tensors or of dicts with per-group lr, betas,
-    eps, weight_decay). Each group's lr is read at every step, so the training script may set
-    `group["lr"] = group["initial_lr"] * lrm` before each step. Requirements: torch.distributed is
-    initialised, every rank has the same parameters in the same order, calls step() together, and has a
-    gradient for every parameter.
-
-    Checkpoints: owned_state / load_owned_state, through nanochat.optim.optimizer_shard and
-    load_optimizer_shards, which work across world sizes (and with torch.optim.AdamW in one process).
+    AdamW sharded across ranks, ZeRO-2 style (docs/optimizers.md). Every parameter is cut along dim 0 into W slices
+    of ceil(rows / W) rows (W = world size; a 0-d parameter is one row); rank r owns slice r and keeps the state
+    (step count, exp_avg, exp_avg_sq) of that slice only, padding rows included. step(): reduce_scatter each
+    gradient (rank r gets slice r, averaged over the ranks), adamw_update_ on the owned slice, all_gather the
+    slices; afterwards every rank holds the same full parameters. Rows that do not divide by W are zero-padded for
+    the collectives (one copy of such a parameter per step; the padding's update is exactly zero).
+    param_groups and lr as for AdamW. Requirements: an initialised process group; every rank has the same
+    parameters in the same order, a gradient for each, and calls step() together. Checkpoints: owned_state /
+    load_owned_state through nanochat.optim, across world sizes.
     """
 
     def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
@@ -153,10 +120,9 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        # 1. The reduce_scatters of every parameter (issued asynchronously, unless already issued for clipping).
-        pending = self._take_pending()
+        pending = self._take_pending()  # the reduce_scatters, issued now unless clipping issued them
 
-        # 2. Per parameter: wait for its gradient slice, AdamW on the owned slice, issue the all_gather.
+        # Per parameter: wait for its gradient slice, update the owned slice, issue the all_gather.
         gathers = []
         for entry in pending:
             group, p, rows_per_rank = entry["group"], entry["p"], entry["rows_per_rank"]
@@ -175,7 +141,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
             # p_slice is a view into `full`: gathering into `full` leaves our slice in place
             gathers.append((p_rows, full, all_gather_single(full, p_slice, async_op=True)))
 
-        # 3. Wait for every all_gather; padded parameters copy their real rows back.
+        # Wait for every all_gather; padded parameters copy their real rows back.
         for p_rows, full, work in gathers:
             work.wait()
             if full is not p_rows:

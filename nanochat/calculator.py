@@ -1,9 +1,10 @@
 """
-The calculator tool of the Engine: when a sample writes <|python_start|> expression <|python_end|>, the
-expression is evaluated here and <|output_start|> result <|output_end|> is forced into the sample. Arithmetic
-and a few string methods, walked node by node over Python's own parse tree, never Python's eval: a model may
-write anything, and nothing it writes may run code, read files or exhaust the machine (every intermediate
-result is bounded in size, and every expression in time).
+The Engine's calculator tool: evaluates a model-written expression without Python's eval, or refuses it.
+
+When a sample writes <|python_start|> expression <|python_end|>, the Engine forces <|output_start|> result
+<|output_end|> into it. Arithmetic and a few string methods, walked node by node over Python's parse tree: nothing
+a model writes may run code, read files or exhaust the machine (every intermediate result is bounded in size,
+every expression in time).
 """
 
 import ast

@@ -1,7 +1,8 @@
 """
-Scoring a chat model on a task's problems, and the progress of a long scoring, shared by scripts/chat_eval.py (the
-evaluation stage), scripts/chat_sft.py (its periodic multiple-choice accuracy) and scripts/chat_rl.py (pass@k). How each kind of task is scored, and why, is in
-scripts/chat_eval.py's docstring.
+Scoring a chat model on a task's problems (categorical or generative), and the progress line of a long scoring.
+
+Used by scripts/chat_eval.py, chat_sft.py (multiple-choice accuracy) and chat_rl.py (pass@k); how each kind of task is
+scored, and why: scripts/chat_eval.py's docstring (and docs/evaluation.md).
 """
 
 import time
@@ -22,21 +23,20 @@ def letter_token(tokenizer, letter):
 @torch.inference_mode()
 def score_categorical(model, tokenizer, task, indices, batch_size, device, progress=None, stop=None):
     """
-    Problems `indices` of a categorical task, `batch_size` prompts per forward. Returns one (passed, letter
-    chosen) per problem. stop: asked before every batch; when it says so, Interrupted (on this rank: a caller with
-    collectives agrees with the other ranks, nanochat.common.interruptible). `model(ids)` must return logits (B, T, vocab), as GPT does. A prompt longer than the model's training
-    context is still read whole (GPT's rotary table reaches 10x further): the answer is one forward, and
-    cutting the prompt would cut the question. A prompt beyond even that fails (letter None).
+    Problems `indices` of a categorical task, `batch_size` prompts per forward of `model` (model(ids) -> logits (B, T,
+    vocab)); the answer is the allowed letter with the largest logit. Returns one (passed, letter chosen) per problem.
+    A prompt longer than the training context is read whole; one longer than model.rotary_len fails (letter None).
+    stop: asked before every batch: Interrupted on this rank (callers with collectives: common.interruptible).
     """
     pad = tokenizer.encode_special("<|assistant_end|>")  # any id does: nothing real comes after it
-    limit = getattr(model, "rotary_len", None) or float("inf")  # the model cannot read further (positions)
+    limit = getattr(model, "rotary_len", None) or float("inf")
     outcomes = []
     for start in range(0, len(indices), batch_size):
         if stop is not None and stop():
             raise Interrupted
         conversations = [task[i] for i in indices[start:start + batch_size]]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]  # each ends with <|assistant_start|>
-        batch = [(False, None)] * len(prompts)  # a prompt too long to read at all fails (letter None)
+        batch = [(False, None)] * len(prompts)
         rows = [k for k, p in enumerate(prompts) if len(p) <= limit]
         if rows:
             ids = torch.full((len(rows), max(len(prompts[k]) for k in rows)), pad, dtype=torch.long, device=device)
@@ -58,9 +58,9 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
 def score_generative(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature, top_k, seed,
                      progress=None, stop=None):
     """
-    Problems `indices` of a generative task: `num_samples` answers each, a problem passes if any does.
-    Returns one (passed, answers) per problem; answers is None when the prompt fills the model's context
-    (nothing can be generated: the problem fails). stop: as for score_categorical, asked before every problem.
+    Problems `indices` of a generative task: `num_samples` answers each (sample seed: seed + problem index), a
+    problem passes if any does. Returns one (passed, answers) per problem; answers is None when the prompt fills the
+    context (the problem fails). stop: as for score_categorical, asked before every problem.
     """
     outcomes = []
     for i in indices:

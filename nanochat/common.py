@@ -1,12 +1,11 @@
 """
-What every nanochat script needs first: output (UserError, logging, print0), the base directory and files written
-all or nothing, the locked download, processes and devices (compute_init, for plain and torchrun launches), the
-collectives by which ranks agree, and long phases that a stop request cuts short (Interrupted).
+What every nanochat script needs first: output, files, downloads, processes and devices, ranks agreeing, stopping.
 
-Importing this module touches no RNG, no process group and no handler of the importing program's loggers; it only
-adds a NullHandler to the "nanochat" logger (silent until configured). configure() and compute_init(), which scripts
-call, run setup_default_logging(): from then on "nanochat" prints to stderr instead of propagating to the root
-logger, and sys.excepthook prints a UserError as one line. A program using nanochat as a library calls neither.
+Output (UserError, logging, print0); the base directory and files written all or nothing; the locked download;
+compute_init for plain and torchrun launches; the collectives by which ranks agree; Interrupted phases. Importing
+this module touches no RNG, no process group and no handler of the importing program's loggers: it only adds a
+NullHandler to the "nanochat" logger. configure() and compute_init() (scripts) run setup_default_logging(): then
+"nanochat" prints to stderr, not via the root logger, and a UserError ends the program in one line.
 """
 
 import contextlib
@@ -181,10 +180,9 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
     -> return it, no lock; (2) take an inter-process file lock (`<path>.lock`), the others wait; (3) check again
     under the lock (double-checked locking: whoever held it may have just downloaded it); (4) stream into
     `<path>.tmp<pid>`, check the optional sha256, run the optional postprocess_fn(tmp), os.replace it to the final
-    name, which never holds partial bytes. A downloader killed with -9 leaves its temporary file, which the next one
-    removes under the lock; the OS frees a dead process's lock. A host that cannot be reached at all is a UserError
-    at once (naming `retry_command`); transient failures (5xx, 429, a dropped connection, a read timeout) get
-    `retries` attempts in all, with exponential backoff; other 4xx are final.
+    name, which never holds partial bytes. After a kill -9 the OS frees the lock; the next downloader removes the
+    temporary file. An unreachable host: UserError at once (naming `retry_command`); transient failures (5xx, 429, a
+    dropped connection, a read timeout): `retries` attempts in all, exponential backoff; other 4xx: final.
     """
     import requests  # imported here: only code paths that download need it
 
@@ -233,7 +231,7 @@ def _stream_to_file(url, path, timeout):
     """GET `url` into `path`, logging the progress of files above 10 MB; the sha256 of the bytes. Raises on HTTP
     errors and on a connection closed before Content-Length bytes."""
     import requests
-    with requests.get(url, stream=True, timeout=(5, timeout)) as response:  # (connect, read): connecting takes < 1 s
+    with requests.get(url, stream=True, timeout=(5, timeout)) as response:  # (connect, read) timeouts
         response.raise_for_status()
         total = int(response.headers.get("Content-Length") or 0)
         done, next_report, sha, t0 = 0, total // 10, hashlib.sha256(), time.time()
@@ -357,8 +355,13 @@ def compute_init(device_type="cuda"):
         dist.init_process_group(backend="gloo")
     else:
         device = torch.device(device_type)
+<<<<<<< HEAD
     # No barrier: init_process_group returns when every rank has joined, and _print_topology's all_gather is itself
     # a collective every rank reaches
+=======
+    # No barrier needed: _print_topology's all_gather is itself a collective every rank must reach. Then the compute
+    # dtype, rank 0's decision sent to every rank (nanochat/hardware.py; imported here: it imports this module)
+>>>>>>> docs
     _print_topology(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device)
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 

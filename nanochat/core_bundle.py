@@ -1,39 +1,13 @@
 """
-The offline evaluation bundle: CORE-style tasks built from the pydocs records (nanochat.pydocs.pydocs_entries),
-for runs without network, where DCLM's eval_bundle.zip cannot be downloaded, and for models trained on the
-pydocs corpus, which have never read the web text the DCLM tasks are about.
+The offline evaluation bundle: CORE-style tasks built from the pydocs records, in the DCLM bundle's exact format.
 
-It has the DCLM bundle's format exactly (core.yaml + eval_data/pydocs/*.jsonl + eval_meta_data.csv), so
-nanochat.core_eval reads and scores it with the same code. prepare_bundle("offline") builds it atomically into
-<base_dir>/eval_bundle_pydocs_v<N>/ in a few seconds; the same Python gives the same bytes. Its score is the
-"pydocs-CORE" metric (core.yaml's `score_name`): CORE's method on other tasks, not comparable with CORE.
-
-Every task asks for text the corpus contains verbatim. A corpus document is `<header>\\n\\n<docstring>`, the header
-being `json.dumps(obj, *, skipkeys=False, ...)`, `class json.JSONEncoder(object)` or `module json`
-(pydocs_document). A model that has learned the corpus finds the right answer, so the score rises with training;
-like CORE's world-knowledge tasks it measures what the model absorbed, not reasoning. Most entries are in
-the training shards (the validation shard holds 1,024 of ~8,000 documents).
-
-  task              type               shots  example
-  pydocs_summary    multiple_choice    0      query `json.dumps(obj, *, ...)`, delimiter "\\n\\n", choices: the first
-                                              docstring line of it and of 3 other entries of the same kind
-  pydocs_default    multiple_choice    3      query `json.dumps(obj, *, skipkeys`, delimiter "=", choices None,
-                                              True, False, 0 (shuffled); 1/4 of the items have each answer, so a
-                                              model that always says None is at chance
-  pydocs_header     schema             0      context options: 4 headers of the same kind; shared continuation:
-                                              the first docstring line of one of them (which header does it follow?)
-  pydocs_owner      schema             0      the same with 4 functions/methods of the same short name
-                                              (`io.BufferedReader.read`, `zipfile.ZipFile.read`, ...): which one
-                                              does this line document? Needs the owner, not just the name.
-  pydocs_next_word  language_modeling  0      context: a header, a blank line and the first words of its
-                                              docstring's first line; continuation: the next word
-  pydocs_next_param language_modeling  2      context: a header up to a comma, `compileall.compile_dir(dir,`;
-                                              continuation: the next parameter's name, `maxlevels`
-
-Random baselines: 100/k percent for k options, 0 for language modeling. Items use entries whose header is
-at most 100 characters and docstring lines of 12-100 characters and 3+ words, verbatim (no rewrapping),
-that start the docstring; options of one item are distinct. At most ITEMS_PER_TASK items per task, drawn with
-random.Random(f"pydocs-core-{label}") from the candidates in pydocs_entries() order.
+For runs without network, and for models trained on pydocs, which have never read DCLM's web text. core_eval reads
+and scores it with the same code; prepare_bundle("offline") builds it into <base_dir>/eval_bundle_pydocs_v<N>/, the
+same bytes for the same Python. Its score, "pydocs-CORE", is not comparable with CORE. Every task (TASKS) asks for
+text the corpus contains verbatim, so the score rises as the model learns the corpus. Items use entries with a header
+of at most MAX_HEADER characters and a first docstring line of 12-100 characters and 3+ words, verbatim; the options
+of an item are distinct; at most ITEMS_PER_TASK per task, drawn by random.Random(f"pydocs-core-{label}"). The tasks,
+with examples: docs/evaluation.md.
 """
 
 import collections

@@ -1,32 +1,11 @@
 """
-The CORE metric of the DCLM paper (https://arxiv.org/abs/2406.11794): how well a base model does on 22
-in-context-learning tasks (HellaSwag, ARC, Jeopardy, LAMBADA, SQuAD, ...), as one number.
+The CORE metric of the DCLM paper (https://arxiv.org/abs/2406.11794): a base model's centered accuracy on 22 tasks.
 
-Usage (scripts/base_eval.py, and scripts/base_train.py every core_metric_every steps):
     bundle_dir = prepare_bundle()       # at start-up: a run must not find out at step 2000 that it is offline
     results = evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=500)   # ["score"], ["name"]
 
-The bundle (`eval_bundle.zip`, unzipped to <base_dir>/eval_bundle/) holds:
-  core.yaml           `icl_tasks:` a list of {label, dataset_uri, num_fewshot: [k], icl_task_type,
-                      continuation_delimiter (default " ")}; icl_task_type is multiple_choice, schema or
-                      language_modeling
-  eval_data/<uri>     one JSON object per line:
-                        multiple_choice    {"query", "choices": [...], "gold": i}   (contexts same, answers differ)
-                        schema             {"context_options": [...], "continuation", "gold": i}
-                                           (contexts differ, answer shared: which context makes it likeliest?)
-                        language_modeling  {"context", "continuation"}
-  eval_meta_data.csv  columns "Eval Task" (= label) and "Random baseline" (accuracy of guessing, in percent)
-
-How one example is scored (as nanochat's reference implementation does, so the numbers compare):
-  - the task's examples are shuffled with random.Random(1337), then optionally cropped to max_per_task;
-  - example i gets k few-shot examples drawn by random.Random(1234 + i) from the others (never itself),
-    rendered solved and each followed by "\\n\\n"; then the example itself, context + delimiter + answer;
-  - every prompt is tokenized with <|bos|> in front. Multiple choice: the continuation is what follows the
-    prompts' common token prefix; the choice with the lowest MEAN loss over its continuation wins. Schema: the
-    continuation is the prompts' common token suffix, the context whose continuation has the lowest mean loss
-    wins. Language modeling: correct when the greedy argmax predicts every continuation token.
-  - per task, centered accuracy = (accuracy - b) / (1 - b), b its random baseline (0 chance, 1 perfect); CORE =
-    their mean.
+The bundle's format, how each example is scored (as nanochat's reference implementation does, so the numbers
+compare), and how rows are batched: docs/evaluation.md.
 """
 
 import csv
@@ -50,9 +29,7 @@ DCLM_DIR = "eval_bundle"  # <base_dir>/eval_bundle: the unzipped DCLM bundle
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337  # the order of each task's examples (max_per_task keeps the first N of it)
 FEWSHOT_SEED = 1234  # example i draws its few-shot examples with random.Random(FEWSHOT_SEED + i)
-# padded tokens per forward. The model returns fp32 logits for every position, batch_tokens x vocab x 4 bytes:
-# 2 GiB at vocab 65,536 (with a few temporaries of that size). Training's device_batch_size x max_seq_len is
-# NOT a safe choice: training computes its loss in chunks and never holds all logits at once.
+# padded tokens per forward; all their fp32 logits are held at once: 2 GiB at vocab 65,536 (docs/evaluation.md)
 DEFAULT_BATCH_TOKENS = 8192
 PAD_SLACK = 0.1  # a batch holds rows at least 90% as long as its longest (see pack_rows)
 EXAMPLES_PER_CHUNK = 2048  # examples rendered and tokenized at a time per rank: bounds host memory on big tasks
@@ -67,22 +44,16 @@ def bundle_url():
 
 
 def default_bundle_kind():
-    """
-    `offline` when the corpus is pydocs, else `dclm`: a pydocs run is usually offline, and its model has read none
-    of the web text the DCLM tasks are about.
-    """
+    """`offline` when the corpus is pydocs (a pydocs model has read none of DCLM's web text), else `dclm`."""
     from nanochat.dataset import dataset_name
     return "offline" if dataset_name() == "pydocs" else "dclm"
 
 
 def prepare_bundle(kind=""):
     """
-    The directory of the bundle of `kind` ("dclm": bundle_url() downloaded and unzipped to <base_dir>/eval_bundle/;
-    "offline": built from the pydocs records by nanochat/core_bundle.py into <base_dir>/eval_bundle_pydocs_v<N>/ in
-    seconds; empty: default_bundle_kind()), made if missing. Call it at start-up: a missing network shows at once,
-    not at the first evaluation hours later. The directory appears by one rename of a complete, validated temporary
-    directory made under an inter-process lock (torchrun ranks: one builds); a killed build leaves a `.tmp<pid>`
-    directory, never a bundle that looks complete, and the next call removes it.
+    The directory of the bundle of `kind`, made if missing ("dclm": bundle_url() unzipped to <base_dir>/eval_bundle/;
+    "offline": nanochat/core_bundle.py's, <base_dir>/eval_bundle_pydocs_v<N>/; "": default_bundle_kind()). It is
+    complete and validated once it exists (one rename, under an inter-process lock). UserError when it cannot be had.
     """
     kind = kind or default_bundle_kind()
     if kind not in BUNDLE_KINDS:
@@ -120,9 +91,8 @@ def prepare_bundle(kind=""):
 
 def _materialize(final, fill):
     """
-    Create directory `final` atomically: under a file lock, `fill(tmp)` writes the bundle into a fresh temporary
-    directory and returns the folder inside it that holds core.yaml; it is validated (load_bundle) and renamed
-    to `final`. Returns `final`.
+    Create directory `final` atomically and return it: under a file lock, `fill(tmp)` writes the bundle into a fresh
+    temporary directory and returns the folder in it that holds core.yaml, which is validated and renamed to `final`.
     """
     if os.path.isdir(final):
         return final
@@ -199,10 +169,8 @@ def load_task_data(path):
 
 def fewshot_indices(n, index, k):
     """
-    The k few-shot examples of example `index` among n: random.Random(FEWSHOT_SEED + index).sample of the
-    other n - 1 indices. Sampling positions 0..n-2 and skipping over `index` draws exactly what sampling the
-    list [i for i in range(n) if i != index] would (sample() only uses the length and indexing), without
-    building that list for every example.
+    The k few-shot examples of example `index` among n: random.Random(FEWSHOT_SEED + index).sample of the other
+    n - 1 indices, exactly as sampling the list without `index` would draw (sample() uses only length and indexing).
     """
     picks = random.Random(FEWSHOT_SEED + index).sample(range(n - 1), k)
     return [p if p < index else p + 1 for p in picks]
@@ -211,11 +179,9 @@ def fewshot_indices(n, index, k):
 def render_prompts(task_type, item, delimiter, fewshot):
     """
     The prompts of one example as strings, the few-shot examples (solved) in front, each followed by a blank line:
-      multiple_choice    one prompt per choice:  query + delimiter + choice
-      schema             one prompt per context: context_option + delimiter + continuation
-      language_modeling  [without, with] the continuation: context + delimiter (+ continuation). The context is
-                         stripped of surrounding whitespace, and `without` as a whole too, so that its tokens are
-                         a prefix of those of `with` (a trailing space would merge into the next word's token).
+    multiple_choice one per choice, query + delimiter + choice; schema one per context, context_option + delimiter +
+    continuation; language_modeling [without, with] the continuation, context (stripped) + delimiter (+ continuation),
+    `without` stripped as a whole.
     """
     if task_type == "multiple_choice":
         shots = "".join(f"{ex['query']}{delimiter}{ex['choices'][ex['gold']]}\n\n" for ex in fewshot)
@@ -242,13 +208,9 @@ def _common_length(sequences, from_end=False):
 
 def continuation_rows(task_type, token_lists):
     """
-    [(tokens, start, end), ...]: the sequences to forward and, for each, the span tokens[start:end] whose
-    loss decides. Position p's logits predict token p + 1, so the span is scored by positions start-1 .. end-2.
-      multiple_choice    every choice prompt, from the end of the common prefix to its end
-      schema             every context prompt, its last (common suffix length) tokens
-      language_modeling  the `with` prompt alone, after the `without` prompt's tokens. If tokenization merged
-                         across the boundary, the span starts where the two first differ.
-    Spans are never empty (at least the last token) and never include position 0.
+    [(tokens, start, end), ...]: the sequences to forward and the span tokens[start:end] whose loss decides each.
+    multiple_choice: every prompt after the common prefix; schema: every prompt's common suffix; language_modeling:
+    the `with` prompt after where it first differs from `without`. Spans are never empty and never include position 0.
     """
     if task_type == "language_modeling":
         without, full = token_lists
@@ -267,10 +229,7 @@ def continuation_rows(task_type, token_lists):
 
 
 def crop_rows(rows, max_seq_len):
-    """
-    Rows longer than `max_seq_len` (the model's training context) lose tokens from the left, i.e. the start of
-    the few-shot examples; the scored span is kept (and cut itself only if it alone is longer).
-    """
+    """Rows cut from the left to `max_seq_len` tokens, their spans moved along (cut only if a span alone is longer)."""
     cropped = []
     for tokens, start, end in rows:
         cut = max(0, len(tokens) - max_seq_len)
@@ -280,10 +239,8 @@ def crop_rows(rows, max_seq_len):
 
 def pack_rows(rows, batch_tokens):
     """
-    Batches of row indices: rows sorted by length, longest first (if a batch does not fit in memory, the first
-    one says so). A batch takes rows while it stays within `batch_tokens` padded tokens and its rows are at least
-    1 - PAD_SLACK as long as its first, so padding stays under ~PAD_SLACK of the tokens computed. A row longer
-    than batch_tokens goes alone.
+    Batches of row indices, every row in exactly one: longest rows first; a batch holds at most `batch_tokens` padded
+    tokens (a longer row goes alone) and only rows at least 1 - PAD_SLACK as long as its first.
     """
     batches, current = [], []
     for i in sorted(range(len(rows)), key=lambda i: -len(rows[i][0])):
@@ -298,11 +255,9 @@ def pack_rows(rows, batch_tokens):
 @torch.no_grad()
 def score_rows(model, rows, batches, device, pad_id, stop=None):
     """
-    rows: [(tokens, start, end), ...]; batches: lists of row indices, one forward each. Returns, in the order of
-    `rows`, [(mean loss over tokens[start:end], whether the greedy argmax predicted every one of them), ...].
-    stop: asked before every forward; when it says so, Interrupted (on this rank).
-    Each row is padded on the right with `pad_id`: the model is causal, so a position never sees the padding
-    after it, and only positions before each row's own end are read.
+    rows: [(tokens, start, end), ...]; batches: lists of row indices, one forward each (rows right-padded with
+    `pad_id`, which a causal model never sees). Returns, in the order of `rows`, [(mean loss over tokens[start:end],
+    whether the greedy argmax predicted every one of them), ...]. stop: asked before every forward; Interrupted.
     """
     results = [None] * len(rows)
     for batch in batches:
@@ -343,18 +298,16 @@ def _forward_rows(model, rows, device, pad_id):
 def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_tokens=DEFAULT_BATCH_TOKENS, max_seq_len=None,
                   stop=None):
     """
-    Evaluate one task on `data` (already shuffled and cropped) with `num_fewshot` shots (at most len(data) - 1).
-    Under torchrun rank r takes examples r, r + W, r + 2W, ... and the counts are all-reduced.
-    batch_tokens > 0: this rank's rows, sorted by length, in forwards of up to batch_tokens padded tokens;
-    batch_tokens <= 0: one forward per example (its choices together), the slow reference way.
-    Returns (correct, total) over all ranks, and this rank's outcomes: [{"index", "correct", "pred" (chosen
-    option; None for language modeling), "losses" (mean loss per row)}, ...].
+    Evaluate one task on `data` (already shuffled and cropped) with `num_fewshot` shots (at most len(data) - 1);
+    rank r of W takes examples r, r + W, ... batch_tokens > 0: forwards of up to that many padded tokens (pack_rows);
+    <= 0: one forward per example, the slow reference way. Returns (correct, total), summed over all ranks, and this
+    rank's outcomes [{"index", "correct", "pred" (chosen option; None for language modeling), "losses"}, ...].
     """
     distributed = is_distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     indices = list(range(rank, len(data), world))
     outcomes = []
-    with interruptible():  # stop: Interrupted on every rank here
+    with interruptible():  # a stop: Interrupted on every rank, here
         for c in range(0, len(indices), EXAMPLES_PER_CHUNK):
             outcomes += _evaluate_examples(model, tokenizer, task, data, indices[c:c + EXAMPLES_PER_CHUNK], device,
                                            num_fewshot, batch_tokens, max_seq_len, stop)
@@ -401,13 +354,12 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_t
                   max_seq_len=None, verbose=True, stop=None):
     """
     `model` (model(ids) -> logits (B, T, vocab); the uncompiled one: shapes vary) on every task of the bundle in
-    `bundle_dir`, under the caller's autocast; every rank calls it under torchrun and all get the same result.
+    `bundle_dir`, under the caller's autocast; under torchrun every rank calls it and all get the same result.
     max_per_task > 0: the first N examples of each task's fixed shuffle; max_seq_len: rows cropped from the left
-    (default the model's context); verbose: what it covers up front, then a line per task with the time left (rank
-    0); stop: asked before every forward (a StopRequest): Interrupted on every rank at the end of the task.
-    Returns {"name": "CORE" (offline bundle: "pydocs-CORE"), "score": mean centered accuracy, "tasks": {label:
-    {"type", "shots", "examples", "correct", "accuracy", "baseline", "centered", "seconds"}}, "bundle_dir",
-    "max_per_task"}. Few-shot counts above a task's examples minus one are clamped, with a note.
+    (default the model's context); verbose: a line per task with the time left (rank 0); stop: asked before every
+    forward, Interrupted on every rank at the end of the task. Returns {"name": "CORE" (offline: "pydocs-CORE"),
+    "score": mean centered accuracy, "tasks": {label: {"type", "shots", "examples", "correct", "accuracy", "baseline",
+    "centered", "seconds"}}, "bundle_dir", "max_per_task"}. Few-shot counts above len(examples) - 1 are clamped.
     """
     bundle = load_bundle(bundle_dir)
     if max_seq_len is None:
@@ -423,7 +375,7 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_t
             raise UserError(f"task {task['label']} has no examples ({task['path']})")
         datasets.append(data)
     total_examples, examples_done, started = sum(len(data) for data in datasets), 0, time.time()
-    if verbose:  # what it covers, up front; after each task, how long the rest will take at the rate so far
+    if verbose:  # what it covers, up front; after each task, the time left at the rate so far
         print0(f"{name}: {len(tasks)} tasks, {total_examples:,} examples from {bundle_dir}"
                + (f" (at most {max_per_task} each)" if max_per_task > 0 else ""))
         print0(f"{'task':<32} {'type':<17} {'shots':>5} {'examples':>8} {'accuracy':>8} {'centered':>8} {'time':>7}")

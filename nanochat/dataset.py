@@ -1,20 +1,11 @@
 """
-The pretraining corpora: where the text comes from, how it lies on disk, and how it is read back.
+The pretraining corpora (fineweb-edu, pydocs): getting them onto disk as parquet shards, and reading them back.
 
-Two corpora share one on-disk format (the shard format below), so the tokenizer and the dataloader never know
-which they read: parquet shards `shard_00000.parquet`, ... with one `text` column (a document per row), in
-`<base_dir>/base_data/<corpus>/`; the LAST shard is the validation shard. $NANOCHAT_DATASET picks the corpus (read
-at every call, not at import):
-  fineweb-edu (default)  FineWeb-Edu 100B, shuffled: 1823 shards of ~250M characters of educational web text,
-                         downloaded from the Hugging Face hub by `python -m nanochat.dataset -n N`. For GPU runs.
-  pydocs                 The running Python's own documentation (~2.5M characters, nanochat/pydocs.py), built
-                         offline in seconds by `NANOCHAT_DATASET=pydocs python -m nanochat.dataset` or on demand by
-                         list_parquet_files() (build_pydocs). For CPU runs, tests and laptops.
-
-Reading: list_parquet_files(split) (sorted shard paths of "train" or "val"), list_row_groups(split) ([(path, row
-group index)] in one fixed global order), read_row_group(path, i) (a row group's documents), parquets_iter_batched(
-split, start, step) (one pass over row groups start, start+step, ...). A row group (~1024 documents) is the unit
-of reading: rank r of W reads row groups r, r+W, ... of the global order, never a whole shard it does not need.
+$NANOCHAT_DATASET picks the corpus (read at every call). Both lie in <base_dir>/base_data/<corpus>/ as
+shard_NNNNN.parquet files with one `text` column, in row groups of ~1024 documents; the LAST shard of the dataset
+is the validation shard. Reading: list_parquet_files(split), list_row_groups(split) (one global order),
+read_row_group(path, i), parquets_iter_batched(split, start, step) (rank r of W reads row groups r, r + W, ...).
+Errors are UserErrors naming the command that fixes them. More: docs/data.md.
 """
 
 import argparse
@@ -40,8 +31,7 @@ logger = logging.getLogger("nanochat.dataset")  # not __name__: that is "__main_
 CORPORA = ("fineweb-edu", "pydocs")
 DEFAULT_CORPUS = "fineweb-edu"
 
-# FineWeb-Edu 100B, shuffled: the documents were shuffled before sharding, so any prefix of the shards is a
-# uniform sample of the whole dataset, and downloading the first N shards is as good as any N.
+# FineWeb-Edu 100B, shuffled before sharding: the first N shards are a uniform sample of the whole
 FINEWEB_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 FINEWEB_SHARDS = 1823  # shard_00000 .. shard_01822; the last one is the validation shard
 
@@ -61,9 +51,8 @@ def shard_name(index):
 
 def check_shard(path):
     """
-    Raise IOError unless `path` is a readable parquet file with a string `text` column. Reads only the
-    footer (a few KB), so checking every shard is cheap. A truncated file fails here: the footer, and the
-    `PAR1` magic bytes that end every parquet file, are at its end.
+    Raise IOError unless `path` is a readable parquet file with a string `text` column. Reads only the footer
+    (a few KB, at the file's end: a truncated file fails here).
     """
     try:
         schema = pq.ParquetFile(path).schema_arrow
@@ -125,7 +114,7 @@ def fetch_command():
 
 
 # -----------------------------------------------------------------------------
-# Reading (both corpora)
+# Reading
 
 
 _verified = set()  # shards whose full content this process has checked
@@ -133,10 +122,8 @@ _verified = set()  # shards whose full content this process has checked
 
 def verify_shard(path):
     """
-    Check a shard's whole content once per process, the first time it is used (check_shard reads only the
-    footer, which misses damage in the middle of the file). If its sha256 was recorded when it was written
-    (SHA256SUMS), compare with it; otherwise read every row group (a full decode catches damaged pages) and
-    record the sha256 for next time. UserError naming the file and the command that replaces it.
+    Check a shard's whole content, once per process: against the sha256 recorded in SHA256SUMS, or, if none was,
+    by decoding every row group (then its sha256 is recorded). UserError naming the file and the command that fixes it.
     """
     if path in _verified:
         return
@@ -172,12 +159,9 @@ def _local_shards(directory):
 
 def list_parquet_files(split):
     """
-    Sorted paths of the shards of `split`: "train" = every shard present except the validation shard,
-    "val" = [the validation shard]. The validation shard is fixed: the last shard of the dataset
-    (shard_01822 for FineWeb-Edu), not the last one downloaded, so downloading more training shards never
-    changes the validation set. For pydocs the corpus is built first if it is not on disk (build_pydocs).
-
-    Raises UserError naming the command that fixes it when data is missing or a shard is damaged.
+    Sorted paths of the shards of `split`: "train" = every shard present except the validation shard, "val" = [the
+    validation shard], the dataset's last (shard_01822 for FineWeb-Edu, whatever was downloaded). pydocs is built
+    first if missing. UserError naming the command that fixes it when data is missing or a shard is damaged.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -229,9 +213,8 @@ def read_row_group(path, index):
 
 def parquets_iter_batched(split, start=0, step=1):
     """
-    One pass over the row groups of `split`, yielding each row group's documents (list[str]). Only row
-    groups start, start + step, start + 2*step, ... of the global order (list_row_groups) are read: with
-    start=rank and step=world_size every rank gets its own disjoint share and together they cover all.
+    One pass over the row groups start, start + step, ... of `split`'s global order (list_row_groups), yielding each
+    one's documents (list[str]). start=rank, step=world_size: disjoint shares that together cover all.
     """
     if start < 0 or step < 1:
         raise ValueError(f"need start >= 0 and step >= 1, got start={start}, step={step}")
@@ -240,7 +223,7 @@ def parquets_iter_batched(split, start=0, step=1):
 
 
 # -----------------------------------------------------------------------------
-# FineWeb-Edu: download
+# pydocs: build
 
 
 def _write_pydocs(directory):
@@ -253,8 +236,7 @@ def _write_pydocs(directory):
     os.makedirs(directory)
     for index, shard in enumerate(shards):
         table = pa.table({"text": pa.array(shard, type=pa.string())})
-        # Same bytes on every build: no timestamps in parquet metadata, a fixed compression codec, and
-        # pyarrow writes row groups and pages deterministically. row_group_size sets the reading unit.
+        # the same bytes on every build: no timestamps in parquet metadata, a fixed codec
         pq.write_table(table, os.path.join(directory, shard_name(index)), row_group_size=ROW_GROUP_SIZE,
                        compression="zstd")
     write_checksums(directory, {shard_name(i): file_sha256(os.path.join(directory, shard_name(i))) for i in range(len(shards))})
@@ -263,14 +245,9 @@ def _write_pydocs(directory):
 
 def build_pydocs():
     """
-    Make sure the pydocs corpus exists in <base_dir>/base_data/pydocs and return that directory; build
-    it if missing (seconds). list_parquet_files() calls it, so pydocs never needs a separate step; this
-    is the one place a read builds data, because the build is offline, quick and deterministic.
-
-    Safe under torchrun and against crashes: builders take a file lock (N ranks -> one build, the others
-    wait and then find it done) and write into a temporary directory that is renamed to the final name
-    only when complete. A build killed midway leaves a `pydocs.tmp<pid>` directory, never a corpus; the
-    next build deletes it. To rebuild (e.g. after a Python upgrade changed the docs), delete the directory.
+    <base_dir>/base_data/pydocs, built first if missing (list_parquet_files calls it). The directory exists only
+    complete: one build under a file lock (torchrun's ranks wait for it), renamed into place when done; a killed
+    build's `pydocs.tmp<pid>` is deleted by the next. To rebuild, delete the directory (docs/data.md).
     """
     final = os.path.join(get_base_dir(), "base_data", "pydocs")
     if os.path.isdir(final):
@@ -280,7 +257,7 @@ def build_pydocs():
     with FileLock(final + ".lock"):
         if os.path.isdir(final):  # built by whoever held the lock before us
             return final
-        for name in os.listdir(parent):  # we hold the lock: a temp dir here is from a builder that died
+        for name in os.listdir(parent):  # we hold the lock: a temp dir here is a dead builder's
             if name.startswith("pydocs.tmp"):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
         tmp = f"{final}.tmp{os.getpid()}"
@@ -318,12 +295,10 @@ def fineweb_url():
 
 def download_fineweb(num_train_shards, workers=4):
     """
-    Download training shards 0 .. num_train_shards-1 (-1 = all) and the validation shard into data_dir(),
-    `workers` at a time. Shards already present and valid are skipped; a present shard that is not a valid
-    parquet file is deleted and downloaded again. Each download goes through download_file_with_lock
-    (retries, timeouts, temp file then rename, one downloader per file across processes) and is checked
-    with check_shard before the rename, so a shard on disk is always complete.
-    Returns the list of shard indices that were downloaded by this call.
+    Download training shards 0 .. num_train_shards-1 (-1 = all) and the validation shard into
+    <base_dir>/base_data/fineweb-edu, `workers` at a time; returns the sorted indices this call downloaded. Valid
+    shards present are kept, damaged ones replaced; a shard on disk is always complete (checked before its rename).
+    UserError if any download failed (the others are kept).
     """
     total = fineweb_num_shards()
     val_index = total - 1
@@ -361,8 +336,7 @@ def download_fineweb(num_train_shards, workers=4):
         return os.path.getsize(path)
 
     done, failed = [], []
-    # Threads, not processes: a download waits on the network and the parquet check runs in pyarrow's C++,
-    # both without holding the GIL.
+    # threads suffice: downloads wait on the network, the parquet check runs in C++, neither holds the GIL
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
         futures = {pool.submit(fetch, i): i for i in todo}
         for future in as_completed(futures):

@@ -1,47 +1,11 @@
 """
-The inference engine: sampling from a trained GPT fast, with a KV cache, several samples per prompt, and the
-calculator tool. The chat CLI, the web server, chat evaluation and RL all generate through it.
+The inference engine: sampling from a trained GPT with a KV cache, several samples per prompt, the calculator tool.
 
-    engine = Engine(model, tokenizer)
-    prompt = tokenizer.render_for_completion(conversation)          # ends with <|assistant_start|>
-    for token_column, token_masks in engine.generate(prompt, num_samples=4, max_tokens=256, temperature=0.8):
-        ...                                                           # one token per sample, per step
-    results, masks = engine.generate_batch(prompt, num_samples=4, max_tokens=256)
-
-How a generation runs:
-1. Prefill: the prompt goes through the model once, at batch 1, filling a KV cache (GPT.prefill).
-2. The cache is replicated for `num_samples` rows (KVCache.prefill) and every sample starts from the same
-   prediction; from then on each row samples its own tokens.
-3. Decode: one token per row per step (GPT.decode_step), its keys/values appended to the cache, which grows
-   as needed up to the context.
-
-What a step yields: `token_column[i]` is sample i's next token and `token_masks[i]` says who chose it:
-1 = sampled from the model, 0 = forced (written into the sample by the calculator tool, not sampled).
-A sample ends at <|assistant_end|> or <|bos|> (that token is yielded, with mask 1); from the next step on,
-its entries only pad the column: its end token again, with mask 0. generate() returns when every sample
-has ended, after `max_tokens` steps, or when the sequence fills the context.
-
-Stopping early: just stop iterating (`break` out of the loop, or call `.close()` on the generator). Nothing
-runs ahead: a step is only computed when the next column is asked for, so an abandoned generation costs
-nothing more and its cache is freed with the generator.
-
-The context: prompt + generated tokens (forced ones included) never exceed `Engine.context_len`, by default
-`model.config.sequence_len`, the length the model was trained on. Positions past it were never trained
-(the rotary tables reach 10x further only so that a caller can choose to go there, with
-`Engine(model, tokenizer, context_len=...)`, up to `model.rotary_len`). A prompt plus `max_tokens` beyond the
-context raises UserError before anything runs; `max_tokens=None` means "until the context is full", a
-documented stop. To ask for "at most N tokens, as many as fit": `max_tokens=min(N, engine.context_len - len(prompt))`.
-
-Sampling: temperature 0 is greedy (argmax), top_k None or 0 samples from the whole vocabulary. The result
-depends only on the arguments and `seed` (a private torch.Generator per call; the global RNG is untouched).
-The cached computation gives the logits of naive generation without a cache (GPT.generate) up to float
-rounding, and both pick tokens with the same function (gpt.sample_next_token): the tests check that greedy
-decoding, and sampling with the same seed, give exactly the same tokens on a trained model. Under bf16 autocast, wrap the whole iteration (not only the call) in the autocast context.
-
-The calculator tool: when a sample writes <|python_start|> expression <|python_end|>, the expression is
-evaluated by use_calculator() (nanochat/calculator.py: arithmetic and a few string methods, never Python's
-eval) and <|output_start|> result <|output_end|> is forced into that sample, one token per step with mask 0.
-Each sample keeps its own tool state. TextStreamer turns a stream of token ids into text for printing.
+Engine.generate(prompt, num_samples, max_tokens, ...) yields one (token_column, token_masks) per step: each sample's
+next token, and 1 if the model sampled it, 0 if the tool forced it or the sample had ended (at <|assistant_end|> or
+<|bos|>, yielded with mask 1; then its end token again). Prompt + generated tokens never exceed Engine.context_len
+(UserError at the call), nothing runs ahead of the caller's iteration, and the result depends only on the arguments
+and `seed`. How it works, with examples: docs/engine.md.
 """
 
 import codecs
@@ -61,17 +25,10 @@ from nanochat.gpt import sample_next_token
 
 class KVCache:
     """
-    Keys and values of past positions, so generation feeds one new token per step instead of the whole
-    sequence. Layout (n_layer, B, n_kv_head, capacity, head_dim): for each layer and row, a head's keys are
-    one contiguous (positions, head_dim) block, the shape attention multiplies by.
-
-    `max_len` is the most positions the cache may ever hold: inserting past it raises. `capacity` is how
-    many are allocated now (default: max_len); when an insert needs more, the tensors are reallocated at
-    double the size (at most max_len) and the filled positions copied over, so a generation that stops
-    early never pays for the whole context, and growth costs O(1) copies per position on average.
-
-    GPT.forward calls insert_kv(layer, k, v) in every layer (the position advances after the last layer);
-    GPT.decode_step writes one position per layer through k_layers / v_layers and then calls advance().
+    Keys and values of the past positions, k and v of shape (n_layer, B, n_kv_head, capacity, head_dim); positions
+    < pos are filled. At most `max_len` positions (ValueError past it); `capacity` are allocated (default max_len),
+    doubled (up to max_len) when an insert needs more. GPT.forward calls insert_kv(layer, k, v) in every layer (pos
+    advances after the last); GPT.decode_step writes one position per layer via k_layers / v_layers, then advance().
     """
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, n_layer, device, dtype, capacity=None):
@@ -88,7 +45,7 @@ class KVCache:
             k[:, :, :, :self.pos] = self.k[:, :, :, :self.pos]
             v[:, :, :, :self.pos] = self.v[:, :, :, :self.pos]
         self.k, self.v, self.capacity = k, v, capacity
-        # per-layer views (B, n_kv_head, capacity, head_dim), made once rather than indexed every step
+        # per-layer views (B, n_kv_head, capacity, head_dim), made once rather than at every step
         self.k_layers, self.v_layers = [k[i] for i in range(self.n_layer)], [v[i] for i in range(self.n_layer)]
 
     def reserve(self, t1):
@@ -99,6 +56,7 @@ class KVCache:
             self._allocate(min(self.max_len, max(t1, 2 * self.capacity)), self.k.device, self.k.dtype)
 
     def get_pos(self):
+        """The number of positions filled."""
         return self.pos
 
     def reset(self):
@@ -126,9 +84,8 @@ class KVCache:
 
     def place(self, other, rows, end):
         """
-        Copy the filled positions of the batch-1 cache `other` (a prompt run once) into `rows` (a slice: that
-        prompt's samples) of this cache, ending at column `end`: right-aligned, so that prompts of different
-        lengths end together and a shorter one's rows start with padding columns (masked out by decode_step).
+        Copy the filled positions of the batch-1 cache `other` into `rows` (a slice) of this cache, right-aligned to
+        end at column `end`; pos is not moved. ValueError if the shapes do not match or `other` does not fit.
         """
         if other.batch_size != 1 or (other.n_layer, other.n_kv_head, other.head_dim) != (
                 self.n_layer, self.n_kv_head, self.head_dim) or other.pos > end:
@@ -144,17 +101,8 @@ class KVCache:
 
 class TextStreamer:
     """
-    Token ids in, text out, as the tokens arrive, without ever cutting a character in half. A token holds
-    bytes, not characters: a multi-byte UTF-8 character (é, 中, an emoji) is often split across tokens, and
-    decoding each token on its own would print replacement characters (U+FFFD) mid-stream. The streamer
-    keeps the bytes of an incomplete character until the rest arrives (Python's incremental UTF-8 decoder),
-    so the pieces joined equal tokenizer.decode(all ids), and a U+FFFD appears only where the bytes really
-    are invalid. Special tokens come out as their names, as in tokenizer.decode.
-
-        streamer = TextStreamer(tokenizer)
-        for token_column, _ in engine.generate(prompt, max_tokens=200):
-            print(streamer.put(token_column[0]), end="", flush=True)
-        print(streamer.end())
+    Token ids in, text out as they arrive, never cutting a UTF-8 character in half (tokens hold bytes: docs/engine.md).
+    The pieces joined equal tokenizer.decode(all ids); special tokens come out as their names.
     """
 
     def __init__(self, tokenizer):
@@ -193,9 +141,9 @@ def _check_int(name, value, minimum, allow_none=False):
 
 class Engine:
     """
-    Generation with a KV cache, several samples per prompt and the calculator tool (see the module docstring).
-    Public attributes, for callers: `context_len` (the longest prompt + generation), `end_tokens` (the ids of
-    <|assistant_end|> and <|bos|>, which end a sample), `vocab_size`, `model`, `tokenizer`.
+    Generation from `model` (a GPT) with `tokenizer` (see the module docstring). Public attributes: `context_len`
+    (the longest prompt + generation), `end_tokens` (the ids of <|assistant_end|> and <|bos|>), `vocab_size`,
+    `model`, `tokenizer`.
     """
 
     def __init__(self, model, tokenizer, context_len=None):
@@ -217,11 +165,8 @@ class Engine:
 
     def _decode_weights(self):
         """
-        model.decode_weights(), made again only when the weights changed since the last call: every parameter
-        keeps its identity and its version counter (torch bumps it at every in-place change, such as an
-        optimizer step or load_state_dict), or the dtype in use changed. On CPU they are copies (the size of the
-        model), so a server answering many requests, or RL sampling between updates, makes them once per change,
-        not per call.
+        model.decode_weights() in the dtype in use, made again only when that dtype or a parameter changed since
+        the last call (its identity, or its version counter, which torch bumps at every in-place change).
         """
         head = self.model.lm_head.weight
         dtype = torch.get_autocast_dtype(head.device.type) if torch.is_autocast_enabled(head.device.type) else head.dtype
@@ -264,23 +209,19 @@ class Engine:
 
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
         """
-        Sample `num_samples` continuations of the prompt `tokens` (a list of token ids) together. Yields, per
-        step, (token_column, token_masks): lists of num_samples token ids and masks (1 sampled, 0 forced by
-        the tool or padding after a sample's end). At most `max_tokens` steps (None: until the context is
-        full); returns early when every sample has ended. See the module docstring.
-        Arguments are checked at the call (UserError), before the first step is asked for.
+        Sample `num_samples` continuations of the prompt `tokens` (token ids) together. Yields, per step,
+        (token_column, token_masks): lists of num_samples token ids and masks (module docstring). At most
+        `max_tokens` steps (None: until the context is full); returns early when every sample has ended. Arguments
+        are checked at the call (UserError), before the first step is asked for.
         """
         tokens, steps = self._check_arguments(tokens, num_samples, max_tokens, temperature, top_k, seed)
         return self._generate([tokens], num_samples, steps, temperature, top_k, seed)
 
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
         """
-        generate() for several prompts at once (of any lengths): `num_samples` continuations of each, all decoded
-        together, one step advancing every sample of every prompt. Entry p * num_samples + s of a column is sample
-        s of prompts[p]. `max_tokens` applies to every prompt and must fit after the longest (None: until the
-        longest prompt fills the context). Many short generations decode far faster together than one after
-        another (RL samples a whole step's problems this way: bench/rl_sampling.py). The samples depend on the
-        seed and on which prompts are decoded together (one generator draws for all rows).
+        generate() for several prompts (of any lengths) decoded together: entry p * num_samples + s of a column is
+        sample s of prompts[p]. `max_tokens` applies to every prompt and must fit after the longest (None: until the
+        longest prompt fills the context). The samples depend on the seed and on which prompts go together.
         """
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not prompts:
             raise UserError("prompts must be a non-empty list of prompts (lists of token ids)")
@@ -301,9 +242,8 @@ class Engine:
         longest = max(len(tokens) for tokens in prompts)
         rows = len(prompts) * num_samples
 
-        # 1. Each prompt once, at batch 1; 2. one copy of it per sample, right-aligned in a cache of every row: a
-        # shorter prompt's row starts with padding columns, which its attention masks out. The last token sampled
-        # is never fed back, hence the - 1; the cache starts with room for 256 new positions and doubles when full.
+        # Each prompt once at batch 1, then copied into its samples' rows, right-aligned (docs/engine.md). The last
+        # token sampled is never fed back, hence the - 1.
         cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, dtype,
                         capacity=longest + 256)
         logits = []
@@ -312,8 +252,7 @@ class Engine:
             logits.append(model.prefill(torch.tensor([tokens], dtype=torch.long, device=device), prompt_cache))  # (1, vocab)
             rows_of_p = slice(p * num_samples, (p + 1) * num_samples)
             cache.place(prompt_cache, rows_of_p, longest)
-            # the padding is masked out, but a masked-out position still multiplies its value by a zero weight:
-            # zeros there, never the uninitialised memory of the cache (0 x NaN is NaN)
+            # masked-out padding still multiplies its value by a zero weight: zeros, not uninitialised memory (0 x NaN)
             cache.k[:, rows_of_p, :, :longest - len(tokens)] = 0
             cache.v[:, rows_of_p, :, :longest - len(tokens)] = 0
         cache.advance(longest)
@@ -324,10 +263,8 @@ class Engine:
         else:  # one prompt, or prompts of one length: the plain step
             padding = key_mask = None
 
-        # 3. decode. The cache's rows are the samples still generating (`in_cache`, sample numbers): when a quarter of
-        # them have ended, the others' rows are copied into a smaller cache, so that ended samples stop costing
-        # compute and memory traffic (most answers end long before the longest; the copies add up to less than
-        # the cache, geometrically).
+        # Decode. The cache's rows are the samples still running (`in_cache`, sample numbers); when a quarter of them
+        # have ended, the rest move to a smaller cache, so ended samples stop costing compute (docs/engine.md).
         samples = [_Sample() for _ in range(rows)]
         in_cache = list(range(rows))
         weights = None
@@ -377,9 +314,9 @@ class Engine:
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """
-        Run generate() to the end. Returns (results, masks): per sample, the prompt followed by its tokens up to
-        but not including the token that ended it (<|assistant_end|> / <|bos|>), and the matching masks (0 for
-        the prompt, then 1 sampled / 0 forced). kwargs: max_tokens, temperature, top_k, seed.
+        Run generate() to the end. Returns (results, masks): per sample, the prompt followed by its tokens up to but
+        not including the token that ended it, and the matching masks (0 for the prompt, then 1 sampled / 0 forced).
+        kwargs: max_tokens, temperature, top_k, seed.
         """
         steps = self.generate(tokens, num_samples, **kwargs)  # checks the arguments
         results = [[int(t) for t in tokens] for _ in range(num_samples)]

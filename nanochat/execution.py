@@ -1,52 +1,14 @@
 """
-Run a piece of Python code, typically written by the model, in a separate restricted process and report
-what happened. The HumanEval evaluation uses it: it runs prompt + completion + tests + `check(entry_point)`
-and counts `success`.
+Run a piece of Python code, typically written by the model, in a separate restricted process and report what happened.
 
     result = execute_code("print(1 + 1)")
-    result.success, result.stdout      # True, "2\\n"
+    result.success, result.stdout      # True, "2\n"
 
-Be clear about what this is: a guard against *accidents* by model-written code (an infinite loop, a huge
-allocation, a stray `shutil.rmtree` or `os.system("rm ...")`), not a security boundary against an
-adversary. Code that sets out to escape can: through ctypes, by reloading a module, through a disabled
-class's base class, with `open(path, "w")` on any file this user may write, by reading any file this user
-may read, by calling os.setsid() in a grandchild. To run untrusted code, run it in a container or a VM.
-
-The protections, strongest first:
-
-1. A separate process, `python -I -B -X utf8 -u`: a crash, a segfault or a `sys.exit` in the code cannot
-   take the caller down. -I (isolated mode) ignores the PYTHON* environment variables and leaves the
-   user site-packages and the script's directory off sys.path; -B writes no .pyc files; -X utf8 makes
-   stdout UTF-8 whatever the locale; -u writes output as it is printed, so whatever a program printed
-   before it was killed is kept.
-2. A wall-clock timeout: after `timeout` seconds (interpreter start included) the child's whole process
-   group is killed with SIGKILL; it runs in a new session, so the group is the child and whatever it
-   started. The group is killed after a normal exit too, so no background grandchild outlives the call.
-3. Resource limits, set in the child as both soft and hard limit so the code cannot raise them again:
-   RLIMIT_AS and RLIMIT_DATA cap memory at `maximum_memory_bytes` (an allocation past it raises
-   MemoryError, reported as memory_exceeded); RLIMIT_FSIZE caps every file the child writes, its stdout
-   and stderr included, at `max_output_bytes`, so a print loop fills neither the disk nor the caller's
-   memory; RLIMIT_CORE = 0, no core dumps. macOS does not enforce RLIMIT_AS (setrlimit refuses it or
-   ignores it): there the memory cap is skipped rather than the run refused, and memory_exceeded only
-   reports a MemoryError the code ran into by itself.
-4. A fresh temporary working directory, also the child's HOME and TMPDIR, removed afterwards: files the
-   code writes with relative paths land there and vanish.
-5. A scrubbed environment: PATH, HOME, TMPDIR and LANG only. No API keys, no NANOCHAT_* or WANDB_*, no
-   LD_PRELOAD.
-6. stdin is /dev/null: `input()` raises EOFError at once instead of hanging until the timeout.
-7. Destructive functions disabled at the Python level (the list is DISABLED below; calling one raises
-   PermissionError): creating processes (os.system, os.fork, os.exec*, os.spawn*, subprocess, and the
-   C-level fork_exec under subprocess and multiprocessing), signalling other processes (os.kill,
-   os.killpg), deleting, moving and overwriting files (os.remove, os.unlink, os.rmdir, os.rename,
-   os.replace, shutil.rmtree, ...) and network sockets. This is the layer that is easy to bypass; it
-   stops the accidental call, which is what model-written code makes.
-
-The code reaches the child as a file, never formatted into a template, so quotes, backslashes and braces
-run unchanged. It runs after the guard, in a fresh `__main__` module: it does not see the guard's names.
-
-This file is also the child: the parent runs `python -I ... execution.py program.py <memory> <output>`,
-and the `if __name__ == "__main__"` block at the bottom sets the limits, disables the functions and
-executes the program. POSIX only (Linux, macOS): it relies on process groups and the resource module.
+A guard against accidents by model-written code, NOT a security boundary (code that sets out to escape can): a child
+`python -I` in its own session and temporary directory, with a scrubbed environment, stdin /dev/null, a wall-clock
+timeout after which its whole process group is killed, memory and output caps (RLIMIT_AS/DATA, RLIMIT_FSIZE; macOS
+does not enforce the memory cap), and the functions in DISABLED raising PermissionError. This file is also the
+child (the `__main__` block at the bottom). POSIX only. Each protection, and what it does not stop: docs/execution.md.
 """
 
 import dataclasses
@@ -58,21 +20,18 @@ import tempfile
 
 MEMORY_EXIT_CODE = 113  # the child's exit status when the code died of MemoryError (any unlikely number works)
 
-# module -> names that raise PermissionError in the child (names a platform lacks are skipped)
+# module -> names that raise PermissionError in the child: creating processes, signalling them, deleting/moving
+# files, sockets (names a platform lacks are skipped)
 DISABLED = {
-    # creating processes
     "os": ["system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp",
            "execl", "execle", "execlp", "execlpe", "execv", "execve", "execvp", "execvpe",
            "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-           # signalling other processes
            "kill", "killpg",
-           # deleting, moving and overwriting files
            "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate"],
     "subprocess": ["Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"],
     "_posixsubprocess": ["fork_exec"],  # what subprocess and multiprocessing call underneath
     "signal": ["pidfd_send_signal"],
     "shutil": ["rmtree", "move"],
-    # network
     "socket": ["socket", "socketpair", "fromfd", "create_connection", "create_server"],
     "_socket": ["socket", "socketpair"],
 }
@@ -91,9 +50,8 @@ class ExecutionResult:
 
 def execute_code(code, timeout=5.0, maximum_memory_bytes=256 * 1024 * 1024, max_output_bytes=1024 * 1024):
     """
-    Run the Python program `code` (a string) in a restricted child process (see the module docstring)
-    and return an ExecutionResult. Never raises for anything the program does. maximum_memory_bytes=None
-    runs it without a memory cap.
+    Run the Python program `code` (a string) in a restricted child process (module docstring) and return an
+    ExecutionResult. Never raises for anything the program does. maximum_memory_bytes=None: no memory cap.
     """
     with tempfile.TemporaryDirectory(prefix="nanochat_exec_", ignore_cleanup_errors=True) as root:
         program = os.path.join(root, "program.py")
@@ -105,8 +63,7 @@ def execute_code(code, timeout=5.0, maximum_memory_bytes=256 * 1024 * 1024, max_
         env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         command = [sys.executable, "-I", "-B", "-X", "utf8", "-u", os.path.abspath(__file__),
                    program, str(maximum_memory_bytes or 0), str(max_output_bytes)]
-        # output goes to files rather than pipes: no pipe buffer to drain, and a grandchild that keeps a
-        # pipe open cannot make us wait for it
+        # files, not pipes: no buffer to drain, and a grandchild holding a pipe open cannot make us wait
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=workdir,
                                     env=env, start_new_session=True)

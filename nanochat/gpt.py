@@ -1,18 +1,8 @@
 """
-The GPT model. A decoder-only transformer, modernised in small, well-understood ways:
+The GPT model: a decoder-only transformer (rotary, QK norm, GQA, ReLU², untied head, soft-capped logits).
 
-- token embedding, then a parameter-free RMSNorm (no learnable gain: one less thing to tune, and it works)
-- rotary position embeddings (no learned positions), applied to queries and keys
-- RMSNorm on queries and keys too ("QK norm"): keeps attention logits in range without softcapping them
-- grouped-query attention: `n_kv_head` key/value heads shared by `n_head` query heads (n_kv_head == n_head
-  is plain multi-head attention; fewer kv heads shrink the KV cache at inference)
-- causal scaled-dot-product attention (PyTorch's SDPA: FlashAttention on GPUs, a fused kernel on CPU)
-- MLP with ReLU² (relu(x)**2) and 4x expansion; no biases anywhere
-- untied input embedding and output head (lm_head)
-- pre-norm blocks: x = x + attn(norm(x)); x = x + mlp(norm(x)); a final norm before the head
-- logits soft-capped as 15 * tanh(z / 15), in fp32: bounded logits keep the loss stable early in training
-
-Size comes from one dial, `depth` (see config_from_depth): width = 64 * depth, head dim 128.
+Training: forward(idx, targets) -> loss; decoding: prefill, decode_weights and decode_step (the Engine's loop);
+size: config_from_depth. The architecture and its choices, initialisation, memory and FLOPs: docs/model.md.
 """
 
 import math
@@ -43,10 +33,8 @@ class GPTConfig:
 
 def config_from_depth(depth, vocab_size=65536, sequence_len=2048):
     """
-    The one size dial every script uses: width = 64 * depth, heads = ceil(width / 128), so that heads are 128 wide
-    (the width GPUs' attention kernels are fastest at) where width divides: depth 20 -> 1280 wide, 10 heads. An odd
-    depth gets narrower heads: 3 -> 2 of 96, 7 -> 4 of 112, 15 -> 8 of 120; where width does not divide by
-    ceil(width / 128) (depth 5: 320 / 3), heads = depth, 64 wide.
+    The GPTConfig of a model `depth` layers deep: width 64 * depth, heads ceil(width / 128) (128 wide where the
+    width divides; else heads = depth, 64 wide), kv heads = heads. Depth 20: 1280 wide, 10 heads (docs/model.md).
     """
     if not isinstance(depth, int) or depth < 1:
         raise UserError(f"depth must be a positive integer, got {depth!r}")
@@ -64,10 +52,7 @@ def norm(x):
 
 
 def apply_rotary_emb(x, cos, sin):
-    """
-    Rotate pairs of channels (i, i + d/2) of x (B, T, H, D) by position-dependent angles. The dot product
-    of a rotated query and key then depends only on their relative position.
-    """
+    """x (B, T, H, D) with channel pairs (i, i + D/2) rotated by the angles given as cos, sin (B or 1, T, 1, D/2)."""
     d = x.shape[3] // 2
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
@@ -135,8 +120,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """
-    Build, then initialise explicitly (so a model can be created on the meta device and materialised
-    where it will live, without initialising twice):
+    Build, then initialise explicitly (created on the meta device, materialised where it will live, initialised once):
 
         with torch.device("meta"):
             model = GPT(config)
@@ -158,8 +142,6 @@ class GPT(nn.Module):
         head_dim = config.n_embd // config.n_head
         if head_dim % 2 != 0:
             raise ValueError(f"head dim {head_dim} must be even for rotary embeddings")
-        # Rotary tables cover 10x the training length so generation can run past it. Not saved in
-        # checkpoints (persistent=False): they are a pure function of the config.
         self.rotary_len = config.sequence_len * 10
         self.register_buffer("cos", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
@@ -167,11 +149,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed=42):
         """
-        The initial weights, from a generator of their own seeded with `seed`: the same on every rank and in every run,
-        whatever else drew from the global RNG first. wte N(0, 1) (RMS-normalised right after: its scale is free);
-        the Linears that read the residual stream (c_q, c_k, c_v, c_fc) uniform with std 1/sqrt(fan_in) *
-        min(1, sqrt(fan_out/fan_in)) (unit-scale activations); those that write into it (c_proj) and lm_head zero, so
-        every block starts as the identity and the initial loss is exactly ln(vocab_size).
+        The initial weights, from a generator of their own seeded with `seed` (the same on every rank and in every run,
+        whatever drew from the global RNG before), then the rotary tables. wte N(0, 1); c_q, c_k, c_v, c_fc uniform with
+        std 1/sqrt(fan_in) * min(1, sqrt(fan_out/fan_in)); both c_proj and lm_head zero, so every block starts as the
+        identity and the initial loss is exactly ln(vocab_size) (why: docs/model.md).
         """
         rng = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
         nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0, generator=rng)
@@ -211,11 +192,7 @@ class GPT(nn.Module):
         if flat_x.size(0) * self.config.vocab_size <= self.LOGITS_CHUNK_ELEMENTS:
             per_token = self._per_token_loss(flat_x, flat_targets)
         else:
-            # The fp32 logits of a whole batch are the biggest tensors of training (32 x 2048 tokens x 65536
-            # vocab x 4 bytes = 17 GB, and softcap/cross-entropy keep several such). So compute the loss in
-            # chunks of rows, and with checkpointing keep only each chunk's input for the backward pass,
-            # which recomputes the chunk's logits: a few % more compute (the lm_head forward, again) for
-            # tens of GB less memory.
+            # checkpointed chunks of rows: all the logits at once would be training's biggest tensors (docs/model.md)
             rows = max(1, self.LOGITS_CHUNK_ELEMENTS // self.config.vocab_size)
             loss_of = (lambda xc, tc: checkpoint(self._per_token_loss, xc, tc, use_reentrant=False)) \
                 if torch.is_grad_enabled() else self._per_token_loss
@@ -224,8 +201,7 @@ class GPT(nn.Module):
             return per_token  # (B*T,), 0 at ignored targets
         if loss_reduction == "sum":
             return per_token.sum()
-        # "mean" over the targets that count; a batch whose targets are all masked (possible in chat data,
-        # where only assistant tokens count) gives 0 instead of 0/0 = NaN
+        # "mean" over the targets that count; all masked (possible in chat data) gives 0, not 0/0 = NaN
         return per_token.sum() / (flat_targets != -1).sum().clamp(min=1)
 
     def _final_hidden(self, idx, kv_cache=None):
@@ -235,9 +211,7 @@ class GPT(nn.Module):
         if t0 + T > self.rotary_len:
             raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
         x = self.transformer.wte(idx)
-        # Under bf16 autocast the residual stream is kept in bf16 too: the Linear outputs added to it are
-        # bf16 anyway, and an fp32 stream would double the activation memory of every layer (d20 with
-        # 32 x 2048 tokens per GPU would not fit in 80 GB). The rotary tables must match q/k's dtype.
+        # under autocast the residual stream (and the rotary tables) in the compute dtype too: docs/model.md
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x = x.to(dtype)
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
@@ -251,7 +225,7 @@ class GPT(nn.Module):
         return self.SOFTCAP * torch.tanh(logits / self.SOFTCAP)
 
     def _per_token_loss(self, x, targets):
-        if x.device.type == "cpu":  # eager there: the same loss in fewer passes over the logits (the file says why)
+        if x.device.type == "cpu":  # the same loss in fewer passes over the logits (nanochat/losses.py says why)
             return softcapped_cross_entropy(x, self.lm_head.weight, targets, self.SOFTCAP)
         return F.cross_entropy(self._softcapped_logits(x), targets, ignore_index=-1, reduction="none")
 
@@ -259,17 +233,13 @@ class GPT(nn.Module):
     # accounting
 
     def num_params(self):
+        """Number of parameters (the rotary buffers are not parameters)."""
         return sum(p.numel() for p in self.parameters())
 
     def estimate_flops(self):
         """
-        Training FLOPs per token (forward + backward), the usual 6N rule plus attention:
-        - 6 * N_matmul: every weight of a matmul costs 2 FLOPs (multiply-add) per token in the forward,
-          and 4 in the backward (gradient w.r.t. input and w.r.t. weight). N_matmul is every parameter
-          except the token embedding, which is a table lookup, not a matmul.
-        - attention scores q.k and the weighted sum of v: 2 * 2 * n_head * head_dim * T per layer
-          forward, times 3 for forward + backward = 12 * n_layer * n_head * head_dim * T. This counts
-          the full T x T square (the common convention), not the causal half.
+        Training FLOPs per token, forward + backward, at T = sequence_len: 6 * (parameters except wte) +
+        12 * n_layer * n_head * head_dim * T for attention (the full T x T square). Derivation: docs/model.md.
         """
         cfg = self.config
         n_matmul = self.num_params() - self.transformer.wte.weight.numel()
@@ -284,8 +254,8 @@ class GPT(nn.Module):
         [adamw, muon], each parameter in exactly one (why two: docs/optimizers.md). Muon: every matrix of the blocks,
         nearly all the compute. AdamW: wte and lm_head (a lookup table and a classifier whose rows see very different
         gradient scales), betas (0.8, 0.95), eps 1e-10, lrs scaled by (n_embd / 768) ** -0.5 (tuned at width 768),
-        weight_decay on both. Under torchrun the ZeRO-2 DistAdamW / DistMuon (gradients averaged inside step()).
-        Every group gets "initial_lr": the loop sets lr = initial_lr * the schedule's multiplier.
+        weight_decay on both. With a process group, DistAdamW / DistMuon (gradients averaged inside step()). Every
+        group gets "initial_lr": the loop sets lr = initial_lr * the schedule's multiplier. Prints the groups.
         """
         from nanochat.adamw import AdamW, DistAdamW
         from nanochat.muon import DistMuon, Muon
@@ -328,9 +298,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def prefill(self, idx, kv_cache):
         """
-        Run the prompt idx (B, T) into kv_cache and return the logits of its last position, (B, vocab) fp32:
-        forward(idx, kv_cache=kv_cache)[:, -1] without computing the head at the T - 1 positions whose
-        predictions generation never reads (with a long prompt and a large vocabulary, most of the logits).
+        Run the prompt idx (B, T) into kv_cache; the logits of its last position, (B, vocab) fp32. The same as
+        forward(idx, kv_cache=kv_cache)[:, -1] without the head at the other positions.
         """
         return self._softcapped_logits(self._final_hidden(idx, kv_cache)[:, -1])
 
@@ -338,13 +307,9 @@ class GPT(nn.Module):
     def decode_weights(self, dtype=None):
         """
         The matrices decode_step multiplies by: ([(c_q, c_k, c_v, attn.c_proj, c_fc, mlp.c_proj) per layer],
-        lm_head), each (out, in) as nn.Linear keeps it. On CUDA the parameters themselves. On CPU copies in `dtype`
-        (default the weights'; the Engine passes the compute dtype) stored transposed (column-major), same shape and
-        values: decoding multiplies one row per sample by every matrix, a matrix-vector product as fast as the
-        matrix streams from memory, and MKL streams (in, out) faster than (out, in) once it no longer fits in cache
-        (bench/RESULTS.md). bf16 copies halve the bytes, and spare autocast a cast of every matrix at every step
-        (it keeps the casts of parameters only). Stale once the weights change: the Engine makes them again
-        whenever a parameter's version counter has moved since it last made them.
+        lm_head), each (out, in) as nn.Linear keeps it. On CUDA the parameters themselves; on CPU copies in `dtype`
+        (default the weights') stored column-major, which streams faster (docs/model.md). Copies are stale once the
+        weights change.
         """
         if self.lm_head.weight.device.type == "cpu":
             prep = lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t()
@@ -357,12 +322,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def decode_step(self, idx, kv_cache, weights, positions=None, key_mask=None):
         """
-        One decoding step: idx (B,) the newest token of each row, kv_cache everything before it; returns the next-token
-        logits (B, vocab) in fp32 and advances the cache one position. forward(idx[:, None], kv_cache)[:, -1] written
-        for one token: its cost is reading every matrix once plus a fixed cost per op, hence decode_weights()' matrices
-        (no nn.Module calls) and keys/values written in place. Rows of prompts of different lengths (Engine.
-        generate_many) sit right-aligned in the cache: `positions` (B,) gives each row's own position, `key_mask`
-        (B, 1, 1, >= pos + 1, bool) the columns it may attend to (False: the padding before its prompt).
+        One decoding step, forward(idx[:, None], kv_cache)[:, -1] for one token without nn.Module calls: idx (B,) the
+        newest token of each row, kv_cache everything before it, `weights` from decode_weights(); returns the logits
+        (B, vocab) fp32 and advances the cache one position. Right-aligned rows of different prompt lengths: `positions`
+        (B,) each row's own position, `key_mask` (B, 1, 1, >= pos + 1) bool, False on the padding before its prompt.
         """
         B, pos = idx.size(0), kv_cache.pos
         if pos + 1 > self.rotary_len:
@@ -400,10 +363,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
         """
-        Naive autoregressive sampling: re-runs the whole sequence each step (no KV cache), for the quick
-        samples printed during training, and as the reference the Engine (nanochat/engine.py) is tested
-        against: both pick tokens with sample_next_token, so at temperature 0 they must agree exactly.
-        temperature 0 = greedy; top_k None or 0 = the whole vocabulary. Yields one token id at a time.
+        Naive sampling that re-runs the whole sequence each step (no KV cache): yields one token id (int) at a time,
+        `max_tokens` of them. The quick samples of training, and the Engine's reference (same sample_next_token).
         """
         device = self.lm_head.weight.device
         rng = torch.Generator(device=device).manual_seed(seed)
@@ -417,14 +378,10 @@ class GPT(nn.Module):
 
 def sample_next_token(logits, rng, temperature=1.0, top_k=None):
     """
-    Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng
-    unused). Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits
-    only when top_k is a positive int (None or 0: the whole vocabulary). All randomness comes from `rng`
-    (a torch.Generator on the logits' device): a seed fixes the result and the global RNG is not touched.
-
-    The draw is inverse transform sampling: one uniform number u per row, and the token whose interval of
-    the cumulative distribution holds it. torch.multinomial draws one random number per vocabulary entry
-    instead, much slower on CPU, where it is a visible part of a decoding step at batch 1.
+    Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng unused).
+    Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits only when top_k is
+    a positive int (None or 0: the whole vocabulary), by inverse transform sampling (docs/model.md). All randomness
+    comes from `rng` (a torch.Generator on the logits' device); the global RNG is not touched.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -434,8 +391,7 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None):
     cdf = F.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
     total = cdf[:, -1:]  # 1 up to rounding
     u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype) * total
-    # u must stay below the total: rounding of u * total could land on it, past every token (a token whose
-    # probability underflowed to 0 owns an empty interval, and is never chosen while u < total)
+    # u < total: rounding could land u on it, past every token (a zero-probability token is never chosen)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     choice = torch.searchsorted(cdf, u, right=True)  # the first token whose cumulative probability exceeds u
     return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)

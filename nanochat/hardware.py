@@ -1,7 +1,8 @@
 """
-What the hardware can do: the dtype to compute in (compute_dtype: decided here, once, for training, Muon, the
-evaluations and the Engine), the peak FLOP/s that MFU (model FLOPs utilisation) is measured against
-(get_peak_flops), and whether to torch.compile (compile_model).
+What the hardware decides: the compute dtype, the peak FLOP/s behind MFU, and whether to torch.compile.
+
+compute_dtype is decided once per process (rank 0's decision under torchrun) and followed by training, Muon, the
+evaluations and the Engine; weights and optimizer state stay fp32. The rules and why: docs/hardware.md.
 """
 
 import functools
@@ -18,23 +19,17 @@ from filelock import FileLock
 
 from nanochat.common import UserError, atomic_write, get_base_dir, is_distributed
 
-# A CPU does bf16 natively if it multiplies bf16 matrices in hardware: x86 AVX512-BF16 (AMD Zen 4 and later,
-# Intel Cooper Lake) or AMX-BF16 (Intel Xeon since Sapphire Rapids); Arm's BF16 extension ("bf16" in Linux's
-# Features line; FEAT_BF16 on macOS: Apple M2 and later). Without them PyTorch emulates bf16, far slower than fp32.
+# CPU flags of native bf16 matmuls: x86 AVX512-BF16, AMX-BF16; Arm's BF16 (macOS: FEAT_BF16). docs/hardware.md
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 BF16_MIN_SPEEDUP = 1.5  # bf16 only where the probe finds its matmul clearly faster than fp32's
 
 
 def decide_compute_dtype(device_type, override, cpu_flags, probe):
     """
-    (dtype, why): the dtype the matmuls run in. Every input is given, so the tests can drive every answer:
-      override  $NANOCHAT_DTYPE ("" if unset): bfloat16 or float32 wins over everything else
-      cpu_flags the native-bf16 flags the CPU reports (cpu_bf16_flags()); only read for device "cpu"
-      probe     () -> (bf16 FLOP/s, fp32 FLOP/s) of a short matmul; called only for a CPU with such flags
-    CUDA: bf16 where the GPU does it natively (compute capability 8.0+: A100, H100; a V100 or T4 only emulates it,
-    which torch.cuda.is_bf16_supported() counts as support, so the capability is what is asked). MPS: fp32. A CPU: bf16 when it has the flags and
-    its bf16 matmul is clearly faster than fp32's (a flag alone does not say that PyTorch's kernels use it).
-    Weights and optimizer state stay fp32 whatever this says.
+    (dtype, why): the dtype the matmuls run in, from inputs given so that tests can drive every answer. `override`
+    ($NANOCHAT_DTYPE, "" if unset; else bfloat16 or float32, or UserError) wins; CUDA: bf16 from compute capability
+    8.0; MPS: fp32; CPU: bf16 if `cpu_flags` (cpu_bf16_flags()) is not empty and `probe`() -> (bf16 FLOP/s, fp32
+    FLOP/s) shows at least BF16_MIN_SPEEDUP; the probe is called only then.
     """
     if override:
         if override not in ("bfloat16", "float32"):
@@ -59,11 +54,9 @@ def decide_compute_dtype(device_type, override, cpu_flags, probe):
 
 def compute_dtype(device_type):
     """
-    (dtype, why) on this machine: decide_compute_dtype with $NANOCHAT_DTYPE, the CPU's flags and the probe
-    (measured once per machine, thread count and torch version: bf16_probe). Decided once per process; under
-    torchrun it is rank 0's decision, sent to the other ranks (one dtype for the whole run: a rank that measured
-    the probe on its own could come out differently), so the first call is a collective: every script makes it on
-    every rank, right after compute_init (its autocast_context line).
+    (dtype, why) on this machine: decide_compute_dtype with $NANOCHAT_DTYPE, the CPU's flags and bf16_probe. Decided
+    once per process; with a process group, rank 0's decision sent to every rank, so the first call is a collective:
+    every script makes it on every rank right after compute_init (its autocast_context line).
     """
     return _decided(device_type, os.environ.get("NANOCHAT_DTYPE", ""))
 
@@ -127,11 +120,8 @@ def _sysctl(name):
 
 def bf16_probe(n=1024, rounds=5):
     """
-    (bf16 FLOP/s, fp32 FLOP/s) of an n^3 matmul on the CPU, measured once per CPU model, thread count and torch
-    version and kept in <base_dir>/compute_dtype.json (a fraction of a second on a CPU with native bf16; never
-    run on one without). A CPU emulating bf16 is far slower in bf16 than in fp32, one doing it natively several times
-    faster (bench/RESULTS.md). The two dtypes are timed in turns, `rounds` times, and the best of each counts: a
-    moment when another program took the CPU slows both, not the ratio.
+    (bf16 FLOP/s, fp32 FLOP/s) of an n^3 matmul on the CPU, the best of `rounds` timed in turns; measured once per
+    CPU model, thread count and torch version, then read from <base_dir>/compute_dtype.json.
     """
     def measure():
         operands = {dtype: _random_matrices("cpu", dtype, n) for dtype in (torch.bfloat16, torch.float32)}
@@ -150,9 +140,8 @@ def bf16_probe(n=1024, rounds=5):
 
 def _kept_per_machine(filename, key, update):
     """
-    One entry per machine key in <base_dir>/<filename>, shared by every process on the machine (under a file lock:
-    the ranks of a torchrun start together). Returns (update(the entry kept so far, or None), the file's path) and
-    keeps the new entry.
+    (update(the entry kept under `key` in <base_dir>/<filename>, or None), the file's path), keeping the new entry;
+    under a file lock, since the ranks of a torchrun start together.
     """
     path = os.path.join(get_base_dir(), filename)
     with FileLock(path + ".lock"):
@@ -170,15 +159,14 @@ def _kept_per_machine(filename, key, update):
 
 
 PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU; the longest name that matches wins
-    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,  # "H100" alone: the SXM part "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
+    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,  # "H100" alone: the SXM part
+    "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
     "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12,
 }
 
 
 def _random_matrices(device, dtype, n):
-    """Two random n x n matrices from a private generator: a measurement never moves the global RNG, whose state
-    decides the weights a run initialises (a probe made in one run and read from the cache in the next would
-    otherwise give the two runs different weights)."""
+    """Two random n x n matrices from a private generator: measuring never moves the global RNG (docs/hardware.md)."""
     rng = torch.Generator(device=device).manual_seed(0)
     return tuple(torch.randn(n, n, device=device, dtype=dtype, generator=rng) for _ in range(2))
 
@@ -202,18 +190,9 @@ def measure_matmul_flops(device, dtype, n=1024, repeats=5):
 
 def get_peak_flops(device, dtype):
     """
-    The denominator of MFU (model FLOPs utilisation = achieved model FLOP/s / peak FLOP/s), per device.
-    Returns (flops, how it was got).
-
-    - $NANOCHAT_PEAK_FLOPS (a number, e.g. 1.5e11): used as it is, first, for machines where you know better.
-    - Known CUDA GPUs in bf16: the datasheet dense bf16 peak (H100 SXM 989 TFLOP/s, H100 PCIe 756).
-    - Anything else (CPU, MPS, unknown GPUs): measured, as the best FLOP/s of several matmuls in the dtype we
-      compute in (1024^3 and 2048^3: the large one is what a well-fed BLAS reaches; on a CPU also one thread's
-      best times the number of threads, which a program busy on another core does not lower). A measurement can only
-      come out too LOW (another program busy at that moment, a CPU still clocking up), never too high, so
-      the best value ever measured on this machine (same CPU/GPU model, thread count and dtype) is kept in
-      <base_dir>/peak_flops.json and a lower reading never replaces it: a loaded moment at start-up cannot
-      inflate the MFU of the run.
+    (peak FLOP/s, how it was got) of `device` computing in `dtype`, the denominator of MFU: $NANOCHAT_PEAK_FLOPS if
+    set (UserError unless a positive number); a known CUDA GPU's datasheet bf16 peak (PEAK_BF16_FLOPS); else the best
+    matmul FLOP/s ever measured on this machine, kept in <base_dir>/peak_flops.json (why: docs/hardware.md).
     """
     device = torch.device(device)
     override = os.environ.get("NANOCHAT_PEAK_FLOPS")
@@ -238,8 +217,7 @@ def get_peak_flops(device, dtype):
     measured = max(measure_matmul_flops(device, dtype, n=1024, repeats=8),
                    measure_matmul_flops(device, dtype, n=2048, repeats=3))
     if device.type == "cpu" and torch.get_num_threads() > 1:
-        # A program busy on one core at this moment would halve a measurement with every thread; one thread
-        # finds a free core, and a large matmul scales linearly with threads. Take the larger of the two.
+        # a program busy on one core would halve a measurement with every thread; one thread finds a free core
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -266,10 +244,9 @@ def cpu_model_name():
 
 def compile_model(model, setting, device_type, dynamic=False):
     """
-    torch.compile per the stages' `compile` setting: "auto" is on for CUDA (fused kernels, far fewer launches)
-    and off on CPU and MPS (compiling takes longer than the short runs made there); "true" / "false" force it.
-    `dynamic=True` for rows whose length changes from batch to batch (SFT, RL), which would otherwise recompile.
-    Returns (the model to call, whether it is compiled); save and evaluate the uncompiled one.
+    (the model to call, whether it is compiled), per the stages' `compile` setting: "auto" compiles on CUDA only,
+    "true" / "false" force it; dynamic=True for rows whose length changes between batches. Save and evaluate the
+    uncompiled model. Why: docs/hardware.md.
     """
     use = setting == "true" or (setting == "auto" and device_type == "cuda")
     return (torch.compile(model, dynamic=dynamic) if use else model), use

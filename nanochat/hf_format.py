@@ -1,11 +1,12 @@
 """
-The Hugging Face `NanoChat` format (transformers >= 5.0: NanoChatConfig / NanoChatForCausalLM), both ways: what
-scripts/export_model.py writes and scripts/import_model.py reads. Pure data mapping, no transformers import:
-exporting needs none of the Hugging Face libraries.
+Converts models to and from the Hugging Face `NanoChat` format (transformers >= 5.0), for export_model/import_model.
+
+Pure data mapping, no transformers import: exporting needs none of the Hugging Face libraries. Also safetensors
+read and written without the `safetensors` package, and directories written all or nothing.
 
 The model maps one to one. HF NanoChat is this architecture (parameter-free RMSNorm after the embedding, before
 attention and MLP and before the head; rotary with our pairing and direction; QK norm after rotary; ReLU^2 MLP of
-width 4 x n_embd; untied head; logits soft-capped at 15), so the weights only change names (WEIGHT_NAMES): no
+width 4 x n_embd; untied head; logits soft-capped at 15), so the weights only change names (weight_names()): no
 transposes, no permutations. Three config values must be written, not left at HF's defaults: the RMSNorm epsilon
 (F.rms_norm with eps=None uses float32's machine epsilon, HF defaults to 1e-6), intermediate_size (HF default 8192)
 and the special token ids (HF defaults 0/1 are byte tokens here).
@@ -415,7 +416,8 @@ def check_free(target, overwrite, flag):
 def staged_directory(target, overwrite, flag):
     """
     Yields a new temporary directory beside `target` to fill; when the block ends without an error it takes
-    target's place (a rename, so readers see the old directory or the complete new one, never a half-written one).
+    target's place by renames: readers never see a half-written directory (when replacing one, there is an instant
+    with none).
     On any error it is removed and target is left as it was. A full disk or a read-only place is a UserError.
     """
     target = os.path.abspath(target)

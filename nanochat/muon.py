@@ -1,8 +1,9 @@
 """
-Muon, the optimizer of the transformer blocks' matrices (Muon: one process; DistMuon: sharded across ranks). A step
-orthogonalises each matrix's Nesterov momentum with a Newton-Schulz iteration and moves the matrix along it:
-    p <- p - lr * sqrt(max(1, rows/cols)) * NS(momentum direction)
-No weight decay. Why Muon, and how the iteration works: docs/optimizers.md.
+Muon, the optimizer of the transformer blocks' matrices: Muon in one process, DistMuon sharded across ranks.
+
+A step orthogonalises each matrix's Nesterov momentum with a Newton-Schulz iteration and moves the matrix along it,
+p <- p - lr * sqrt(max(1, rows/cols)) * NS(momentum direction); no weight decay. Why Muon, how the iteration
+works, and the sharding: docs/optimizers.md.
 """
 
 import math
@@ -29,10 +30,8 @@ def zeropower_via_newtonschulz5(G, steps=5, dtype=torch.float32):
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT
-    # The 1e-7 only guards against division by zero for an all-zero G (the result is then zero).
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    # addmm(C, M1, M2, beta, alpha) = beta * C + alpha * M1 @ M2 in one kernel (baddbmm: batched): small matrices
-    # are launch-bound on a GPU, and fusing the scaled additions into the products saves launches
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # the 1e-7 only keeps an all-zero G at zero
+    # addmm / baddbmm fuse the scaled additions into the products: fewer launches for small matrices on a GPU
     addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for _ in range(steps):
         A = X @ X.mT
@@ -54,17 +53,14 @@ def _check_matrices(params, who):
 
 
 def _lr_scale(p):
-    """sqrt(max(1, rows/cols)): a tall matrix's orthogonalised update has smaller entries; this makes one lr fit
-    every shape (docs/optimizers.md)."""
+    """sqrt(max(1, rows/cols)): the step scale that makes one lr fit every shape (docs/optimizers.md)."""
     return math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
 
 
 def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
     """
-    The direction Muon orthogonalises, for one matrix (does not touch grad; updates momentum_buffer in place):
-      buf    <- momentum * buf + (1 - momentum) * grad          (buf.lerp_(grad, 1 - momentum))
-      update <- (1 - momentum) * grad + momentum * buf           if nesterov (look one step ahead)
-                buf                                              otherwise
+    The direction Muon orthogonalises, for one matrix: buf <- momentum * buf + (1 - momentum) * grad in place, then
+    (1 - momentum) * grad + momentum * buf if nesterov (a look one step ahead), else buf. grad is not touched.
     """
     momentum_buffer.lerp_(grad, 1 - momentum)
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
@@ -72,10 +68,10 @@ def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
 
 def _batches(params):
     """
-    The groups of matrices Muon orthogonalises in one call: on a CPU with several threads, all those of one shape,
-    stacked (a few large batched matmuls keep the threads busy, where many small ones make them wait on each other);
-    otherwise one at a time (one thread, or CUDA: one direction in memory at a time). Same results either way
-    (tests/test_optim.py); the measured difference: bench/RESULTS.md.
+    The groups of matrices Muon orthogonalises in one call: on a CPU with several threads all those of one shape,
+    stacked (large batched matmuls keep the threads busy; many small ones make them wait on each other); otherwise
+    one at a time (one direction in memory at a time). Same results either way (tests/test_optim.py; timings:
+    bench/RESULTS.md).
     """
     if not params or params[0].device.type != "cpu" or torch.get_num_threads() == 1:
         return [[p] for p in params]
@@ -102,8 +98,8 @@ class Muon(torch.optim.Optimizer):
     """
     Muon in one process (the step in the module docstring). params: 2-D tensors (or param-group dicts); anything
     else raises ValueError. lr and momentum are read from each param group at every step (the schedules set them);
-    ns_dtype is the dtype Newton-Schulz computes in. State per matrix: one momentum buffer (fp32). Parameters
-    without a gradient are skipped.
+    ns_dtype is the dtype Newton-Schulz computes in. State per matrix: one momentum buffer (the matrix's shape and
+    dtype). Parameters without a gradient are skipped.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32):
@@ -144,32 +140,15 @@ class Muon(torch.optim.Optimizer):
 
 class DistMuon(ShardedGradients, torch.optim.Optimizer):
     """
-    Muon for data-parallel training (torchrun), ZeRO-2 style (what that means: nanochat/optim.py). The part
-    of the optimizer a rank owns is a set of WHOLE matrices (Newton-Schulz needs the whole matrix): each
-    matrix has one owner rank, which alone keeps its momentum buffer and computes its update.
-
-    How a step works. Matrices are grouped by shape (one param group per shape, so the collectives below
-    move equal-sized tensors), and each group is walked in blocks of W: block k holds params
-    [k*W, (k+1)*W), and rank r owns param k*W + r.
-      1. reduce_scatter per block: rank r receives the gradient of the matrix it owns, averaged over all
-         ranks (the data-parallel gradient: the average over every rank's micro-batch).
-      2. the owner updates its momentum buffer, orthogonalises, and updates its own copy of the weight.
-      3. all_gather per block: every rank receives every updated matrix of the block, into its weights.
-    A last block with fewer than W matrices is padded with a zero matrix, so every rank always takes part
-    in every collective (ranks without a matrix to own in that block contribute and receive padding).
-    Overlap: all reduce_scatters are issued asynchronously first; then, block by block, we wait for that
-    block's gradients, compute, and issue its all_gather asynchronously, so communication of later blocks
-    runs while earlier blocks compute. We wait for all all_gathers at the end.
-    Averaging is done as SUM followed by a division by W on the owner (ReduceOp.AVG does not exist for
-    gloo in older torch releases; this way NCCL and gloo run the same code).
-
-    Requirements: torch.distributed is initialised; every rank builds the same parameters in the same
-    order (same model code, same seed) and calls step() together; every parameter has a gradient on every
-    rank. params is an iterable of 2-D tensors (not param-group dicts: the groups are made by shape).
-    lr and momentum are read from the groups at every step: set them on every group.
-
-    Checkpoints: owned_state / load_owned_state, through nanochat.optim.optimizer_shard and
-    load_optimizer_shards, which work across world sizes (and with Muon in one process).
+    Muon sharded across ranks, ZeRO-2 style (docs/optimizers.md): each WHOLE matrix (Newton-Schulz needs all of it)
+    has one owner rank, which alone keeps its momentum buffer and computes its update. Matrices are grouped by shape,
+    one param group each, walked in blocks of W (world size): rank r owns matrix k*W + r of its group. step(): per
+    block, reduce_scatter the gradients (the owner gets its matrix's, averaged over the ranks; a short last block is
+    padded with a zero matrix), update the owned matrix, all_gather the block; afterwards every rank holds the same
+    full matrices. params: an iterable of 2-D tensors (not dicts: groups are made by shape); lr and momentum are read
+    from every group at each step. Requirements: an initialised process group; every rank has the same parameters in
+    the same order, a gradient for each, and calls step() together. Checkpoints: owned_state / load_owned_state
+    through nanochat.optim, across world sizes.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32):
@@ -183,8 +162,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
         param_groups = [{"params": ps} for ps in by_shape.values()]
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype)
         super().__init__(param_groups, defaults)
-        # one zero matrix per shape, for padding the last block; kept out of the param groups so that
-        # it does not end up in state_dict()
+        # one zero matrix per shape, padding the last block; outside the param groups, so not in state_dict()
         self._zero_buffers = {}
 
     def _zero_buffer(self, p):
@@ -219,11 +197,9 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        # 1. One reduce_scatter per block of world_size same-shape matrices (issued asynchronously, unless
-        #    already issued for gradient clipping).
-        blocks = self._take_pending()
+        blocks = self._take_pending()  # one reduce_scatter per block, issued now unless clipping issued them
 
-        # 2. Block by block: wait for its gradients, update the matrix this rank owns, issue the all_gather.
+        # Block by block: wait for its gradients, update the matrix this rank owns, issue the all_gather.
         gathers = []
         for entry in blocks:
             group, block = entry["group"], entry["block"]
@@ -233,8 +209,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                # One matrix at a time: the block's other matrices belong to other ranks (on a CPU, torchrun gives
-                # each rank one thread, where Muon would not stack either: _batches).
+                # one matrix at a time: the block's others belong to other ranks
                 direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
                 update = zeropower_via_newtonschulz5(direction, group["ns_steps"], group["ns_dtype"])
                 p.add_(update, alpha=-group["lr"] * _lr_scale(p))
@@ -244,8 +219,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
             outputs = list(block) + [torch.empty_like(source) for _ in range(world_size - len(block))]
             gathers.append(dist.all_gather(outputs, source, async_op=True))
 
-        # 3. Every rank now (after the waits) holds every updated matrix.
-        for work in gathers:
+        for work in gathers:  # then every rank holds every updated matrix
             work.wait()
 
     def _owned(self):

@@ -1,37 +1,11 @@
 """
-What the optimizers share: ZeRO-2-style sharding (ShardedGradients, the base of DistAdamW in nanochat/adamw.py and
-DistMuon in nanochat/muon.py), gradient clipping on the rank-averaged gradient (clip_grad_norm_), optimizer
-checkpoints that any number of processes can resume from, and the learning-rate and momentum schedules.
+What Muon and AdamW share: ZeRO-2 sharding across ranks, gradient clipping, checkpoints, and the schedules.
 
-ZeRO-2 style, for a newcomer
-----------------------------
-Under torchrun every rank (one process per GPU) holds the WHOLE model: all weights, in full, and after each
-backward pass a full gradient computed on its own micro-batches. What is divided among the ranks is the
-optimizer: its state (AdamW's two moments, Muon's momentum buffers) and the arithmetic of the update.
-  1. reduce_scatter: the gradients of all ranks are summed, and each rank receives only the part it owns
-     (divided by the world size: the average over ranks, i.e. the data-parallel gradient);
-  2. each rank updates only the part it owns, with the optimizer state of only that part;
-  3. all_gather: every rank receives every updated part, so all ranks again hold identical full weights.
-So each rank stores ~1/W of the optimizer state and does ~1/W of the update work. The traffic is the same as
-plain data parallelism (DDP's all_reduce of the gradients): a reduce_scatter plus an all_gather move as many
-bytes as one all_reduce. "ZeRO-1" would shard only the state; "ZeRO-2" also leaves each rank only its own
-part of the averaged gradient; "ZeRO-3" would shard the weights too (nanochat does not: every rank holds
-them all). How a part is defined differs: DistAdamW cuts every parameter into W slices of rows; DistMuon
-gives each whole matrix one owner rank, because Newton-Schulz needs the whole matrix.
-
-Where the gradients are averaged across ranks: in the first of
-  - clip_grad_norm_(optimizers, max_norm), when clipping is on: it starts the reduce_scatters, because the norm
-    that counts is the norm of the averaged gradient;
-  - optimizer.step(), when clipping is off.
-Losses are never summed across ranks for the update; only gradients are averaged.
-
-Checkpoints of the optimizer (optimizer_shard / load_optimizer_shards)
-------------------------------------------------------------------------
-Each rank saves what it holds, in a form that does not depend on the world size: for every parameter (by
-its name in the model) the rows of the state tensors it holds and where they start. Loading reads the files
-of every rank that saved, puts each parameter's state back together, and gives each optimizer of the new run
-(any world size, or a single process with torch's AdamW and Muon) the part it owns. So a run trained on 8 GPUs
-can continue on 4, or on one, with the same optimizer state.
+Under torchrun every rank holds the whole model and computes a full gradient on its own micro-batches; only the
+optimizer is sharded (its state and the update's arithmetic): reduce_scatter the gradients (each rank receives the
+rank-averaged gradient of the part it owns), update the owned part, all_gather the updated parts. Gradients are
+averaged in clip_grad_norm_ when clipping is on, else in optimizer.step(); losses are never summed across ranks.
+How and why, and the checkpoint format: docs/optimizers.md.
 """
 
 import torch
@@ -56,19 +30,11 @@ def pad_rows(t, rows):
 
 class ShardedGradients:
     """
-    The part of DistAdamW and DistMuon that averages gradients across ranks (step 1 above). Split in phases,
-    so that gradient clipping can look at the averaged gradient between averaging and updating:
-
-        opt.reduce_gradients()            issue the async reduce_scatters (step() does it if you do not)
-        opt.owned_gradient_rows()         the rows of the averaged gradient this rank owns (clipping
-                                          adds up their squares)
-        opt.scale_gradients(scale)        multiply this rank's averaged pieces (the clip factor)
-        opt.step()                        update the owned parts, all_gather the weights
-
-    A subclass implements _launch_reduce_scatters() -> list of dicts with at least "grad" (the owned piece
-    being received) and "work" (the async handle), _owned_rows(entry) -> (parameter, first row, averaged rows)
-    or None, plus owned_state(name_of) and load_owned_state(...) for checkpoints (see optimizer_shard /
-    load_optimizer_shards below).
+    The gradient-averaging half of DistAdamW and DistMuon, in phases, so that clipping sees the averaged gradient
+    before the update: reduce_gradients() (issue the async reduce_scatters; step() does it if not done yet),
+    owned_gradient_rows(), scale_gradients(scale), then step() (update the owned parts, all_gather the weights).
+    A subclass implements _launch_reduce_scatters() -> [{"grad": the owned piece, "work": its async handle, ...}],
+    _owned_rows(entry) -> (parameter, first row, averaged rows) or None, and owned_state / load_owned_state.
     """
 
     _pending = None
@@ -92,6 +58,7 @@ class ShardedGradients:
         return [piece for piece in pieces if piece is not None]
 
     def scale_gradients(self, scale):
+        """Multiply this rank's averaged gradient pieces by `scale` (the clip factor)."""
         self.reduce_gradients()
         for entry in self._pending:
             self._averaged(entry).mul_(scale)
@@ -109,21 +76,10 @@ def rows_of(t):
 
 def clip_grad_norm_(optimizers, max_norm):
     """
-    Clip the gradient of the whole model to norm `max_norm`; returns the norm before clipping (a 0-d tensor).
-    Every rank then scales the gradient it will use by the same factor, min(1, max_norm / (norm + 1e-6)), as
-    torch's clip_grad_norm_ does.
-
-    The norm that matters is the norm of the gradient the optimizers will use: the average over all ranks. In
-    one process that is every parameter's .grad. Under torchrun each rank's .grad holds only its own data's
-    gradient, so the Dist optimizers first average the gradients (their reduce_scatters, started here), after
-    which each rank holds the averaged gradient of its own share of the rows (nanochat/optim.py).
-
-    How the squares are added up is the same for any number of ranks: every row of every parameter gets its own
-    slot in one vector, each rank fills the slots of the rows it holds (one process: all of them), one all_reduce
-    completes it (a slot is filled by one rank only: adding the others' zeros is exact), and the vector is summed.
-    So one process and N ranks get the same norm to the last bit, and the same clipped gradient: the training
-    does not depend on how it was placed (tests/test_base_train.py). A norm added up from each rank's partial sum
-    would differ in its last bit, enough for bf16 to make the runs drift apart.
+    Clip the model's gradient to norm `max_norm` as torch's clip_grad_norm_ does (scale by min(1, max_norm /
+    (norm + 1e-6))); returns the norm before clipping, a 0-d fp32 tensor, the same on every rank. The norm is the
+    rank-averaged gradient's (Dist optimizers: their reduce_scatters start here), and the same to the last bit for
+    one process and N ranks: each row's sum of squares gets its own slot, one all_reduce (docs/optimizers.md).
     """
     params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     first_row, total = {}, 0
@@ -156,13 +112,9 @@ def clip_grad_norm_(optimizers, max_norm):
 
 
 # -----------------------------------------------------------------------------
-# Optimizer checkpoints that any world size can load
-#
-# The saved form, per optimizer: {parameter name: {"row_start": r, "step": t or None, key: tensor, ...}}
-# where each tensor holds rows [r, r + len) of the full state tensor of that parameter (a 0-d parameter
-# counts as one row). A rank that holds nothing of a parameter saves no entry for it. torch.optim.AdamW and
-# Muon (one process) hold everything, from row 0; DistMuon holds whole matrices (those it owns); DistAdamW
-# holds one slice of rows of every parameter.
+# Optimizer checkpoints that any world size can load. Per optimizer: {parameter name: {"row_start": r, "step": t
+# or None, key: tensor}}, each tensor rows [r, r + len) of that parameter's full state (a 0-d parameter is one
+# row); a rank that holds nothing of a parameter saves no entry for it (docs/optimizers.md).
 
 
 def _rows_view(t):
@@ -186,8 +138,7 @@ def _torch_adamw_load_owned_state(opt, name_of, full_state):
             full = full_state(name_of[p])
             if full is None:
                 continue
-            # torch keeps the step count as a tensor: on the parameter's device for the fused and capturable
-            # implementations, on the CPU otherwise (what its own first step would create)
+            # the step count as torch's own first step would make it: on the device if fused/capturable, else CPU
             on_device = group.get("fused") or group.get("capturable")
             step = torch.tensor(full["step"], dtype=torch.float32, device=p.device if on_device else "cpu")
             opt.state[p] = {"step": step, "exp_avg": full["exp_avg"].view_as(p).to(p.device, p.dtype).clone(),
@@ -208,10 +159,9 @@ def optimizer_shard(optimizers, model):
 
 def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
     """
-    Load optimizer state saved by optimizer_shard() on any number of ranks: `shards` is the list of what every
-    saving rank saved (loaded with mmap, so only the rows actually used are read). Each parameter's state is
-    put back together from its pieces (one parameter at a time, to keep memory low) and each optimizer takes
-    the part this rank owns. Raises UserError if a piece is missing or the parameters do not match.
+    Load into `optimizers` the state that optimizer_shard() saved on any number of ranks (`shards`: every saving
+    rank's list, ideally loaded with mmap); each optimizer takes the part this rank owns. UserError if a piece is
+    missing or the parameters do not match (`where` names the checkpoint in the message).
     """
     name_of = {p: n for n, p in model.named_parameters()}
     if any(len(s) != len(optimizers) for s in shards):
@@ -255,21 +205,15 @@ def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
 
 
 # -----------------------------------------------------------------------------
-# Schedules. Every stage uses the same schedule with its own defaults for its settings (warmup_ratio,
-# warmdown_ratio, final_lr_frac): pretraining and midtraining decay over their last 20%, SFT and RL over the whole
-# run (warmdown_ratio=1: a linear decay from the first step to final_lr_frac).
+# Schedules: one for every stage, each with its own defaults (warmup_ratio, warmdown_ratio, final_lr_frac).
 
 
 def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
     """
-    Warmup, constant, warmdown ("trapezoid"), where the run is `num_iterations` steps long and `step` of them
-    are done. A run of one epoch of data, whose number of steps is not known in advance, passes how far it is
-    in another unit: conversations read so far out of the epoch's conversations.
-    - warmup: the first round(warmup_ratio * num_iterations) steps ramp linearly up to 1 (step 0 gets
-      1/warmup); early gradients are large and noisy, and Adam's moment estimates are not settled yet.
-    - constant at 1 in the middle: most of the progress happens at the full learning rate.
-    - warmdown: the last round(warmdown_ratio * num_iterations) steps decay linearly to final_lr_frac,
-      reached at step == num_iterations. Annealing the noise away at the end lowers the final loss.
+    The learning-rate multiplier at `step` of `num_iterations` (or any other unit of progress, e.g. conversations
+    read of an epoch's): linear warmup over the first round(warmup_ratio * num_iterations) steps (step 0 gets
+    1/warmup; early gradients are noisy), 1 in the middle, then a linear warmdown over the last
+    round(warmdown_ratio * num_iterations) steps to final_lr_frac at step == num_iterations (lowers the final loss).
     """
     warmup = round(warmup_ratio * num_iterations)
     warmdown = round(warmdown_ratio * num_iterations)
@@ -283,17 +227,17 @@ def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, fi
 
 def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95):
     """
-    Muon's momentum ramps from 0.85 to 0.95 over the first 300 steps. A high momentum averages the
-    gradient over ~1/(1-0.95) = 20 steps: smooth, but slow to react, which hurts while the weights are
-    still changing fast at the start. 0.85 (~7 steps) reacts faster early; later the extra smoothing helps.
-    Every stage builds new optimizers (their momentum buffers start at zero), so every stage ramps it.
+    Muon's momentum at `step`: linear from `start` 0.85 to `end` 0.95 over the first `warmup_steps` 300, then 0.95.
+    Why: a momentum of 0.95 averages the gradient over ~1/(1-0.95) = 20 steps, smooth but slow to react, which hurts
+    while the weights still change fast at the start; 0.85 (~7 steps) reacts faster early, later the smoothing helps.
+    Every stage ramps it, not only pretraining: each stage builds new optimizers, whose momentum buffers start at zero.
     """
     frac = min(step / warmup_steps, 1.0)
     return (1 - frac) * start + frac * end
 
 
 def scale_initial_lrs(optimizers, init_lr_frac):
-    """Finetuning stages start from a fraction of the pretraining learning rates: every group's lr times it."""
+    """Every group's lr and initial_lr times `init_lr_frac` (finetuning stages start below pretraining's rates)."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] = group["lr"] * init_lr_frac

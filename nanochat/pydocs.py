@@ -1,10 +1,9 @@
 """
-The pydocs corpus's documents: the running Python's own documentation as an offline pretraining corpus, made in
-seconds with no download. nanochat.dataset writes them as shards in FineWeb-Edu's format (build_pydocs) when the
-corpus is selected ($NANOCHAT_DATASET=pydocs) and not yet on disk.
+The pydocs corpus's documents: the running Python's own documentation, collected offline, the same for the same Python.
 
-Also the source of the offline chat tasks and evaluations (tasks/, core_eval's offline bundle), through
-pydocs_entries(): the records the corpus documents are made of.
+pydocs_entries() gives the records (also the source of the offline chat tasks and of core_bundle), pydocs_documents()
+the shuffled corpus documents that nanochat.dataset writes as shards. What is collected, and what is skipped and
+why: docs/data.md.
 """
 
 import ast
@@ -18,25 +17,9 @@ import tokenize
 
 logger = logging.getLogger("nanochat.pydocs")
 
-# One record per documented thing, in this order (sorted at every level, so the same Python gives the
-# same list):
-#   1. every standard-library .py file, parsed with `ast` (never imported: importing runs module code,
-#      and `antigravity` opens a browser, `this` prints, tkinter wants a display): the module docstring
-#      (kind "module"), then every class, function and method with a docstring (kinds "class",
-#      "function", "method"), in source order. Names starting with a single "_" are private and skipped
-#      (dunders like __init__ are kept); private *modules* (_pydecimal, _collections_abc, ...) are kept,
-#      because they hold the real documentation of public modules.
-#   2. C modules without Python source (sys.builtin_module_names and lib-dynload), imported in a fresh
-#      `python -I` (their import is side-effect free; the few that are not, or that test CPython itself,
-#      are skipped): their public classes, functions and the classes' public methods. An entry is
-#      dropped when the Python sources already document the same name through a pure-Python twin
-#      (`_heapq.heappush` vs `heapq.heappush`, `_decimal.X` vs `_pydecimal.X`, `_io.X` vs `_pyio.X`) or
-#      when its docstring already appeared (up to whitespace): the corpus does not learn a text twice.
-#   3. every entry of pydoc_data.topics: the language reference topics `help("assert")` shows (kind
-#      "topic"), e.g. the `assert` statement, operator precedence, sequence types. Aliases sharing a
-#      text ("else", "if") give one record.
-# Skipped source: test packages (test, tests, idle_test), idlelib, turtledemo, site-packages, the joke
-# modules this/antigravity, generated tables (encodings.* codecs, _sysconfigdata*), pydoc_data itself.
+# Records, in this order (sorted at every level): 1. the standard library's .py files, parsed with `ast`, never
+# imported (module code runs on import); 2. C modules without a Python twin, read in a fresh `python -I`; 3. the
+# pydoc_data topics. Duplicated texts are kept once. Details, and what is skipped: docs/data.md.
 
 _PYDOCS_SKIP_DIRS = {"site-packages", "lib-dynload", "__pycache__", "test", "tests", "idle_test", "idlelib",
                      "turtledemo", "pydoc_data", "__phello__", "encodings"}
@@ -157,9 +140,8 @@ def _source_records(module, path):
 
 def _c_module_docs():
     """
-    Runs in a fresh interpreter (see _c_records; it is sent there as source, so it imports all it uses):
-    prints, as JSON, one raw record per public class, function and class method of the C modules, plus
-    each module's own docstring, with `key` = id() of the object so one object reached twice is kept once.
+    Runs in a fresh interpreter (_c_records sends it as source, so it imports all it uses): prints, as JSON, a raw
+    record of each C module and its public classes, functions and class methods, `key` = id() of the object.
     """
     import importlib, inspect, json, os, re, sys, warnings
 
@@ -219,10 +201,8 @@ def _same_text(doc):
 
 def _c_records(source_names, seen_docs):
     """
-    Records of the C modules, without what the Python sources already document (see the notes above).
-    They are read in a fresh `python -I` rather than here: this process may have replaced attributes of
-    C modules (setup_default_logging sets sys.excepthook, a test may patch time.sleep), which would change
-    the corpus, and importing ~80 extension modules here would leave them loaded for the whole run.
+    Records of the C modules, without what the Python sources already document (`source_names`, `seen_docs`, which
+    it extends); read in a fresh `python -I`, not in this possibly patched process (docs/data.md).
     """
     import json
     import subprocess
@@ -272,16 +252,14 @@ def _pydocs_entries_cached():
 
 def pydocs_entries():
     """
-    The documentation of the running Python as a deterministic list of records (the order and content
-    depend only on the Python installation), one per documented thing:
+    The documentation of the running Python as a list of records, one per documented thing, whose order and content
+    depend only on the Python installation:
       {"name": "json.dumps", "kind": "function", "module": "json",
        "signature": "(obj, *, skipkeys=False, ...)", "docstring": "Serialize ``obj`` to a JSON ..."}
-    kind is module | class | function | method | topic. `signature` is what follows the name on its
-    definition line: parameters and return annotation for functions and methods, bases for classes,
-    "" for modules and topics (and for C functions without a text signature). Names are fully qualified
-    (`builtins.len`, `collections.OrderedDict.popitem`); a topic's name is its help() key (`assert`).
-    Docstrings are dedented (inspect.cleandoc). The corpus has one document per record (pydocs_document).
-    Collected once per process (seconds: it parses the standard library); a fresh list of fresh dicts each call.
+    kind is module | class | function | method | topic. `signature` follows the name on its definition line
+    (parameters and return annotation; bases for a class; "" for modules, topics and C functions without one).
+    Names are fully qualified; a topic's is its help() key (`assert`). Docstrings are dedented (inspect.cleandoc).
+    Collected once per process; a fresh list of fresh dicts each call.
     """
     return [dict(r) for r in _pydocs_entries_cached()]
 

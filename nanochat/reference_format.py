@@ -1,6 +1,7 @@
 """
-Checkpoints written by karpathy/nanochat's own code of late 2025 (commit 088726a), as its released models are laid
-out: in one directory
+Reads checkpoints written by karpathy/nanochat's own code of late 2025 (commit 088726a), as its released models are.
+
+The layout, in one directory:
   model_<step:06d>.pt    torch.save of the model's state dict: our key names, maybe with an "_orig_mod." prefix
                          (saved from a torch.compile'd model); wte and lm_head padded to a multiple of 64 rows
                          (the rows past vocab_size are never trained: lm_head's stay 0, whose logit 15*tanh(0) = 0

@@ -1,27 +1,9 @@
 """
-The tokenizer: text <-> token ids, and conversations -> (ids, mask) for chat training.
+The tokenizer: text <-> token ids (a byte-level BPE), and conversations -> (ids, mask) for chat training.
 
-A byte-level BPE in the style of GPT-4: `rustbpe` learns the merges from a text iterator, `tiktoken` applies them
-(nothing is downloaded), both with the split pattern SPLIT_PATTERN. Ids 0..255 are the 256 bytes, then one id per
-merge, then SPECIAL_TOKENS in order; `vocab_size` counts them all. Special tokens never come out of ordinary text
-(every encode is tiktoken's `encode_ordinary`: a user who types "<|bos|>" gets seven characters' tokens); they only
-enter a sequence through encode_special / prepend / append / render_conversation.
-
-Files, under $NANOCHAT_BASE_DIR/tokenizer/ (written by `python -m scripts.tok_train`; an imported model keeps
-its own in its checkpoint directory):
-- tokenizer.tiktoken  the mergeable ranks in tiktoken's text format: one `base64(token bytes) rank` per line
-- token_bytes.pt      int32 [vocab_size]: UTF-8 bytes of each token (0 for special tokens), for bits per byte
-- tokenizer.json      split pattern, special tokens, vocab size and the sha256 of tokenizer.tiktoken
-                      (written last, so a half-written save is detected on load)
-
-Chat format (render_conversation):
-
-    <|bos|><|user_start|>What is 2+2?<|user_end|><|assistant_start|>Let me check.<|python_start|>2+2<|python_end|>
-    <|output_start|>4<|output_end|>It is 4.<|assistant_end|><|user_start|>...
-
-    mask: 1 on what the assistant writes: its text, its tool calls (<|python_start|> code <|python_end|>) and
-          <|assistant_end|> (so it learns to stop); 0 on everything else: <|bos|>, the user turns,
-          <|assistant_start|>, and the tool outputs (<|output_start|> ... <|output_end|>: the tool writes them).
+Ids 0..255 are the bytes, then the merges, then SPECIAL_TOKENS; special tokens never come out of ordinary text (a
+typed "<|bos|>" is seven characters). Files under $NANOCHAT_BASE_DIR/tokenizer/ (tok_train writes them):
+tokenizer.tiktoken, token_bytes.pt, tokenizer.json. The split pattern, the files and the chat format: docs/tokenizer.md.
 """
 
 import base64
@@ -38,18 +20,8 @@ from nanochat.common import UserError, _use_color, atomic_write, get_base_dir
 
 logger = logging.getLogger(__name__)
 
-# How text is cut into pieces before BPE: merges never cross a piece boundary. This is GPT-4's pattern
-# (cl100k_base) with one change: numbers are split into runs of at most 2 digits (`\p{N}{1,2}`, GPT-4 uses
-# `{1,3}`), so "2025" -> "20" "25". With a small vocabulary, tokens spent on 3-digit numbers are better
-# spent elsewhere. The alternatives, in order:
-#   '(?i:[sdmt]|ll|ve|re)          English contractions: 's 't 're 've 'm 'll 'd (any case)
-#   [^\r\n\p{L}\p{N}]?+\p{L}+      a word, optionally led by one non-letter/non-digit (usually a space)
-#   \p{N}{1,2}                     1 or 2 digits
-#    ?[^\s\p{L}\p{N}]++[\r\n]*     punctuation/symbols, optionally led by a space, with trailing newlines
-#   \s*[\r\n]                      whitespace ending in a newline
-#   \s+(?!\S)                      whitespace not followed by a non-space (leaves one space for the next word)
-#   \s+                            any other whitespace
-# ONE constant, used by training (rustbpe) and by encoding (tiktoken).
+# How text is cut into pieces before BPE (merges never cross a piece boundary), for training (rustbpe) and encoding
+# (tiktoken) alike: GPT-4's pattern with numbers in runs of at most 2 digits (docs/tokenizer.md explains it)
 SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 
 # Appended after the BPE tokens, in this order: <|bos|> gets id n_bpe, <|user_start|> n_bpe + 1, ...
@@ -76,11 +48,8 @@ TRAIN_HINT = "train one with `python -m scripts.tok_train`"
 
 class Tokenizer:
     """
-    A trained BPE tokenizer (see the module docstring). Build one with `Tokenizer.train_from_iterator` or
-    `Tokenizer.from_directory`, or with `get_tokenizer()` for the one scripts/tok_train.py saved.
-
-    `truncation_stats` counts what render_conversation cut off at max_tokens:
-    {"conversations": number of conversations truncated, "tokens_dropped": tokens cut off in total}.
+    A trained BPE tokenizer: Tokenizer.train_from_iterator, Tokenizer.from_directory, or get_tokenizer() for the one
+    tok_train saved. `truncation_stats`: {"conversations", "tokens_dropped"} cut off by render_conversation so far.
     """
 
     def __init__(self, mergeable_ranks, pattern=SPLIT_PATTERN):
@@ -103,10 +72,9 @@ class Tokenizer:
     @classmethod
     def train_from_iterator(cls, text_iterator, vocab_size=DEFAULT_VOCAB_SIZE):
         """
-        Learn BPE merges from an iterator of strings (documents) with rustbpe, using SPLIT_PATTERN.
-        `vocab_size` includes the special tokens, so vocab_size - len(SPECIAL_TOKENS) - 256 merges are learned.
-        A corpus too small to provide that many merges gives a smaller vocabulary (logged as a warning);
-        get_vocab_size() tells the real size.
+        A tokenizer whose BPE merges rustbpe learns from an iterator of strings (documents): vocab_size -
+        len(SPECIAL_TOKENS) - 256 merges, fewer (with a warning) if the text runs out of pairs; get_vocab_size()
+        tells the real size. UserError for a vocab_size below 256 + the special tokens + 1.
         """
         import rustbpe  # only training needs it
 
@@ -126,9 +94,8 @@ class Tokenizer:
 
     def save(self, path):
         """
-        Write the tokenizer to directory `path`: tokenizer.tiktoken, token_bytes.pt, then tokenizer.json.
-        Each file is written to a temp file and renamed; tokenizer.json (written last) records the sha256 of
-        tokenizer.tiktoken, so from_directory detects a save that died half-way.
+        Write the tokenizer to directory `path`: tokenizer.tiktoken, token_bytes.pt, then tokenizer.json, each all or
+        nothing; tokenizer.json records the sha256 of tokenizer.tiktoken, so a save that died half-way is detected.
         """
         os.makedirs(path, exist_ok=True)
         by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
@@ -178,9 +145,8 @@ class Tokenizer:
 
     def fingerprint(self):
         """
-        A short hash of everything that decides which id a text gets: the merges (token bytes and their ranks),
-        the split pattern and the special tokens. Checkpoints record it, so a model is never run with a
-        different tokenizer than it was trained with (same vocab size is not enough: other merges, other ids).
+        16 hex digits hashing everything that decides which id a text gets (merges, split pattern, special tokens);
+        checkpoints record it, so a model never runs with another tokenizer than it was trained with.
         """
         h = hashlib.sha256()
         for token, rank in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]):
@@ -190,11 +156,7 @@ class Tokenizer:
         return h.hexdigest()[:16]
 
     def compute_token_bytes(self):
-        """
-        int32 tensor [vocab_size]: the number of bytes of each token, 0 for special tokens. Taken from the
-        raw token bytes, never from a decoded string: a token can be part of a multi-byte UTF-8 character
-        (e.g. the first 2 of the 3 bytes of "中"), which would decode to a replacement character.
-        """
+        """int32 tensor [vocab_size]: the number of raw bytes of each token (not of its text), 0 for special tokens."""
         token_bytes = torch.zeros(self.get_vocab_size(), dtype=torch.int32)
         for token, rank in self.mergeable_ranks.items():
             token_bytes[rank] = len(token)
@@ -218,13 +180,11 @@ class Tokenizer:
         return self.special_tokens[name]
 
     def get_bos_token_id(self):
+        """The id of <|bos|>, which begins every document and every conversation."""
         return self.encode_special("<|bos|>")
 
     def id_to_token(self, token_id):
-        """
-        A readable string for one token. Bytes that are not valid UTF-8 on their own (a token holding part
-        of a multi-byte character) are shown as \\xNN escapes; special tokens as their name.
-        """
+        """A readable string for one token: invalid UTF-8 bytes as \\xNN escapes, special tokens as their name."""
         return self.enc.decode_single_token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
     def _as_id(self, token):
@@ -232,14 +192,10 @@ class Tokenizer:
 
     def encode(self, text_or_list, prepend=None, append=None, num_threads=8):
         """
-        str -> list[int]; list[str] -> list[list[int]] (encoded in parallel by tiktoken, `num_threads`).
-        `prepend` / `append`: a token id or a special token string (e.g. "<|bos|>") added to each sequence.
-
-        The text is always ordinary text: special-token strings inside it are encoded as plain characters.
-        Strings that are not valid Unicode (lone surrogates such as "\\ud800", which Python allows in a str
-        but UTF-8 cannot encode) are repaired the way tiktoken does it: surrogate pairs are joined into the
-        character they stand for and each lone surrogate becomes U+FFFD "\ufffd", so decode(encode(s))
-        returns s with those replacements. Every valid string round-trips exactly.
+        str -> list[int]; list[str] -> list[list[int]] (encoded in parallel by tiktoken, `num_threads`). `prepend` /
+        `append`: a token id or a special token string (e.g. "<|bos|>") added to each sequence. Always ordinary text:
+        special-token strings in it are plain characters. decode(encode(s)) == s for every valid string; lone
+        surrogates (e.g. "\\ud800") are repaired as tiktoken does (pairs joined, a lone one becomes U+FFFD "\ufffd").
         """
         pre = None if prepend is None else self._as_id(prepend)
         post = None if append is None else self._as_id(append)
@@ -268,10 +224,7 @@ class Tokenizer:
     # Conversations
 
     def _validated_messages(self, conversation):
-        """
-        Check the conversation and return its messages with a leading system message merged into the first
-        user message ("system text\\n\\nuser text"). Raises ValueError saying what is wrong.
-        """
+        """The conversation's messages, a leading system message merged into the first user message; else ValueError."""
         if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
             raise ValueError("a conversation is a dict {'messages': [...]}")
         messages = conversation["messages"]
@@ -348,17 +301,13 @@ class Tokenizer:
 
     def render_conversation(self, conversation, max_tokens=2048):
         """
-        Conversation -> (ids, mask), two lists of equal length; mask[i] = 1 where ids[i] is a training target
-        (see the module docstring for the format and the mask).
-
-        conversation = {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}:
-        an optional system message first (merged into the first user message as "system\\n\\nuser"), then
-        user and assistant alternate starting with user. User content is a string; assistant content is a
-        string or a list of parts {"type": "text"|"python"|"python_output", "text": str}. A malformed
-        conversation raises ValueError.
-
-        Sequences longer than max_tokens are cut to max_tokens; each cut is counted in
-        self.truncation_stats and the first one is logged as a warning.
+        Conversation -> (ids, mask), two lists of equal length, at most max_tokens (a cut is counted in
+        truncation_stats; the first is logged). mask[i] = 1 where ids[i] is what the assistant writes (its text, its
+        python calls, <|assistant_end|>), 0 elsewhere (<|bos|>, user turns, <|assistant_start|>, tool outputs).
+        conversation = {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}: an optional system
+        message first (merged into the first user message as "system\\n\\nuser"), then user and assistant alternate
+        starting with user. User content is a string; assistant content a string or a list of parts {"type": "text"|
+        "python"|"python_output", "text": str}. A malformed conversation raises ValueError. Format: docs/tokenizer.md.
         """
         ids, mask = self._render_messages(self._validated_messages(conversation))
         if len(ids) > max_tokens:
@@ -372,9 +321,8 @@ class Tokenizer:
 
     def render_for_completion(self, conversation):
         """
-        The prompt for sampling the assistant's next reply (chat, evaluation, RL): the conversation rendered
-        without its last assistant message (if it ends with one) and ending with <|assistant_start|>.
-        The conversation may end with a user message. Returns ids only (nothing is trained on).
+        The ids of the prompt for sampling the assistant's next reply: the conversation without its last assistant
+        message (if it ends with one), ending with <|assistant_start|>. ValueError as for render_conversation.
         """
         messages = self._validated_messages(conversation)
         if messages[-1]["role"] == "assistant":
@@ -385,10 +333,9 @@ class Tokenizer:
 
     def visualize_tokenization(self, ids, mask=None, color=None):
         """
-        A debug view of a token sequence, one string; newlines/tabs inside tokens shown as \\n and \\t. Tokens are
-        separated by "|"; with a mask, trained tokens (mask 1) are green and the others red at a terminal, or each
-        run of trained tokens is wrapped in [[ ]] without colours. `color`: None = decide from sys.stdout and
-        NO_COLOR, True/False to force.
+        A debug view of a token sequence, one string, tokens separated by "|" (\\n, \\t, \\r shown escaped). With a
+        mask: trained tokens green and the others red in colour, or runs of trained tokens in [[ ]] without. `color`:
+        None = decide from sys.stdout and NO_COLOR, True/False to force. ValueError if mask and ids differ in length.
         """
         if color is None:
             color = _use_color(sys.stdout)
@@ -422,6 +369,7 @@ class Tokenizer:
 
 
 def get_tokenizer_dir():
+    """$NANOCHAT_BASE_DIR/tokenizer, where tok_train saves the tokenizer."""
     return os.path.join(get_base_dir(), "tokenizer")
 
 
@@ -432,10 +380,9 @@ def get_tokenizer():
 
 def get_token_bytes(device="cpu", directory=None):
     """
-    int32 tensor [vocab_size] on `device`: UTF-8 bytes of each token id (0 for special tokens), to turn a
-    loss in nats per token into bits per byte: sum(loss) / (ln 2 * sum(token_bytes[targets])).
-    `directory`: the tokenizer directory to read, default $NANOCHAT_BASE_DIR/tokenizer/. A model that brought
-    its own tokenizer (an imported one) needs its own: pass `tokenizer.directory` of load_model's tokenizer.
+    int32 tensor [vocab_size] on `device`: the bytes of each token id (0 for special tokens), for bits per byte =
+    sum(loss) / (ln 2 * sum(token_bytes[targets])). `directory`: default $NANOCHAT_BASE_DIR/tokenizer/; a model with
+    its own tokenizer (an imported one) needs `tokenizer.directory` of load_model's tokenizer. UserError if missing.
     """
     path = os.path.join(directory or get_tokenizer_dir(), TOKEN_BYTES_FILE)
     if not os.path.exists(path):
