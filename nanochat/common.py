@@ -355,13 +355,7 @@ def compute_init(device_type="cuda"):
         dist.init_process_group(backend="gloo")
     else:
         device = torch.device(device_type)
-<<<<<<< HEAD
-    # No barrier: init_process_group returns when every rank has joined, and _print_topology's all_gather is itself
-    # a collective every rank reaches
-=======
-    # No barrier needed: _print_topology's all_gather is itself a collective every rank must reach. Then the compute
-    # dtype, rank 0's decision sent to every rank (nanochat/hardware.py; imported here: it imports this module)
->>>>>>> docs
+    # No barrier needed: _print_topology's all_gather is itself a collective every rank must reach
     _print_topology(ddp, ddp_rank, ddp_local_rank, ddp_world_size, device)
     return ddp, ddp_rank, ddp_local_rank, ddp_world_size, device
 
