@@ -31,7 +31,7 @@ def tok():
 def corpus(isolated_env, monkeypatch):
     """A FineWeb-format corpus of 3 shards (2 train, 1 val), 3 row groups of 40 numbered docs each."""
     monkeypatch.setenv("NANOCHAT_DATASET", "fineweb-edu")
-    monkeypatch.setenv("NANOCHAT_FINEWEB_SHARDS", "3")
+    monkeypatch.setenv("NANOCHAT_DATA_SHARDS", "3")
     directory = isolated_env / "base_data" / "fineweb-edu"
     directory.mkdir(parents=True)
     n = 0

@@ -33,19 +33,24 @@ def _fixture_docs(shard):
     return [f"Document {j} of shard {shard}: the quick brown fox jumps over the lazy dog." for j in range(10)]
 
 
-@pytest.fixture
-def tiny_fineweb(file_server, monkeypatch):
-    """A 3-shard 'FineWeb' on the local server (10 docs per shard, row groups of 4), selected via env."""
+@pytest.fixture(params=["fineweb-edu", "climbmix"])
+def tiny_hub(request, file_server, monkeypatch):
+    """A 3-shard hub corpus on the local server (10 docs per shard, row groups of 4), selected via env: FineWeb-Edu
+    (the default: NANOCHAT_DATASET unset) or ClimbMix. Both take the same path, into base_data/<corpus>."""
     for s in range(3):
         _write_shard(os.path.join(file_server.root, dataset.shard_name(s)), _fixture_docs(s), row_group_size=4)
     monkeypatch.setenv("NANOCHAT_DATA_URL", file_server.url)
-    monkeypatch.setenv("NANOCHAT_FINEWEB_SHARDS", "3")
-    monkeypatch.delenv("NANOCHAT_DATASET", raising=False)
+    monkeypatch.setenv("NANOCHAT_DATA_SHARDS", "3")
+    if request.param == "fineweb-edu":
+        monkeypatch.delenv("NANOCHAT_DATASET", raising=False)
+    else:
+        monkeypatch.setenv("NANOCHAT_DATASET", request.param)
+    file_server.corpus = request.param
     return file_server
 
 
 def _local(s):
-    return os.path.join(nanochat.common.get_base_dir(), "base_data", "fineweb-edu", dataset.shard_name(s))
+    return os.path.join(nanochat.common.get_base_dir(), "base_data", dataset.dataset_name(), dataset.shard_name(s))
 
 
 # -----------------------------------------------------------------------------
@@ -188,15 +193,15 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# FineWeb-Edu download path (against the local file server)
+# The hub corpora's download path (FineWeb-Edu, ClimbMix; against the local file server)
 
 
-def test_download_cli_fetches_train_and_fixed_val_then_nothing(tiny_fineweb):
+def test_download_cli_fetches_train_and_fixed_val_then_nothing(tiny_hub):
     proc = run_script("-m", "nanochat.dataset", "-n", "2", "-w", "2", timeout=120)
     assert proc.returncode == 0, proc.stderr
     for s in range(3):
-        assert _sha(_local(s)) == _sha(os.path.join(tiny_fineweb.root, dataset.shard_name(s)))
-    assert tiny_fineweb.requests == {f"/{dataset.shard_name(s)}": 1 for s in range(3)}
+        assert _sha(_local(s)) == _sha(os.path.join(tiny_hub.root, dataset.shard_name(s)))
+    assert tiny_hub.requests == {f"/{dataset.shard_name(s)}": 1 for s in range(3)}
     for s in range(3):
         assert f"Downloaded Shard {s} (" in proc.stderr
     assert "3/3 done" in proc.stderr
@@ -204,68 +209,76 @@ def test_download_cli_fetches_train_and_fixed_val_then_nothing(tiny_fineweb):
     # second run: everything is there and valid, nothing is requested
     dataset.main(["-n", "2"])
     dataset.main(["-n", "-1"])  # -1 = all training shards = 2 here
-    assert tiny_fineweb.requests == {f"/{dataset.shard_name(s)}": 1 for s in range(3)}
+    assert tiny_hub.requests == {f"/{dataset.shard_name(s)}": 1 for s in range(3)}
     assert dataset.list_parquet_files("train") == [_local(0), _local(1)]
     assert dataset.list_parquet_files("val") == [_local(2)]
 
 
-def test_val_shard_is_the_last_shard_not_the_last_downloaded(tiny_fineweb):
-    assert dataset.download_fineweb(1, workers=2) == [0, 2]
+def test_val_shard_is_the_last_shard_not_the_last_downloaded(tiny_hub):
+    assert dataset.download_shards(1, workers=2) == [0, 2]
     assert not os.path.exists(_local(1))
     assert dataset.list_parquet_files("train") == [_local(0)]
     assert dataset.list_parquet_files("val") == [_local(2)]
-    assert dataset.download_fineweb(2, workers=2) == [1]  # more training shards: val set unchanged
+    assert dataset.download_shards(2, workers=2) == [1]  # more training shards: val set unchanged
     assert dataset.list_parquet_files("val") == [_local(2)]
     assert dataset.list_parquet_files("train") == [_local(0), _local(1)]
-    assert dataset.download_fineweb(0) == []  # -n 0: just the val shard, already there
+    assert dataset.download_shards(0) == []  # -n 0: just the val shard, already there
 
 
-def test_damaged_local_shard_is_reported_and_replaced(tiny_fineweb):
+def test_damaged_local_shard_is_reported_and_replaced(tiny_hub):
     dataset.main(["-n", "2"])
     with open(_local(1), "r+b") as f:
         f.truncate(os.path.getsize(_local(1)) // 2)
     with pytest.raises(UserError) as e:
         dataset.list_parquet_files("train")
     assert "shard_00001.parquet" in str(e.value) and "python -m nanochat.dataset -n 8" in str(e.value)
-    assert dataset.download_fineweb(2) == [1]
-    assert _sha(_local(1)) == _sha(os.path.join(tiny_fineweb.root, dataset.shard_name(1)))
-    assert tiny_fineweb.requests[f"/{dataset.shard_name(1)}"] == 2
-    assert tiny_fineweb.requests[f"/{dataset.shard_name(0)}"] == 1
+    assert dataset.download_shards(2) == [1]
+    assert _sha(_local(1)) == _sha(os.path.join(tiny_hub.root, dataset.shard_name(1)))
+    assert tiny_hub.requests[f"/{dataset.shard_name(1)}"] == 2
+    assert tiny_hub.requests[f"/{dataset.shard_name(0)}"] == 1
     assert dataset.list_parquet_files("train") == [_local(0), _local(1)]
 
 
-def test_damaged_download_is_rejected_before_it_lands(tiny_fineweb, monkeypatch):
+def test_damaged_download_is_rejected_before_it_lands(tiny_hub, monkeypatch):
     monkeypatch.setattr(nanochat.common.time, "sleep", lambda s: None)  # no retry backoff in tests
-    with open(os.path.join(tiny_fineweb.root, dataset.shard_name(1)), "wb") as f:
+    with open(os.path.join(tiny_hub.root, dataset.shard_name(1)), "wb") as f:
         f.write(b"<html>not a parquet file</html>")
     with pytest.raises(UserError) as e:
-        dataset.download_fineweb(2, workers=3)
+        dataset.download_shards(2, workers=3)
     assert "shard_00001.parquet" in str(e.value)
-    assert tiny_fineweb.requests[f"/{dataset.shard_name(1)}"] >= 2  # validated, then retried
+    assert tiny_hub.requests[f"/{dataset.shard_name(1)}"] >= 2  # validated, then retried
     assert not os.path.exists(_local(1))  # never renamed into place
     assert os.path.exists(_local(0)) and os.path.exists(_local(2))  # the other shards completed
     assert not [n for n in os.listdir(os.path.dirname(_local(0))) if ".tmp" in n]
 
 
-def test_missing_data_and_bad_input_errors(tiny_fineweb, monkeypatch):
+def test_missing_data_and_bad_input_errors(tiny_hub, monkeypatch):
     for split in ("train", "val"):
         with pytest.raises(UserError, match=r"python -m nanochat\.dataset -n 8"):
             dataset.list_parquet_files(split)
     with pytest.raises(UserError, match="-n"):
-        dataset.main([])  # fineweb needs an explicit shard count
+        dataset.main([])  # a hub corpus needs an explicit shard count
     with pytest.raises(UserError, match="0..2"):
-        dataset.download_fineweb(3)
+        dataset.download_shards(3)
     with pytest.raises(ValueError):
         dataset.list_parquet_files("test")
+    monkeypatch.delenv("NANOCHAT_DATA_SHARDS")  # the real corpora: their own URLs and shard counts
+    for name, (url, shards) in dataset.HUB_CORPORA.items():
+        monkeypatch.setenv("NANOCHAT_DATASET", name)
+        assert dataset.hub_num_shards() == shards and dataset.hub_url() == tiny_hub.url  # NANOCHAT_DATA_URL wins
+        assert dataset.fetch_command().endswith("python -m nanochat.dataset -n 8")
+    monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
+    with pytest.raises(UserError, match="not downloaded"):
+        dataset.download_shards(1)
     monkeypatch.setenv("NANOCHAT_DATASET", "pydoc")
     with pytest.raises(UserError, match="did you mean pydocs"):
         dataset.data_dir()
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     assert dataset.fetch_command() == "NANOCHAT_DATASET=pydocs python -m nanochat.dataset"
-    assert tiny_fineweb.requests == {}
+    assert tiny_hub.requests == {}
 
 
-def test_missing_data_cli_prints_one_line_error(tiny_fineweb):
+def test_missing_data_cli_prints_one_line_error(tiny_hub):
     proc = run_script("-m", "nanochat.dataset", timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and "-n 8" in proc.stderr
@@ -275,7 +288,7 @@ def test_missing_data_cli_prints_one_line_error(tiny_fineweb):
 # Reading API
 
 
-def test_row_groups_and_rank_striding(tiny_fineweb):
+def test_row_groups_and_rank_striding(tiny_hub):
     directory = os.path.dirname(_local(0))
     os.makedirs(directory)
     for s in range(3):
