@@ -51,13 +51,18 @@ from nanochat.common import UserError, print0
 from nanochat.dataset import list_row_groups, read_row_group
 
 
-def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size):
+def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size, show=False):
     """
     Micro-steps per optimizer step: total_batch_size / (device_batch_size x max_seq_len x world_size), which
-    must be a whole number. If not, a UserError names the values and suggests ones that work.
+    must be a whole number. If not, a UserError names the values and suggests ones that work. show: print the
+    arithmetic (rank 0), as the training scripts do.
     """
     per_micro = device_batch_size * max_seq_len * world_size  # tokens of one micro-step on all ranks together
     if total_batch_size % per_micro == 0 and total_batch_size > 0:
+        if show:
+            print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {device_batch_size * max_seq_len:,}")
+            print0(f"Tokens / micro-batch (all {world_size} ranks): {per_micro:,}")
+            print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {total_batch_size // per_micro}")
         return total_batch_size // per_micro
     lower = total_batch_size // per_micro * per_micro
     options = [f"--total_batch_size={v}" for v in (lower, lower + per_micro) if v > 0]
@@ -275,9 +280,9 @@ def pad_rows(rows, pad_id, device):
 class ConversationLoader:
     """
     Micro-batches of conversations for THIS rank, forever: rank r reads conversations r, r + W, r + 2W, ... of
-    `dataset` (W = world size; only its first `size`), so ranks never read the same one, and the data of a
-    step depends on the world size (a resume must use the same number of ranks). Each conversation is rendered
-    with its training mask (tokenizer.render_conversation: 1 on what the assistant writes). Two layouts:
+    `dataset` (W = world size; only its first `size`, all if None or < 0), so ranks never read the same one, and
+    the data of a step depends on the world size (a resume must use the same number of ranks). Each conversation
+    is rendered with its training mask (tokenizer.render_conversation: 1 on what the assistant writes). Layouts:
 
     - packed=True (midtraining): conversations are appended to a token stream and a micro-batch is the next
       B*T+1 tokens (inputs the first B*T, targets shifted by one; the last token stays for the next batch), so
@@ -286,8 +291,9 @@ class ConversationLoader:
       to the longest of the micro-batch (pad_rows): every row starts where a conversation starts, as in a chat.
 
     Targets are -1 where the mask is 0 (user turns, tool outputs, padding) unless train_on_all_tokens.
-    `epoch_done` turns True when this rank's reading wraps around the dataset; `cursor / size` is how far this
-    rank is through the epoch (the learning-rate schedule of a run of one epoch follows it).
+    `epoch_done` turns True when this rank's reading wraps around the dataset; progress() is how far this rank
+    is through the epoch (the learning-rate schedule of a run of one epoch follows it). next_step(n): the n
+    micro-batches of an optimizer step at once (a chat stage counts their targets before its first backward).
 
     state_dict() is where the next batch starts plus what was read so far; load_state_dict() takes the list of
     every rank's state_dict (as a checkpoint keeps them) and continues this rank's exactly. Packed: what a batch
@@ -299,7 +305,7 @@ class ConversationLoader:
                  train_on_all_tokens=False):
         self.dataset, self.tokenizer, self.B, self.T, self.device = dataset, tokenizer, B, T, torch.device(device)
         self.packed, self.train_on_all_tokens, self.rank, self.world_size = packed, train_on_all_tokens, rank, world_size
-        self.size = len(dataset) if size is None else size
+        self.size = len(dataset) if size is None or size < 0 else min(size, len(dataset))
         self.pad_id = tokenizer.encode_special("<|assistant_end|>")  # any id does: padded targets are ignored
         self.load_state_dict(None)
 
@@ -323,6 +329,15 @@ class ConversationLoader:
 
     def __iter__(self):
         return self
+
+    def next_step(self, n):
+        """(the state_dict() where they start: what a checkpoint saved before this step keeps, [n micro-batches])"""
+        state = self.state_dict()
+        return state, [next(self) for _ in range(n)]
+
+    def progress(self):
+        """(conversations of this rank's share of the epoch read so far, the epoch's size)"""
+        return (self.size if self.epoch_done else self.cursor), self.size
 
     def _read(self):
         """The next conversation of this rank, rendered: (index, ids, mask), counted; moves the cursor past it."""

@@ -1,5 +1,6 @@
 """
-What the hardware decides: the compute dtype, the peak FLOP/s behind MFU, and whether to torch.compile.
+What the hardware decides: the compute dtype, the peak FLOP/s behind MFU, whether to torch.compile, and when
+its queued work is done (device_time: the clock of a training step).
 
 compute_dtype is decided once per process (rank 0's decision under torchrun) and followed by training, Muon, the
 evaluations and the Engine; weights and optimizer state stay fp32. The rules and why: docs/hardware.md.
@@ -250,3 +251,11 @@ def compile_model(model, setting, device_type, dynamic=False):
     """
     use = setting == "true" or (setting == "auto" and device_type == "cuda")
     return (torch.compile(model, dynamic=dynamic) if use else model), use
+
+
+def device_time(device):
+    """time.time() once the work queued on `device` is done: CUDA runs kernels asynchronously, so a step timed
+    without waiting for them would measure how fast they were queued."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()

@@ -48,7 +48,7 @@ z = x @ lm_head^T, computed with fewer passes over the (rows x vocab) logits tha
 as separate PyTorch ops.
 
 Why a CPU needs it: without torch.compile (which fuses these elementwise ops on CUDA, and is off on a CPU for
-the short runs made there: nanochat/stage.py compile_model) every op of
+the short runs made there: nanochat/hardware.py compile_model) every op of
     F.cross_entropy(cap * tanh(z / cap), targets)
 reads and writes the whole logits tensor, forward and backward: divide, tanh, multiply, log-softmax (max, exp,
 sum, write), and in the backward zeros for the one-hot, log-softmax backward (exp again), multiply, tanh
@@ -69,7 +69,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import Interrupted, interruptible, is_distributed
+from nanochat.common import Interrupted, interruptible, is_distributed, per_rank
 
 
 class _SoftcappedCrossEntropy(torch.autograd.Function):
@@ -162,6 +162,16 @@ def supervised_loss(model, x, y, step_targets, ddp_world_size):
     """
     loss_sum = model(x, y, loss_reduction="sum")
     return loss_sum * (ddp_world_size / max(step_targets, 1)), loss_sum.detach()
+
+
+def step_losses(loss_sum, rank_targets):
+    """
+    The loss of a supervised step, for logging, on every rank (one all_reduce): (the mean over every supervised
+    target of the step, all ranks together; [the mean over each rank's own]), from this rank's summed token losses
+    `loss_sum` (the supervised_loss sums of its micro-steps) and every rank's targets (count_step_targets).
+    """
+    rank_sums = per_rank(loss_sum.item())
+    return sum(rank_sums) / max(sum(rank_targets), 1), [s / max(n, 1) for s, n in zip(rank_sums, rank_targets)]
 
 
 def group_advantages(rewards):

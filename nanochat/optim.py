@@ -250,3 +250,19 @@ def set_learning_rates(optimizers, multiplier, muon_momentum_now):
             group["lr"] = group["initial_lr"] * multiplier
             if "momentum" in group:  # Muon's groups (AdamW's have betas instead)
                 group["momentum"] = muon_momentum_now
+
+
+def step_optimizers(optimizers, lrm, momentum, grad_clip):
+    """
+    The update of a training step, after its backward passes: the gradient clipped to global norm `grad_clip`
+    (0 = no clipping), every group's lr set to initial_lr x `lrm` and Muon's momentum to `momentum`, every
+    optimizer stepped (the ranks' gradients are averaged in the first of clip_grad_norm_ and opt.step(): see the
+    top of this file), the gradients zeroed. Returns the norm before clipping (a float; None without clipping).
+    """
+    grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
+    set_learning_rates(optimizers, lrm, momentum)
+    for opt in optimizers:
+        opt.step()
+    for opt in optimizers:  # the optimizers partition the parameters: this zeroes every gradient of the model
+        opt.zero_grad(set_to_none=True)
+    return grad_norm.item() if grad_norm is not None else None
