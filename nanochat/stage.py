@@ -1,40 +1,53 @@
 """
 What the four training stages (scripts/base_train, mid_train, chat_sft, chat_rl) do around their training loop,
-written once: start (fresh, or resumed from the stage's own checkpoint), save, agree with the other ranks on
-when to stop, and end. The loop itself, with its micro-steps, stays written out in each script.
+written once: start-up, start (fresh, or resumed from the stage's own checkpoint), log, save, stop, end. The loop
+itself, with its micro-steps, stays written out in each script. The calls a script makes, on every rank, in order:
 
-    stage = Stage("mid", config, device)                  # every rank; wandb on rank 0 unless --run=dummy
-    model, tokenizer = stage.start(source="base", model_tag=model_tag, source_step=step)
-    optimizers = model.setup_optimizers(...)
-    stage.resume(optimizers, data_settings)                # a resumed run: optimizer state, checked settings
-    train_loader.load_state_dict(stage.data_state)         # ... and where its data was
-    stop_request = StopRequest(ddp_rank)
+    device_type, ddp, rank, world_size, device = start_compute(device_type)   # after its settings are checked
+    stage = Stage("mid", config, device)             # wandb on rank 0 unless --run=dummy; stage.stop
+    model, tokenizer = stage.start(model_tag, source="base", source_step=step)  # resumed: the checkpoint's weights
+    optimizers, train_loader = ..., ...
+    loop = stage.resume(optimizers, train_loader, data_settings, smooth_train_loss=0.0, epoch_done=False)
+    step, stop_now = stage.start_step, False
     while True:
-        ...
-        if last_step or ...: stage.save(step, optimizers, data_state=..., loop_state=...)
-        ... the step, its micro-steps ...
-        stop_now, = any_rank(stop_request.requested)       # all ranks stop after the same step
-    stage.finish(step, stopped_early, "python -m scripts.chat_sft")   # exit 75 when stopped early
+        last_step = ... or stop_now
+        if last_step or ...: stage.save(step, optimizers, loop, data_state=...)
+        with stage.phase(f"Step {step:05d} | evaluations"):   # evaluate(..., stop=stage.stop): cut short by a stop
+            ...; stage.log(step, val_bpb=...)
+        if last_step: break
+        ... the step and its micro-steps; loop.smooth_train_loss = ...
+        stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
+        step += 1; stage.log(step, loss=..., lrm=...)
+    stage.report("Midtraining", step, [config, {...}])  # the final figures: stage.stopped_early() says if they ran
+    sys.exit(stage.finish(step, "python -m scripts.chat_sft"))
 
-Exit codes (speedrun.sh stops at anything but 0): 0 = the stage reached its last step, 1 = a user error (one
-line says what to do), 75 = stopped early on request, with a checkpoint to resume from.
+Contract: resume() restores a resumed run (optimizer state, the loader's position, checked data settings) and
+returns the loop's variables (the keywords: a fresh run's values), which save() stores, so that a resumed run
+continues exactly as the uninterrupted one. log() writes one set of names to every sink (wandb, metrics.jsonl).
+finish() returns the exit code (speedrun.sh stops at anything but 0): 0 = the stage reached its last step and
+ran its final evaluations; EXIT_STOPPED_EARLY = a stop request (SIGTERM, Ctrl-C; on any rank) cut the training,
+an evaluation or a sampling short, and a checkpoint to resume from is saved. A user error (one line says what
+to do) exits with 1 on its own (nanochat/common.py). Every rank agrees on when to stop and on the exit code.
 """
 
+import contextlib
 import math
 import os
 import signal
-import sys
 import time
+import types
 import urllib.parse
 
 import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (SOURCES, STAGE_COMMANDS, carry_tokenizer, check_data_settings,
-                                         check_tokenizer, checkpoint_dir_for, checkpoint_tokenizer,
+                                         check_model_tag, check_tokenizer, checkpoint_dir_for, checkpoint_tokenizer,
                                          claim_checkpoint_dir, find_model_tag, load_checkpoint, load_model,
                                          model_from_state, open_metrics, save_checkpoint)
-from nanochat.common import UserError, any_rank, compute_cleanup, gather_from_ranks, get_base_dir, is_distributed, print0
+from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_cleanup, compute_init,
+                             gather_from_ranks, get_base_dir, is_distributed, print0, print_banner)
+from nanochat.hardware import compute_dtype_line
 from nanochat.optim import load_optimizer_shards, optimizer_shard
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
@@ -47,20 +60,22 @@ class StopRequest:
     """
     Stop a training stage cleanly on SIGTERM (a scheduler's "your time is up", `kill`) or SIGINT (Ctrl-C), within
     seconds, in any phase: a training step finishes; an evaluation or sampling stops at once (the phases take
-    `stop=stop_request` and ask it between items: nanochat.common.Interrupted); then a checkpoint is saved (one
+    `stop=stage.stop` and ask it between items: nanochat.common.Interrupted); then a checkpoint is saved (one
     already saved stays as it is) and the stage exits with EXIT_STOPPED_EARLY. A second signal kills at once.
+    The handlers are installed by listen() (Stage.resume: before it there is nothing to save, a signal kills).
 
     A signal may reach the ranks at different moments, or only one of them. At the end of a step the ranks combine
-    their `requested` flags (any_rank) and all stop together. Within a phase, stop_request() is True once this
+    their `requested` flags (Stage.stop_after_step) and all stop together. Within a phase, stop() is True once this
     rank got a signal or, under torchrun, once another rank did: the first to ask after its signal writes it into
     the process group's store, where the others look (at most every STORE_EVERY seconds), so that no rank goes on
-    with a long evaluation while the others wait for it.
+    with a long evaluation while the others wait for it. `seen`: a True answer was given (a phase or the training
+    was cut short): the stage stopped early.
     """
 
     STORE_KEY, STORE_EVERY = "nanochat_stop_requested", 0.5
 
     def __init__(self, rank):
-        self.rank, self.requested = rank, False
+        self.rank, self.requested, self.seen = rank, False, False
         self._store = self._last_look = None
         if is_distributed():
             try:
@@ -68,6 +83,8 @@ class StopRequest:
             except (AttributeError, RuntimeError):  # a torch without it: the ranks still agree at each step's end
                 self._store = None
         self._posted = False
+
+    def listen(self):
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
 
@@ -79,17 +96,15 @@ class StopRequest:
 
     def __call__(self):
         """True once a stop was requested of this run, here or (under torchrun) on another rank."""
-        if self._store is None:
-            return self.requested
-        if self.requested:
-            if not self._posted:  # here, not in the signal handler: a store call must not interrupt another one
-                self._store.set(self.STORE_KEY, "1")
-                self._posted = True
-            return True
-        now = time.monotonic()
-        if self._last_look is None or now - self._last_look >= self.STORE_EVERY:
-            self._last_look = now
-            self.requested = self._store.check([self.STORE_KEY])
+        if self._store is not None and self.requested and not self._posted:
+            self._store.set(self.STORE_KEY, "1")  # here, not in the signal handler: a store call must not interrupt another one
+            self._posted = True
+        elif self._store is not None and not self.requested:
+            now = time.monotonic()
+            if self._last_look is None or now - self._last_look >= self.STORE_EVERY:
+                self._last_look = now
+                self.requested = self._store.check([self.STORE_KEY])
+        self.seen = self.seen or self.requested
         return self.requested
 
 
@@ -147,15 +162,29 @@ def check_stage_settings(config):
     if config["warmup_ratio"] + config["warmdown_ratio"] > 1:
         raise UserError(f"--warmup_ratio + --warmdown_ratio = {config['warmup_ratio'] + config['warmdown_ratio']:g} > 1: "
                         f"the warmup and the warmdown would overlap")
+    if config.get("model_tag"):
+        check_model_tag(config["model_tag"])
+
+
+def start_compute(device_type):
+    """
+    The start of every training stage on every rank, once its settings are checked: the banner, the process group
+    and this rank's device (compute_init: one process per device under torchrun; device_type "" = autodetect), and
+    the compute dtype decided for it. Returns (device_type, ddp, rank, world_size, device).
+    """
+    print_banner()
+    device_type = device_type or autodetect_device_type()
+    ddp, rank, _, world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
+    print0(compute_dtype_line(device_type))
+    return device_type, ddp, rank, world_size, device
 
 
 class Stage:
     """
     One run of a training stage: its checkpoint directory (owned for the whole run), where it started from,
-    its saves, its metrics file, its wandb run and its end. Attributes after start():
+    its saves, its metrics, its stop request and its end. Attributes after start():
       model, tokenizer, model_tag, checkpoint_dir, start_step (0, or the step resumed from), resumed (bool),
-      loop_state (the loop's variables saved with the checkpoint; {} when fresh), data_state (every rank's
-      loader state_dict when resumed, else None), parent (the model a fresh run started from), metrics_path.
+      parent (the model a fresh run started from), metrics_path; `stop` (the StopRequest) from the start.
     """
 
     def __init__(self, name, config, device):
@@ -167,7 +196,8 @@ class Stage:
         self.resume_from_step = config["resume_from_step"]
         self.resumed = self.resume_from_step >= 0
         self.wandb = init_wandb(config["run"], self.rank == 0, config, project=WANDB_PROJECTS[name])
-        self.last_saved_step, self.data_settings, self.meta = None, None, None
+        self.stop = StopRequest(self.rank)
+        self.last_saved_step, self.data_settings, self.meta, self._stopped_early = None, None, None, None
 
     def start(self, model_tag, model=None, tokenizer=None, source=None, source_step=-1):
         """
@@ -196,8 +226,7 @@ class Stage:
                                     f"{model.config.to_dict()}: resume with the settings of that run (--depth, --max_seq_len)")
                 model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
             del state
-            self.parent, self.loop_state = self.meta.get("parent"), self.meta["loop_state"]
-            self.data_state, self.start_step = self.meta.get("data_state"), self.resume_from_step
+            self.parent, self.start_step = self.meta.get("parent"), self.resume_from_step
         else:
             self.parent = None
             if source is not None:
@@ -209,7 +238,7 @@ class Stage:
             self.model_tag = model_tag
             self.checkpoint_dir = checkpoint_dir_for(self.name, model_tag)
             self._claim()
-            self.loop_state, self.data_state, self.start_step = {}, None, 0
+            self.start_step = 0
         model.train()
         self.model, self.tokenizer = model, tokenizer
         self.metrics_path, self._log_metrics = open_metrics(self.checkpoint_dir, self.start_step,
@@ -223,30 +252,39 @@ class Stage:
     def where(self):
         return f"checkpoint of step {self.resume_from_step} in {self.checkpoint_dir}"
 
-    def resume(self, optimizers, data_settings):
+    def resume(self, optimizers, train_loader, data_settings, **loop):
         """
-        `data_settings`: what decides which data every step reads (saved with each checkpoint). A resumed run
-        must have the same (UserError naming the first difference), and gets back the optimizer state of every
-        rank that saved it, re-sharded for this run's ranks.
+        Ready to train: called once everything is built, on every rank. `data_settings`: what decides which data
+        every step reads (saved with each checkpoint). `loop`: the training loop's variables with their values for
+        a fresh run. A resumed run must have the checkpoint's data settings (UserError naming the first difference)
+        and gets back every rank's optimizer state (re-sharded for this run's ranks) and its data position
+        (train_loader.load_state_dict; no loader: the data of a step follows from the step). Returns the loop's
+        variables as a namespace (loop.smooth_train_loss, ...): a resumed run's from its checkpoint (a variable the
+        checkpoint lacks keeps its fresh value); save() stores them. From here on a signal stops the stage cleanly.
         """
         self.data_settings = data_settings
-        if not self.resumed:
-            return
-        check_data_settings(self.meta["data_settings"], data_settings, self.where())
-        if self.meta["world_size"] != (dist.get_world_size() if is_distributed() else 1):
-            print0(f"Resuming a run of {self.meta['world_size']} process(es) on {dist.get_world_size() if is_distributed() else 1}: "
-                   f"allowed, every step reads the same data (its settings do not depend on the world size); "
-                   f"optimizer state re-sharded")
-        load_optimizer_shards(optimizers, self.model, self.optimizer_shards, self.where())
-        del self.optimizer_shards
-        print0(f"Resumed from step {self.start_step} of {self.checkpoint_dir}")
+        if self.resumed:
+            check_data_settings(self.meta["data_settings"], data_settings, self.where())
+            if self.meta["world_size"] != (dist.get_world_size() if is_distributed() else 1):
+                print0(f"Resuming a run of {self.meta['world_size']} process(es) on {dist.get_world_size() if is_distributed() else 1}: "
+                       f"allowed, every step reads the same data (its settings do not depend on the world size); "
+                       f"optimizer state re-sharded")
+            load_optimizer_shards(optimizers, self.model, self.optimizer_shards, self.where())
+            del self.optimizer_shards
+            if train_loader is not None:
+                train_loader.load_state_dict(self.meta.get("data_state"))
+            saved = self.meta["loop_state"]
+            loop = {k: saved.get(k, v) for k, v in loop.items()}
+            print0(f"Resumed from step {self.start_step} of {self.checkpoint_dir}")
+        self.stop.listen()
+        return types.SimpleNamespace(**loop)
 
-    def save(self, step, optimizers, data_state=None, **meta):
+    def save(self, step, optimizers, loop, data_state=None, **meta):
         """
         Save a checkpoint of step `step` (every rank calls it; nothing is written in a dry run): the weights,
         every rank's optimizer shard, and in the meta file the model and user config, the tokenizer's
-        fingerprint, the data settings, every rank's `data_state` (where its data stands) and `meta` (the loop's
-        state). A model with non-finite weights is never saved.
+        fingerprint, the data settings, every rank's `data_state` (where its data stands), the loop's variables
+        (`loop`, the namespace resume() returned) and `meta`. A model with non-finite weights is never saved.
         """
         if self.dry_run:
             return
@@ -258,7 +296,7 @@ class Stage:
         save_checkpoint(self.checkpoint_dir, step, self.model.state_dict(), optimizer_shard(optimizers, self.model), dict(
             model_config=self.model.config.to_dict(), user_config=self.config, parent=self.parent,
             tokenizer=dict(fingerprint=self.tokenizer.fingerprint(), vocab_size=self.tokenizer.get_vocab_size()),
-            data_settings=self.data_settings, data_state=data_state, **meta), rank=self.rank)
+            data_settings=self.data_settings, data_state=data_state, loop_state=vars(loop), **meta), rank=self.rank)
         self.last_saved_step = step
 
     def _last_saved(self):
@@ -277,27 +315,71 @@ class Stage:
                         f"saved). The likely knob is the learning rate: lower {', '.join('--' + k for k in lr_keys)} "
                         f"(or raise --warmup_ratio), then resume from the last checkpoint or start again")
 
-    def log_metrics(self, **metrics):
-        """One line of <checkpoint dir>/metrics.jsonl (rank 0; the report plots them; a resumed run continues it)."""
-        self._log_metrics(**metrics)
+    def log(self, step, **metrics):
+        """
+        The metrics of step `step`, under the same names in every sink: the wandb run (rank 0, unless --run=dummy)
+        and a line of <checkpoint dir>/metrics.jsonl (rank 0, not in a dry run; the report plots it; a resumed run
+        continues it).
+        """
+        self.wandb.log(dict(step=step, **metrics))
+        self._log_metrics(step=step, **metrics)
 
-    def report(self, section, data):
-        """The stage's section of the run report (nothing in a dry run)."""
+    @contextlib.contextmanager
+    def phase(self, what):
+        """
+        `with stage.phase(f"Step {step:05d} | evaluations"):` an evaluation or sampling phase that a stop request
+        ends where it is: its parts ask stage.stop and raise Interrupted (on every rank together where they use
+        collectives); the block ends there and says so, and the stage has stopped early (stopped_early).
+        """
+        try:
+            yield
+        except Interrupted:
+            print0(f"{what} stopped: a stop was requested")
+
+    def stop_after_step(self, *flags):
+        """
+        At the end of a training step, on every rank: (stop, *flags), `stop` True if a stop was requested of any
+        rank, each flag True if it is True on any rank (one all_reduce). A stop here ends the training early.
+        """
+        stop, *flags = any_rank(self.stop.requested, *flags)
+        if stop:
+            self.stop.requested = self.stop.seen = True  # every rank's phases now stop at once too
+        return (stop, *flags)
+
+    def stopped_early(self):
+        """
+        After the loop, on every rank (one all_reduce, the first time): True if a stop request cut the training
+        or an evaluation or sampling short on any rank (rank 0 alone samples: a stop may have cut only its work
+        short). A stop that came after the last of them did not: the stage finished.
+        """
+        if self._stopped_early is None:
+            self._stopped_early, = any_rank(self.stop.seen)
+        return self._stopped_early
+
+    def report(self, section, step, data):
+        """
+        The stage's section of the run report (every rank calls it; nothing is written in a dry run): `data` (the
+        config, then what the stage measured), then what every stage reports: the steps run, whether it stopped
+        early, its world size and its metrics file (the report plots it).
+        """
+        common = {"Steps run": step, "Stopped early": self.stopped_early(),
+                  "World size": dist.get_world_size() if is_distributed() else 1, "Metrics file": self.metrics_path}
         if not self.dry_run:
             from nanochat.report import get_report
-            get_report().log(section=section, data=data)
+            get_report().log(section=section, data=[*data, common])
 
-    def finish(self, step, stopped_early, next_steps):
+    def finish(self, step, next_steps):
         """
-        The end of every stage: wandb closed, process group torn down; a stage stopped before its last step or
-        before the end of its final evaluations (`stopped_early` on any rank) says how to continue and exits with
-        EXIT_STOPPED_EARLY, a finished one prints `next_steps`.
+        The end of every stage, on every rank: wandb closed, process group torn down. Returns the exit code:
+        EXIT_STOPPED_EARLY when stopped early (stopped_early(); it says how to continue), else 0 (it prints
+        `next_steps`).
         """
+        stopped_early = self.stopped_early()
         self.wandb.finish()
-        stopped_early, = any_rank(stopped_early)  # rank 0 alone samples: a stop may have cut only its work short
         compute_cleanup()
         if stopped_early:
             print0(f"Stopped at step {step} on request. Continue with the same command plus --resume_from_step={step} "
                    f"(exit code {EXIT_STOPPED_EARLY}: not finished)")
-            sys.exit(EXIT_STOPPED_EARLY)
+            return EXIT_STOPPED_EARLY
         print0(f"Next: {next_steps}")
+        return 0

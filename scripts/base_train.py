@@ -12,23 +12,23 @@ same in every training stage: nanochat/stage.py.
 """
 
 import math
+import sys
 import time
 
 import psutil
 import torch
 
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_init, per_rank,
-                             print0, print_banner)
+from nanochat.common import Interrupted, UserError, per_rank, print0
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
 from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
-from nanochat.hardware import autocast_context, compile_model, compute_dtype_line, get_peak_flops
+from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import evaluate_bpb
-from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum, set_learning_rates
-from nanochat.stage import Stage, StopRequest, check_stage_settings
+from nanochat.optim import lr_multiplier, muon_momentum, step_optimizers
+from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -77,21 +77,17 @@ check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "tot
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "core_bundle": ("", "dclm", "offline")})
-check_stage_settings(config)  # --resume_from_step, the schedule (nanochat/stage.py)
+check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 model_tag = check_model_tag(model_tag or f"d{depth}")
 
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-print_banner()
-device_type = device_type or autodetect_device_type()
-ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
+device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)  # banner, compute_init: nanochat/stage.py
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("base", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 # The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
 core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_metric_every > 0 else None
-print0(compute_dtype_line(device_type))
 
 # -----------------------------------------------------------------------------
 # 3. Tokenizer and model
@@ -135,10 +131,8 @@ print0(f"Training tokens: {total_tokens:,} | tokens:params ratio {total_tokens /
 # optimizer takes one step.
 tokens_per_fwdbwd = device_batch_size * max_seq_len  # one rank, one micro-step
 world_tokens_per_fwdbwd = tokens_per_fwdbwd * ddp_world_size  # all ranks, one micro-step
-grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, ddp_world_size)  # or a clear error
-print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {tokens_per_fwdbwd:,}")
-print0(f"Tokens / micro-batch (all {ddp_world_size} ranks): {world_tokens_per_fwdbwd:,}")
-print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {grad_accum_steps}")
+# micro-steps per step, printed (or a one-line error naming settings that work)
+grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, ddp_world_size, show=True)
 
 # -----------------------------------------------------------------------------
 # 6. The checkpoint directory, optimizers, data. This run owns base_checkpoints/<model_tag> from here on (a second
@@ -151,11 +145,13 @@ optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embeddin
 # world size is not among them: the loader's data slots make a step's data the same on any number of ranks.
 data_settings = dict(corpus=dataset_name(), device_batch_size=device_batch_size, max_seq_len=max_seq_len,
                      total_batch_size=total_batch_size, data_seed=data_seed, bos_aligned=bos_aligned)
-stage.resume(optimizers, data_settings)
 train_loader = tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "train", device, tokenizer=tokenizer,
                                                   total_batch_size=total_batch_size, seed=data_seed, bos_aligned=bos_aligned)
-if stage.resumed:
-    train_loader.load_state_dict(stage.data_state)
+# The loop's variables, restored with the optimizer state and the loader's position when resumed (nanochat/stage.py)
+loop = stage.resume(optimizers, train_loader, data_settings,
+                    smooth_train_loss=0.0,  # EMA of the global train loss
+                    total_training_time=0.0,  # seconds, excluding the first (compile) steps
+                    min_val_bpb=float("inf"))
 build_val_loader = lambda: tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "val", device, tokenizer=tokenizer)
 eval_tokens = eval_tokens if eval_tokens > 0 else 20 * total_batch_size
 eval_steps = max(1, eval_tokens // world_tokens_per_fwdbwd)
@@ -166,17 +162,13 @@ x, y = next(train_loader)  # the first micro-batch; from now on the next one is 
 # micro-steps of forward + backward whose gradients add up in .grad.
 peak_flops, peak_source = get_peak_flops(device, compute_dtype)
 print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
-start_step, loop_state = stage.start_step, stage.loop_state
-smooth_train_loss = loop_state.get("smooth_train_loss", 0.0)  # EMA of the global train loss
-total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, excluding the first (compile) steps
-min_val_bpb = loop_state.get("min_val_bpb", float("inf"))
+start_step = stage.start_step
 val_bpb, core_metric = None, {}
 ema_beta = 0.9
 mfus, first_step_time = [], None
 sample_prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
                   "The opposite of hot is", "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
-step, stop_now, evaluations_cut = start_step, False, False
+step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 while True:
     last_step = step == num_iterations or stop_now
     flops_so_far = flops_per_token * total_batch_size * step
@@ -184,22 +176,19 @@ while True:
     # The final checkpoint comes first, so a crash in the final evaluations loses nothing. Every rank saves its
     # optimizer shard and its data position; rank 0 the weights (nanochat/stage.py)
     if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
-        stage.save(step, optimizers, data_state=train_loader.state_dict(), val_bpb=val_bpb,
-                   loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
-                                   min_val_bpb=min_val_bpb, num_iterations=num_iterations))
+        stage.save(step, optimizers, loop, data_state=train_loader.state_dict(), val_bpb=val_bpb, num_iterations=num_iterations)
 
     # The evaluations and samples. A stop request cuts them short (Interrupted, raised on every rank together; the
     # samples are rank 0's alone): what they measured so far is not reported, and the stage stops.
-    try:
+    with stage.phase(f"Step {step:05d} | evaluations"):
         # Validation bits per byte (loss per byte of text, comparable across tokenizers)
         if last_step or (eval_every > 0 and step % eval_every == 0):
             model.eval()
             with autocast_ctx:
-                val_bpb = evaluate_bpb(model, build_val_loader(), eval_steps, token_bytes, stop=stop_request)
-            min_val_bpb = min(min_val_bpb, val_bpb)
+                val_bpb = evaluate_bpb(model, build_val_loader(), eval_steps, token_bytes, stop=stage.stop)
+            loop.min_val_bpb = min(loop.min_val_bpb, val_bpb)
             print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}")
-            stage.wandb.log({"step": step, "total_training_flops": flops_so_far, "total_training_time": total_training_time, "val/bpb": val_bpb})
-            stage.log_metrics(step=step, val_bpb=val_bpb)
+            stage.log(step, val_bpb=val_bpb, total_training_flops=flops_so_far, total_training_time=loop.total_training_time)
 
         # CORE: accuracy on in-context-learning tasks (nanochat/core_eval.py), on the uncompiled model (other shapes).
         # Not at step 0: an untrained model scores chance (CORE ~0), and on a CPU the evaluation outlasts a short run.
@@ -207,34 +196,27 @@ while True:
             orig_model.eval()
             with autocast_ctx:
                 core = evaluate_core(orig_model, tokenizer, device, core_bundle_dir, max_per_task=core_metric_max_per_task,
-                                     stop=stop_request)
+                                     stop=stage.stop)
             core_metric = {f"{core['name']} metric": core["score"]}
             print0(f"Step {step:05d} | {core['name']} metric: {core['score']:.4f}")
-            stage.wandb.log({"step": step, "total_training_flops": flops_so_far, f"{core['name']}_metric": core["score"]})
-            stage.log_metrics(step=step, core_metric=core["score"])
+            stage.log(step, core_metric=core["score"], total_training_flops=flops_so_far)
 
         # Samples: look at what the model writes, a check no loss number gives (rank 0, uncompiled model)
         if master_process and (last_step or (sample_every > 0 and step > 0 and step % sample_every == 0)):
             orig_model.eval()
             for prompt in sample_prompts:
-                if stop_request():
+                if stage.stop():
                     raise Interrupted
                 with autocast_ctx:
                     ids = list(orig_model.generate(tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
                 print0(f"  sample: {prompt!r} -> {tokenizer.decode(ids)!r}")
-    except Interrupted:
-        evaluations_cut = True
-        print0(f"Step {step:05d} | evaluations stopped: a stop was requested")
-    finally:
-        model.train()
-        orig_model.train()
+    model.train()  # and orig_model: model is it, or (compiled) holds it
 
     if last_step:
         break
 
     # ---- one optimizer step ----
-    synchronize()
-    t0 = time.time()
+    t0 = device_time(device)
     step_loss = torch.zeros((), device=device)  # this rank's mean loss over its micro-steps, for logging
     for micro_step in range(grad_accum_steps):
         with autocast_ctx:
@@ -246,46 +228,37 @@ while True:
         loss = loss / grad_accum_steps
         loss.backward()
         x, y = next(train_loader)  # fetch the next micro-batch while the device is still busy
-    # Gradients are averaged across ranks here when clipping is on: the clip needs the norm of the averaged
-    # gradient, so clip_grad_norm_ starts the optimizers' reduce_scatters; otherwise inside opt.step() below.
-    # The norm it returns is the one BEFORE clipping, every rank scales its share by the same factor.
-    grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # 0.85 -> 0.95 over the first 300 steps (why: nanochat/optim.py)
-    set_learning_rates(optimizers, lrm, momentum)
-    for opt in optimizers:
-        opt.step()  # without clipping, this is where gradients are averaged across ranks (reduce_scatter)
-    model.zero_grad(set_to_none=True)
+    # Clip (the norm it returns is the one BEFORE clipping), this step's lr and momentum, and the update. Under
+    # torchrun the ranks' gradients are averaged there: in the clipping, which needs the norm of the averaged
+    # gradient, or else in opt.step() (reduce_scatter; nanochat/optim.py)
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
     rank_losses = per_rank(step_loss.item())  # every rank's loss, on every rank (losses are not summed: logged)
-    stop_now, = any_rank(stop_request.requested)  # a signal to any rank stops all of them after this step
-    synchronize()
-    dt = time.time() - t0
+    stop_now, = stage.stop_after_step()  # a signal to any rank stops all of them after this step
+    dt = device_time(device) - t0
     step += 1
 
     # ---- logging ----
     train_loss = sum(rank_losses) / ddp_world_size  # global loss: the mean over ranks
-    grad_norm_value = grad_norm.item() if grad_norm is not None else None
-    stage.check_finite(step, train_loss, grad_norm_value, ["matrix_lr", "embedding_lr", "unembedding_lr"])
-    smooth_train_loss = ema_beta * smooth_train_loss + (1 - ema_beta) * train_loss
-    debiased_loss = smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
+    stage.check_finite(step, train_loss, grad_norm, ["matrix_lr", "embedding_lr", "unembedding_lr"])
+    loop.smooth_train_loss = ema_beta * loop.smooth_train_loss + (1 - ema_beta) * train_loss
+    debiased_loss = loop.smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
     tok_per_sec = total_batch_size / dt  # tokens of ALL micro-steps of ALL ranks per second of step time
     mfu = 100 * flops_per_token * tok_per_sec / (peak_flops * ddp_world_size)
     if step - start_step > 10:  # the first steps include compilation and warm-up: keep them out of the time
-        total_training_time += dt
+        loop.total_training_time += dt
         mfus.append(mfu)
     if first_step_time is None:  # start-up (imports included), data, compile and the first step
         first_step_time = time.time() - psutil.Process().create_time()
-    grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
+    grad_text = f"{grad_norm:.4f}" if grad_norm is not None else "n/a (no clipping)"
     print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) | loss (EMA): {debiased_loss:.6f} "
            f"| step loss (mean of {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
            f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "
-           f"| total time: {total_training_time / 60:.2f}m")
-    stage.wandb.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
-                     "total_training_time": total_training_time, "train/loss": debiased_loss, "train/step_loss": train_loss,
-                     "train/lrm": lrm, "train/muon_momentum": momentum, "train/grad_norm": grad_norm_value, "train/dt": dt,
-                     "train/tok_per_sec": tok_per_sec, "train/mfu": mfu})
-    stage.log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm,
-                      grad_norm=grad_norm_value, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
+           f"| total time: {loop.total_training_time / 60:.2f}m")
+    stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm, muon_momentum=momentum,
+              grad_norm=grad_norm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu,
+              total_training_flops=flops_per_token * total_batch_size * step, total_training_time=loop.total_training_time)
 
 # -----------------------------------------------------------------------------
 # 8. Summary, report, and the end of the stage
@@ -294,27 +267,26 @@ if device_type == "cuda":
 else:
     import resource
     peak_memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB (process RSS)"
-stopped_early = step < num_iterations or evaluations_cut  # the final evaluations too: a resume from the last step runs them
-min_val_text = f"{min_val_bpb:.4f}" if math.isfinite(min_val_bpb) else "n/a (no evaluation ran)"
+stopped_early = stage.stopped_early()  # the final evaluations too: a resume from the last step runs them
+min_val_text = f"{loop.min_val_bpb:.4f}" if math.isfinite(loop.min_val_bpb) else "n/a (no evaluation ran)"
 print0(f"Peak memory: {peak_memory}")
-print0(f"Total training time: {total_training_time / 60:.2f}m | min val bpb: {min_val_text}")
-stage.report("Base model training", [
+print0(f"Total training time: {loop.total_training_time / 60:.2f}m | min val bpb: {min_val_text}")
+stage.report("Base model training", step, [
     config,
     {"Number of parameters": f"{num_params:,}", "FLOPs per token": f"{flops_per_token:e}",
      "Training horizon": horizon, "Calculated number of iterations": num_iterations,
      "Number of training tokens": f"{total_tokens:,}", "Tokens : Params ratio": f"{total_tokens / num_params:.2f}",
      "Tokens / micro-batch / rank": tokens_per_fwdbwd, "Tokens / micro-batch": world_tokens_per_fwdbwd,
-     "Gradient accumulation steps": grad_accum_steps, "World size": ddp_world_size,
-     "DDP": ddp, "Device": str(device), "Compute dtype": str(compute_dtype), "torch.compile": use_compile,
+     "Gradient accumulation steps": grad_accum_steps, "DDP": ddp, "Device": str(device), "Compute dtype": str(compute_dtype), "torch.compile": use_compile,
      "Total training FLOPs": f"{flops_per_token * total_tokens:e}"},
-    {"Steps run": step, "Stopped early": stopped_early, "Minimum validation bpb": min_val_bpb,
-     "Final validation bpb": "n/a (its evaluation was stopped)" if evaluations_cut else val_bpb,
+    {"Minimum validation bpb": loop.min_val_bpb,
+     "Final validation bpb": "n/a (its evaluation was stopped)" if stopped_early else val_bpb,
      **core_metric,
-     "Final train loss (EMA)": smooth_train_loss / (1 - ema_beta ** max(step, 1)),
+     "Final train loss (EMA)": loop.smooth_train_loss / (1 - ema_beta ** max(step, 1)),
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)",
      "Peak FLOP/s used for MFU": f"{peak_flops:.3e} ({peak_source})",
-     "Total training time (min)": total_training_time / 60, "Time to first step (s)": first_step_time,
+     "Total training time (min)": loop.total_training_time / 60, "Time to first step (s)": first_step_time,
      "BOS-aligned rows, tokens dropped": f"{100 * train_loader.dropped_fraction():.2f}%" if bos_aligned else "n/a (packed stream)",
-     "Peak memory": peak_memory, "Metrics file": stage.metrics_path},
+     "Peak memory": peak_memory},
 ])
-stage.finish(step, stopped_early, "python -m scripts.base_loss (bpb on train/val and samples), then python -m scripts.mid_train")
+sys.exit(stage.finish(step, "python -m scripts.base_loss (bpb on train/val and samples), then python -m scripts.mid_train"))

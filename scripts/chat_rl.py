@@ -17,22 +17,20 @@ than one problem after another. Which prompts a step uses and the sampling seeds
 rank, so a resumed run on the same number of processes continues exactly.
 """
 
-import time
+import sys
 
 import torch
 import torch.distributed as dist
 
 from nanochat.chat_scoring import Progress
-from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_init, interruptible,
-                             print0, print_banner, sum_over_ranks)
+from nanochat.common import Interrupted, UserError, interruptible, print0, sum_over_ranks
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
-from nanochat.hardware import autocast_context, compile_model, compute_dtype_line
+from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
-from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
-from nanochat.stage import Stage, StopRequest, check_stage_settings
+from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.stage import Stage, check_stage_settings, start_compute
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -75,19 +73,13 @@ check_config(config, positive=["prompts_per_step", "num_samples", "max_new_token
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "mixture": ("real", "offline"), "source": ("sft", "mid"),
                       "compile": ("auto", "true", "false")})
-check_stage_settings(config)  # --resume_from_step, the schedule (nanochat/stage.py)
-if model_tag:
-    check_model_tag(model_tag)
+check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
 # -----------------------------------------------------------------------------
 # 2. Compute (CPU, MPS or CUDA; under torchrun gloo or NCCL)
-print_banner()
-device_type = device_type or autodetect_device_type()
-ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
-master_process = ddp_rank == 0
+device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)  # banner, compute_init: nanochat/stage.py
+master_process = ddp_rank == 0  # prints the pass@k progress
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-print0(compute_dtype_line(device_type))
-synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("rl", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 
 # -----------------------------------------------------------------------------
@@ -109,15 +101,10 @@ print0(f"Problems / step: {prompts_per_step} ({prompts_per_rank} per rank) x {nu
        f"policy-gradient micro-batches of {device_batch_size} answers")
 
 # -----------------------------------------------------------------------------
-# 5. Optimizers, at a fraction of the pretraining learning rates. A resumed run gets back the optimizer state of
-# every rank, after checking that it would sample the same problems with the same seeds.
+# 5. Optimizers, at a fraction of the pretraining learning rates
 optimizers = model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
                                     weight_decay=weight_decay)
 scale_initial_lrs(optimizers, init_lr_frac)
-# the samples of a step depend on the seed, the step, and which problems a rank decodes together
-data_settings = dict(mixture=mixture, prompts_per_step=prompts_per_step, num_samples=num_samples, seed=seed,
-                     sample_batch_size=sample_batch_size, world_size=ddp_world_size)
-stage.resume(optimizers, data_settings)
 
 # -----------------------------------------------------------------------------
 # 6. Data: the problems, and their reward (task.reward: 1.0 for the right final answer, else 0.0)
@@ -131,6 +118,13 @@ if num_iterations < 0:
     num_iterations = max(1, len(train_task) // prompts_per_step)
 print0(f"Mixture {mixture}: {len(train_task):,} training problems, {len(test_task):,} test problems; {num_iterations} steps")
 end_token = tokenizer.encode_special("<|assistant_end|>")
+# The samples of a step depend on the seed, the step, and which problems a rank decodes together: a resumed run
+# checks these, gets back every rank's optimizer state and the loop's variables (no data position: see the loop)
+data_settings = dict(mixture=mixture, prompts_per_step=prompts_per_step, num_samples=num_samples, seed=seed,
+                     sample_batch_size=sample_batch_size, world_size=ddp_world_size)
+loop = stage.resume(optimizers, None, data_settings,
+                    mean_rewards=[],  # mean reward of every step so far
+                    first_pass_at_k=None)  # pass@k before any RL step
 
 
 def sample(prompts, sample_seed):
@@ -150,7 +144,7 @@ def sample(prompts, sample_seed):
         done = [False] * len(rows)
         for column, column_masks in engine.generate_many([prompts[p] for p in chunk], num_samples=num_samples, max_tokens=room,
                                                          temperature=temperature, top_k=top_k, seed=sample_seed + first):
-            if stop_request():
+            if stage.stop():
                 raise Interrupted
             for i, (token, mask) in enumerate(zip(column, column_masks)):
                 if not done[i]:
@@ -198,35 +192,28 @@ def evaluate_pass_at_k():
 # -----------------------------------------------------------------------------
 # 7. The training loop. Which problems a step samples, and with which seeds, depends only on the step (and the rank):
 # a resumed run continues exactly without any data position to save.
-start_step, loop_state = stage.start_step, stage.loop_state
-mean_rewards = loop_state.get("mean_rewards", [])  # mean reward of every step so far
-pass_at_k, first_pass_at_k = {}, loop_state.get("first_pass_at_k")  # pass@k before any RL step
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut sampling or pass@k short), save, exit 75
-step, stop_now, evaluations_cut = start_step, False, False
+start_step = stage.start_step
+pass_at_k = {}
+step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut sampling or pass@k short), save, exit 75
 while True:
     last_step = step >= num_iterations or stop_now
 
     if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
-        stage.save(step, optimizers, pass_at_k=pass_at_k,
-                   loop_state=dict(mean_rewards=mean_rewards, first_pass_at_k=first_pass_at_k, num_iterations=num_iterations))
+        stage.save(step, optimizers, loop, pass_at_k=pass_at_k, num_iterations=num_iterations)
 
     # pass@k. A stop request cuts it short (Interrupted, on every rank together): not reported, and the stage stops.
     if last_step or step == start_step or (eval_every > 0 and step % eval_every == 0):
-        try:
+        pass_at_k = {}  # stays empty if it is cut short
+        with stage.phase(f"Step {step:05d} | pass@k"):
             pass_at_k = evaluate_pass_at_k()
-            first_pass_at_k = first_pass_at_k or pass_at_k
+            loop.first_pass_at_k = loop.first_pass_at_k or pass_at_k
             print0(f"Step {step:05d} | " + ", ".join(f"pass@{k}: {v:.4f}" for k, v in pass_at_k.items()))
-            stage.wandb.log({"step": step, **{f"pass@{k}": v for k, v in pass_at_k.items()}})
-            stage.log_metrics(step=step, **{f"pass@{k}": v for k, v in pass_at_k.items()})
-        except Interrupted:
-            evaluations_cut, pass_at_k = True, {}
-            print0(f"Step {step:05d} | pass@k stopped: a stop was requested")
+            stage.log(step, **{f"pass@{k}": v for k, v in pass_at_k.items()})
 
     if last_step:
         break
 
-    synchronize()
-    t0 = time.time()
+    t0 = device_time(device)
     # ---- sample: this rank's problems of the step, num_samples answers each, rewarded. A stop request ends the
     # sampling (every rank together): the step is dropped, and the stage saves the weights of the steps before it.
     mine = list(range(ddp_rank, prompts_per_step, ddp_world_size))
@@ -259,41 +246,32 @@ while True:
         with autocast_ctx:
             loss, _ = policy_gradient_loss(pg_model, x, y, advantages, step_tokens, ddp_world_size)
         loss.backward()
-    grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
-    set_learning_rates(optimizers, lrm, momentum)
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
     reward_sum, answers, length_sum = sum_over_ranks(sum(rewards_seen), len(rewards_seen), sum(lengths))
     mean_reward, mean_length = reward_sum / answers, length_sum / answers
-    stop_now, = any_rank(stop_request.requested)  # a signal to any rank stops all of them after this step
-    synchronize()
-    dt = time.time() - t0
+    stop_now, = stage.stop_after_step()  # a signal to any rank stops all of them after this step
+    dt = device_time(device) - t0
     step += 1
-    mean_rewards.append(mean_reward)
+    loop.mean_rewards.append(mean_reward)
 
-    grad_norm_value = grad_norm.item() if grad_norm is not None else None
-    stage.check_finite(step, mean_reward, grad_norm_value, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
-    grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
+    stage.check_finite(step, mean_reward, grad_norm, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
+    grad_text = f"{grad_norm:.4f}" if grad_norm is not None else "n/a (no clipping)"
     print0(f"step {step:05d}/{num_iterations:05d} | mean reward: {mean_reward:.4f} | mean answer length: {mean_length:.1f} "
            f"| sampled tokens: {step_tokens:,.0f} | lrm: {lrm:.2f} | grad norm (before clip): {grad_text} | dt: {dt:.2f}s")
-    stage.wandb.log({"step": step, "train/reward": mean_reward, "train/answer_length": mean_length, "train/lrm": lrm,
-                   "train/grad_norm": grad_norm_value, "train/dt": dt})
-    stage.log_metrics(step=step, reward=mean_reward, answer_length=mean_length, lrm=lrm, grad_norm=grad_norm_value, dt=dt)
+    stage.log(step, reward=mean_reward, answer_length=mean_length, targets=step_tokens, lrm=lrm, muon_momentum=momentum,
+              grad_norm=grad_norm, dt=dt)
 
 # -----------------------------------------------------------------------------
 # 8. Report, and the end of the stage
-stopped_early = (stop_now and step < num_iterations) or evaluations_cut  # a resume from the last step runs pass@k again
-stage.report("Chat RL", [
+stage.report("Chat RL", step, [
     config,
-    {"Number of iterations": step, "Stopped early": stopped_early, "Mixture": mixture, "World size": ddp_world_size,
-     "torch.compile": use_compile,
-     "Mean reward, first steps": sum(mean_rewards[:5]) / max(len(mean_rewards[:5]), 1),
-     "Mean reward, last steps": sum(mean_rewards[-5:]) / max(len(mean_rewards[-5:]), 1),
-     **{f"pass@{k} before RL": v for k, v in (first_pass_at_k or {}).items()},
-     **{f"pass@{k}": v for k, v in pass_at_k.items()}, "Metrics file": stage.metrics_path},
+    {"Mixture": mixture, "torch.compile": use_compile,
+     "Mean reward, first steps": sum(loop.mean_rewards[:5]) / max(len(loop.mean_rewards[:5]), 1),
+     "Mean reward, last steps": sum(loop.mean_rewards[-5:]) / max(len(loop.mean_rewards[-5:]), 1),
+     **{f"pass@{k} before RL": v for k, v in (loop.first_pass_at_k or {}).items()},
+     **{f"pass@{k}": v for k, v in pass_at_k.items()}},
 ])
 eval_args = " -a offline" if mixture == "offline" else ""
-stage.finish(step, stopped_early, f"python -m scripts.chat_eval -i rl{eval_args}, or talk to it: python -m scripts.chat_cli --source=rl")
+sys.exit(stage.finish(step, f"python -m scripts.chat_eval -i rl{eval_args}, or talk to it: python -m scripts.chat_cli --source=rl"))

@@ -18,21 +18,19 @@ the step (nanochat/losses.py), so a long answer weighs more than a short one, as
 """
 
 import os
-import time
+import sys
 
 import torch
 import torch.distributed as dist
 
 from nanochat.chat_scoring import score_categorical
-from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_init,
-                             gather_from_ranks, get_base_dir, interruptible, per_rank, print0, print_banner)
+from nanochat.common import UserError, gather_from_ranks, get_base_dir, interruptible, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader
-from nanochat.hardware import autocast_context, compile_model, compute_dtype_line
-from nanochat.losses import count_step_targets, evaluate_bpb, supervised_loss
-from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
-from nanochat.stage import Stage, StopRequest, check_stage_settings
+from nanochat.hardware import autocast_context, compile_model, device_time
+from nanochat.losses import count_step_targets, evaluate_bpb, step_losses, supervised_loss
+from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 
 # -----------------------------------------------------------------------------
@@ -74,19 +72,12 @@ check_config(config, positive=["max_seq_len", "device_batch_size", "examples_per
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "mixture": ("real", "offline"), "source": ("mid", "base")})
-check_stage_settings(config)  # --resume_from_step, the schedule (nanochat/stage.py)
-if model_tag:
-    check_model_tag(model_tag)
+check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
 # -----------------------------------------------------------------------------
-# 2. Compute
-print_banner()
-device_type = device_type or autodetect_device_type()
-ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
-master_process = ddp_rank == 0  # only rank 0 prints, logs to wandb, writes the checkpoint's model and meta
+# 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
+device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)  # banner, compute_init: nanochat/stage.py
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-print0(compute_dtype_line(device_type))
-synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("sft", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 
 # -----------------------------------------------------------------------------
@@ -113,19 +104,7 @@ print0(f"Conversations / micro-batch (all {ddp_world_size} ranks): {device_batch
 print0(f"Examples per step {examples_per_step} => gradient accumulation steps: {grad_accum_steps}")
 
 # -----------------------------------------------------------------------------
-# 5. Optimizers: Muon for the block matrices, AdamW for embedding and head (see GPT.setup_optimizers), at a
-# fraction of the pretraining learning rates. A resumed run gets back the optimizer state of every rank, after
-# checking that its data would continue the same way.
-optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
-                                         matrix_lr=matrix_lr, weight_decay=weight_decay)
-scale_initial_lrs(optimizers, init_lr_frac)
-# What decides which conversations step N reads (the world size too: rank r reads r, r+W, r+2W, ...)
-data_settings = dict(mixture=mixture, max_conversations=max_conversations, device_batch_size=device_batch_size,
-                     examples_per_step=examples_per_step, max_seq_len=max_seq_len, world_size=ddp_world_size)
-stage.resume(optimizers, data_settings)
-
-# -----------------------------------------------------------------------------
-# 6. Data: a deterministic shuffled mixture of conversations. No silent fallback from one mixture to the other.
+# 5. Data: a deterministic shuffled mixture of conversations. No silent fallback from one mixture to the other.
 if mixture == "real":
     from tasks.arc import ARC
     from tasks.common import TaskMixture
@@ -151,14 +130,29 @@ else:
     from tasks.pydocs_chat import PydocsMC
     train_dataset, val_dataset = offline_mixture("train"), offline_mixture("test")
     metric_tasks = {"PydocsMC": PydocsMC(split="test", step=8)}
-train_size = len(train_dataset) if max_conversations < 0 else min(max_conversations, len(train_dataset))
-print0(f"Mixture {mixture}: {train_size:,} training conversations (of {len(train_dataset):,}), {len(val_dataset):,} validation")
 # One whole conversation per row, padded to the longest of the micro-batch (nanochat/dataloader.py)
 loader_args = dict(packed=False, rank=ddp_rank, world_size=ddp_world_size)
-train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=train_size, **loader_args)
-train_loader.load_state_dict(stage.data_state)  # a resumed run continues where the checkpoint's run was
+train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,
+                                  **loader_args)
+print0(f"Mixture {mixture}: {train_loader.size:,} training conversations (of {len(train_dataset):,}), {len(val_dataset):,} validation")
+# What decides which conversations step N reads (the world size too: rank r reads r, r+W, r+2W, ...)
+data_settings = dict(mixture=mixture, max_conversations=max_conversations, device_batch_size=device_batch_size,
+                     examples_per_step=examples_per_step, max_seq_len=max_seq_len, world_size=ddp_world_size)
 eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * examples_per_step * max_seq_len)
                  // (device_batch_size * max_seq_len * ddp_world_size))
+
+# -----------------------------------------------------------------------------
+# 6. Optimizers: Muon for the block matrices, AdamW for embedding and head (see GPT.setup_optimizers), at a
+# fraction of the pretraining learning rates. A resumed run gets back every rank's optimizer state and data
+# position, and the loop's variables (nanochat/stage.py).
+optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
+                                         matrix_lr=matrix_lr, weight_decay=weight_decay)
+scale_initial_lrs(optimizers, init_lr_frac)
+loop = stage.resume(optimizers, train_loader, data_settings,
+                    smooth_train_loss=0.0,  # EMA of the global train loss
+                    total_training_time=0.0,  # seconds, excluding the first steps
+                    first_val_bpb=None,
+                    epoch_done=False)  # some rank has read its whole share of the mixture
 
 
 def evaluate_metrics():
@@ -169,7 +163,7 @@ def evaluate_metrics():
         count = len(task) if eval_metrics_max_problems < 0 else min(eval_metrics_max_problems, len(task))
         with interruptible(), autocast_ctx:
             outcomes = score_categorical(orig_model, tokenizer, task, list(range(ddp_rank, count, ddp_world_size)), 8, device,
-                                         stop=stop_request)
+                                         stop=stage.stop)
         counts = torch.tensor([sum(passed for passed, _ in outcomes), len(outcomes)], dtype=torch.float64, device=device)
         if ddp:
             dist.all_reduce(counts)
@@ -180,109 +174,78 @@ def evaluate_metrics():
 # -----------------------------------------------------------------------------
 # 7. The training loop: the same two-level loop as base_train and mid_train. A step's micro-batches are fetched
 # before it runs (its targets are counted before the first backward); `next_data_state` is where they start.
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
-next_data_state = train_loader.state_dict()
-step_batches = [next(train_loader) for _ in range(grad_accum_steps)]
+next_data_state, step_batches = train_loader.next_step(grad_accum_steps)
 x, y = step_batches[0]
 print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
       f"{100 * (y == -1).float().mean().item():.0f}% of targets -1 (padding, user turns, tool outputs)", flush=True)
-start_step, loop_state = stage.start_step, stage.loop_state
-smooth_train_loss = loop_state.get("smooth_train_loss", 0.0)  # EMA of the global train loss
-total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, excluding the first steps
-first_val_bpb = loop_state.get("first_val_bpb")
-epoch_done = loop_state.get("epoch_done", False)  # some rank has read its whole share of the mixture
+start_step = stage.start_step
 val_bpb, metrics, ema_beta = None, {}, 0.9
-step, stop_now, evaluations_cut = start_step, False, False
+step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 while True:
     # All ranks stop together (see mid_train): after num_iterations steps, after one epoch, or when asked to
-    last_step = (step >= num_iterations if num_iterations > 0 else epoch_done) or stop_now
+    last_step = (step >= num_iterations if num_iterations > 0 else loop.epoch_done) or stop_now
 
     # The final checkpoint comes first, so a crash in the final evaluations loses nothing.
     if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
-        stage.save(step, optimizers, data_state=next_data_state, val_bpb=val_bpb,
-                   loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
-                                   first_val_bpb=first_val_bpb, epoch_done=epoch_done))
+        stage.save(step, optimizers, loop, data_state=next_data_state, val_bpb=val_bpb)
 
     # The evaluations. A stop request cuts them short (Interrupted, on every rank together): what they measured so
     # far is not reported, and the stage stops.
-    try:
+    with stage.phase(f"Step {step:05d} | evaluations"):
         if last_step or (eval_every > 0 and step % eval_every == 0) or step == start_step:
             model.eval()
             val_loader = ConversationLoader(val_dataset, tokenizer, device_batch_size, max_seq_len, device, **loader_args)
             with autocast_ctx:
-                val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes, stop=stop_request)
-            first_val_bpb = val_bpb if first_val_bpb is None else first_val_bpb
+                val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes, stop=stage.stop)
+            loop.first_val_bpb = val_bpb if loop.first_val_bpb is None else loop.first_val_bpb
             print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{f' (the {source} model, before SFT)' if step == 0 else ''}")
-            stage.wandb.log({"step": step, "val/bpb": val_bpb})
-            stage.log_metrics(step=step, val_bpb=val_bpb)
+            stage.log(step, val_bpb=val_bpb)
 
         if last_step or (eval_metrics_every > 0 and step > 0 and step % eval_metrics_every == 0):
             orig_model.eval()
             metrics = evaluate_metrics()
             print0(f"Step {step:05d} | " + " | ".join(f"{name} accuracy: {acc:.4f}" for name, acc in metrics.items()))
-            stage.wandb.log({"step": step, **{f"val/{name}": acc for name, acc in metrics.items()}})
-            stage.log_metrics(step=step, **{f"acc_{name}": acc for name, acc in metrics.items()})
-    except Interrupted:
-        evaluations_cut, metrics = True, {}
-        print0(f"Step {step:05d} | evaluations stopped: a stop was requested")
-    finally:
-        model.train()
-        orig_model.train()
+            stage.log(step, **{f"acc_{name}": acc for name, acc in metrics.items()})
+    model.train()  # and orig_model: model is it, or (compiled) holds it
 
     if last_step:
         break
 
     # ---- one optimizer step ----
-    synchronize()
-    t0 = time.time()
+    t0 = device_time(device)
     # The loss is the mean over ALL supervised targets of the step: count them first (one all_reduce), then
     # each micro-step backpropagates its loss sum scaled by world_size / that count (nanochat/losses.py).
     rank_targets, step_targets = count_step_targets(step_batches, ddp_rank, ddp_world_size)
     step_loss_sum = torch.zeros((), device=device)
-    for micro_step in range(grad_accum_steps):
-        x, y = step_batches[micro_step]
+    for x, y in step_batches:
         with autocast_ctx:
             loss, loss_sum = supervised_loss(model, x, y, step_targets, ddp_world_size)
         step_loss_sum += loss_sum
         loss.backward()
-    next_data_state = train_loader.state_dict()  # the next step's data, fetched while the device works
-    step_batches = [next(train_loader) for _ in range(grad_accum_steps)]
-    # Gradients are averaged across ranks in clip_grad_norm_ (clipping on) or in opt.step() (off): see base_train
-    grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
+    next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
     # How far the run is: in steps, or for a run of one epoch, in conversations of this rank's share read so far
-    done, total = (step, num_iterations) if num_iterations > 0 else \
-        (train_size if train_loader.epoch_done else train_loader.cursor, train_size)
+    done, total = (step, num_iterations) if num_iterations > 0 else train_loader.progress()
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
-    set_learning_rates(optimizers, lrm, momentum)
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
-    rank_loss_sums = per_rank(step_loss_sum.item())  # every rank's summed token losses, on every rank
-    stop_now, epoch_done = any_rank(stop_request.requested, epoch_done or train_loader.epoch_done)
-    synchronize()
-    dt = time.time() - t0
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
+    stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
+    dt = device_time(device) - t0
     step += 1
 
     # ---- logging ----
-    train_loss = sum(rank_loss_sums) / max(step_targets, 1)  # the mean over every supervised target of the step
-    rank_losses = [loss_sum / max(n, 1) for loss_sum, n in zip(rank_loss_sums, rank_targets)]
-    grad_norm_value = grad_norm.item() if grad_norm is not None else None
-    stage.check_finite(step, train_loss, grad_norm_value, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
-    smooth_train_loss = ema_beta * smooth_train_loss + (1 - ema_beta) * train_loss
-    debiased_loss = smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
+    stage.check_finite(step, train_loss, grad_norm, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
+    loop.smooth_train_loss = ema_beta * loop.smooth_train_loss + (1 - ema_beta) * train_loss
+    debiased_loss = loop.smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
     if step - start_step > 10:
-        total_training_time += dt
-    grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
+        loop.total_training_time += dt
+    grad_text = f"{grad_norm:.4f}" if grad_norm is not None else "n/a (no clipping)"
     progress = step / num_iterations if num_iterations > 0 else done / total  # after this step
     print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
            f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
-           f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | total time: {total_training_time / 60:.2f}m")
-    stage.wandb.log({"step": step, "total_training_time": total_training_time, "train/loss": debiased_loss,
-                     "train/step_loss": train_loss, "train/lrm": lrm, "train/muon_momentum": momentum,
-                     "train/grad_norm": grad_norm_value, "train/dt": dt})
-    stage.log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets,
-                      lrm=lrm, grad_norm=grad_norm_value, dt=dt)
+           f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | total time: {loop.total_training_time / 60:.2f}m")
+    stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
+              muon_momentum=momentum, grad_norm=grad_norm, dt=dt, total_training_time=loop.total_training_time)
 
 # -----------------------------------------------------------------------------
 # 8. What the ranks read, report, and the end of the stage
@@ -290,18 +253,17 @@ per_rank_stats = gather_from_ranks(train_loader.stats)
 read, cut = sum(s["read"] for s in per_rank_stats), sum(s["cut"] for s in per_rank_stats)
 print0(f"Read {read:,} training conversations on {ddp_world_size} rank(s); {cut} were longer than max_seq_len + 1 "
        f"tokens and cut")
+stopped_early = stage.stopped_early()  # a stop cut the training or the final evaluations short
 bpb_text = lambda bpb: f"{bpb:.4f}" if bpb is not None else "n/a (stopped)"  # noqa: E731
-print0(f"Validation bpb: {bpb_text(first_val_bpb)} (before SFT) -> {bpb_text(val_bpb)} (after {step} steps)")
-stopped_early = (stop_now and not (step >= num_iterations if num_iterations > 0 else epoch_done)) or evaluations_cut
-stage.report("Chat SFT", [
+print0(f"Validation bpb: {bpb_text(loop.first_val_bpb)} (before SFT) -> {bpb_text(val_bpb)} (after {step} steps)")
+stage.report("Chat SFT", step, [
     config,
-    {"Number of iterations": step, "Stopped early": stopped_early, "Mixture": mixture, "Training conversations": train_size,
-     "Gradient accumulation steps": grad_accum_steps, "World size": ddp_world_size, "torch.compile": use_compile,
-     "Validation bpb before SFT": first_val_bpb, "Final validation bpb": bpb_text(None) if evaluations_cut else val_bpb,
-     **{f"{name} accuracy": acc for name, acc in metrics.items()},
-     "Conversations cut at max_seq_len": cut, "Total training time (min)": total_training_time / 60,
-     "Metrics file": stage.metrics_path},
+    {"Mixture": mixture, "Training conversations": train_loader.size, "Conversations cut at max_seq_len": cut,
+     "Gradient accumulation steps": grad_accum_steps, "torch.compile": use_compile,
+     "Validation bpb before SFT": loop.first_val_bpb, "Final validation bpb": bpb_text(None) if stopped_early else val_bpb,
+     **{f"{name} accuracy": acc for name, acc in ({} if stopped_early else metrics).items()},
+     "Total training time (min)": loop.total_training_time / 60},
 ])
 eval_args, rl_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")
-stage.finish(step, stopped_early, f"python -m scripts.chat_eval -i sft{eval_args}, then python -m scripts.chat_rl{rl_args} "
-                                  f"(or talk to it: python -m scripts.chat_cli)")
+sys.exit(stage.finish(step, f"python -m scripts.chat_eval -i sft{eval_args}, then python -m scripts.chat_rl{rl_args} "
+                            f"(or talk to it: python -m scripts.chat_cli)"))

@@ -15,19 +15,17 @@ conversations as 1 rank x 2 micro-steps. A resumed run must therefore use the sa
 """
 
 import os
-import time
+import sys
 
 import torch
 
-from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_init,
-                             gather_from_ranks, get_base_dir, per_rank, print0, print_banner)
+from nanochat.common import UserError, gather_from_ranks, get_base_dir, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
-from nanochat.hardware import autocast_context, compile_model, compute_dtype_line, get_peak_flops
-from nanochat.losses import count_step_targets, evaluate_bpb, supervised_loss
-from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum, scale_initial_lrs, set_learning_rates
-from nanochat.stage import Stage, StopRequest, check_stage_settings
+from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
+from nanochat.losses import count_step_targets, evaluate_bpb, step_losses, supervised_loss
+from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 
 # -----------------------------------------------------------------------------
@@ -67,19 +65,12 @@ check_config(config, positive=["max_seq_len", "device_batch_size", "total_batch_
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "mixture": ("real", "offline")})
-check_stage_settings(config)  # --resume_from_step, the schedule (nanochat/stage.py)
-if model_tag:
-    check_model_tag(model_tag)
+check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
 # -----------------------------------------------------------------------------
-# 2. Compute
-print_banner()
-device_type = device_type or autodetect_device_type()
-ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
-master_process = ddp_rank == 0  # only rank 0 prints, logs to wandb, writes the checkpoint's model and meta
+# 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
+device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)  # banner, compute_init: nanochat/stage.py
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-print0(compute_dtype_line(device_type))
-synchronize = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 stage = Stage("mid", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 
 # -----------------------------------------------------------------------------
@@ -99,28 +90,12 @@ token_bytes = get_token_bytes(device, tokenizer.directory)
 print0(f"torch.compile: {use_compile}")
 
 # -----------------------------------------------------------------------------
-# 4. Batch arithmetic: x, y = next(train_loader) is (device_batch_size, max_seq_len) on EACH rank
-tokens_per_fwdbwd = device_batch_size * max_seq_len  # one rank, one micro-step
-world_tokens_per_fwdbwd = tokens_per_fwdbwd * ddp_world_size  # all ranks, one micro-step
-grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, ddp_world_size)  # or a clear error
-print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {tokens_per_fwdbwd:,}")
-print0(f"Tokens / micro-batch (all {ddp_world_size} ranks): {world_tokens_per_fwdbwd:,}")
-print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {grad_accum_steps}")
+# 4. Batch arithmetic: x, y = next(train_loader) is (device_batch_size, max_seq_len) on EACH rank; the micro-steps
+# of a step, printed (or a one-line error naming settings that work)
+grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, ddp_world_size, show=True)
 
 # -----------------------------------------------------------------------------
-# 5. Optimizers: Muon for the block matrices, AdamW for embedding and head (see GPT.setup_optimizers). A resumed
-# run gets back the optimizer state of every rank, after checking that its data would continue the same way.
-optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
-                                         matrix_lr=matrix_lr, weight_decay=weight_decay)
-scale_initial_lrs(optimizers, init_lr_frac)
-# What decides which conversations step N reads (here the world size too: rank r reads r, r+W, r+2W, ...)
-data_settings = dict(mixture=mixture, max_conversations=max_conversations, device_batch_size=device_batch_size,
-                     max_seq_len=max_seq_len, total_batch_size=total_batch_size, world_size=ddp_world_size,
-                     train_on_all_tokens=train_on_all_tokens)
-stage.resume(optimizers, data_settings)
-
-# -----------------------------------------------------------------------------
-# 6. Data: a deterministic shuffled mixture of chat tasks. No silent fallback from one mixture to the other.
+# 5. Data: a deterministic shuffled mixture of chat tasks. No silent fallback from one mixture to the other.
 if mixture == "real":
     from tasks.common import TaskMixture
     from tasks.customjson import CustomJSON
@@ -141,13 +116,29 @@ if mixture == "real":
 else:
     from tasks.offline import offline_mixture
     train_dataset, val_dataset = offline_mixture("train"), offline_mixture("test")
-train_size = len(train_dataset) if max_conversations < 0 else min(max_conversations, len(train_dataset))
-print0(f"Mixture {mixture}: {train_size:,} training conversations (of {len(train_dataset):,}), {len(val_dataset):,} validation")
 # Conversations packed into rows: a conversation longer than a row continues in the next one (nanochat/dataloader.py)
 loader_args = dict(packed=True, rank=ddp_rank, world_size=ddp_world_size, train_on_all_tokens=train_on_all_tokens)
-train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=train_size, **loader_args)
-train_loader.load_state_dict(stage.data_state)  # a resumed run continues where the checkpoint's run was
-eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * total_batch_size) // world_tokens_per_fwdbwd)
+train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,
+                                  **loader_args)
+print0(f"Mixture {mixture}: {train_loader.size:,} training conversations (of {len(train_dataset):,}), {len(val_dataset):,} validation")
+# What decides which conversations step N reads (here the world size too: rank r reads r, r+W, r+2W, ...)
+data_settings = dict(mixture=mixture, max_conversations=max_conversations, device_batch_size=device_batch_size,
+                     max_seq_len=max_seq_len, total_batch_size=total_batch_size, world_size=ddp_world_size,
+                     train_on_all_tokens=train_on_all_tokens)
+eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * total_batch_size)
+                 // (device_batch_size * max_seq_len * ddp_world_size))
+
+# -----------------------------------------------------------------------------
+# 6. Optimizers: Muon for the block matrices, AdamW for embedding and head (see GPT.setup_optimizers). A resumed run
+# gets back every rank's optimizer state and data position, and the loop's variables (nanochat/stage.py).
+optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
+                                         matrix_lr=matrix_lr, weight_decay=weight_decay)
+scale_initial_lrs(optimizers, init_lr_frac)
+loop = stage.resume(optimizers, train_loader, data_settings,
+                    smooth_train_loss=0.0,  # EMA of the global train loss
+                    total_training_time=0.0,  # seconds, excluding the first (compile) steps
+                    first_val_bpb=None, min_val_bpb=float("inf"),
+                    epoch_done=False)  # some rank has read its whole share of the mixture
 peak_flops, peak_source = get_peak_flops(device, compute_dtype)
 print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
 
@@ -155,112 +146,83 @@ print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
 # 7. The training loop: the same two-level loop as base_train (steps, and micro-steps inside a step). A step's
 # micro-batches are fetched before it runs: its loss is normalised by its number of supervised targets, which
 # must be known before the first backward. `next_data_state` is where they start (a checkpoint saves it).
-stop_request = StopRequest(ddp_rank)  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
-next_data_state = train_loader.state_dict()
-step_batches = [next(train_loader) for _ in range(grad_accum_steps)]
+next_data_state, step_batches = train_loader.next_step(grad_accum_steps)
 x, y = step_batches[0]
 # Every rank says what it got: (device_batch_size, max_seq_len) of ITS OWN conversations, not x world_size
 masked = 100 * (y == -1).float().mean().item()
 print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
       f"{masked:.0f}% of targets -1 (not trained on: user turns, tool outputs)", flush=True)
-start_step, loop_state = stage.start_step, stage.loop_state
-smooth_train_loss = loop_state.get("smooth_train_loss", 0.0)  # EMA of the global train loss
-total_training_time = loop_state.get("total_training_time", 0.0)  # seconds, excluding the first (compile) steps
-first_val_bpb, min_val_bpb = loop_state.get("first_val_bpb"), loop_state.get("min_val_bpb", float("inf"))
-epoch_done = loop_state.get("epoch_done", False)  # some rank has read its whole share of the mixture
+start_step = stage.start_step
 val_bpb, ema_beta, mfus = None, 0.9, []
-step, stop_now, evaluations_cut = start_step, False, False
+step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 while True:
     # After num_iterations steps, or (num_iterations = -1) as soon as ANY rank has read its share of the epoch
     # (a rank with fewer conversations wraps around first), or when asked to stop: every rank decides on the
-    # same flags (any_rank below), or the others would wait forever in their next collective.
-    last_step = (step >= num_iterations if num_iterations > 0 else epoch_done) or stop_now
+    # same flags (stage.stop_after_step below), or the others would wait forever in their next collective.
+    last_step = (step >= num_iterations if num_iterations > 0 else loop.epoch_done) or stop_now
 
     # The final checkpoint comes first, so a crash in the final evaluation loses nothing.
     if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
-        stage.save(step, optimizers, data_state=next_data_state, val_bpb=val_bpb,
-                   loop_state=dict(smooth_train_loss=smooth_train_loss, total_training_time=total_training_time,
-                                   first_val_bpb=first_val_bpb, min_val_bpb=min_val_bpb, epoch_done=epoch_done))
+        stage.save(step, optimizers, loop, data_state=next_data_state, val_bpb=val_bpb)
 
     # Validation: bits per byte of the assistant tokens of held-out conversations (step 0 = the base model). A stop
     # request cuts it short (Interrupted, on every rank together): not reported, and the stage stops.
     if last_step or step == start_step or (eval_every > 0 and step % eval_every == 0):
         model.eval()
         val_loader = ConversationLoader(val_dataset, tokenizer, device_batch_size, max_seq_len, device, **loader_args)
-        try:
-            with autocast_ctx:
-                val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes, stop=stop_request)
-            first_val_bpb = val_bpb if first_val_bpb is None else first_val_bpb
-            min_val_bpb = min(min_val_bpb, val_bpb)
+        with stage.phase(f"Step {step:05d} | validation"), autocast_ctx:
+            val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes, stop=stage.stop)
+            loop.first_val_bpb = val_bpb if loop.first_val_bpb is None else loop.first_val_bpb
+            loop.min_val_bpb = min(loop.min_val_bpb, val_bpb)
             print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{' (the base model, before midtraining)' if step == 0 else ''}")
-            stage.wandb.log({"step": step, "total_training_time": total_training_time, "val/bpb": val_bpb})
-            stage.log_metrics(step=step, val_bpb=val_bpb)
-        except Interrupted:
-            evaluations_cut = True
-            print0(f"Step {step:05d} | validation stopped: a stop was requested")
+            stage.log(step, val_bpb=val_bpb, total_training_time=loop.total_training_time)
         model.train()
 
     if last_step:
         break
 
     # ---- one optimizer step ----
-    synchronize()
-    t0 = time.time()
+    t0 = device_time(device)
     # The loss of the step is the mean over ALL its supervised targets (all micro-steps, all ranks): count them
     # first (one all_reduce), then each micro-step backpropagates its loss sum scaled by world_size / that count
     # (why, and why not a mean per micro-batch: nanochat/losses.py).
     rank_targets, step_targets = count_step_targets(step_batches, ddp_rank, ddp_world_size)
     step_loss_sum = torch.zeros((), device=device)  # this rank's summed token losses, for logging
-    for micro_step in range(grad_accum_steps):
-        x, y = step_batches[micro_step]
+    for x, y in step_batches:
         with autocast_ctx:
             loss, loss_sum = supervised_loss(model, x, y, step_targets, ddp_world_size)
         step_loss_sum += loss_sum
         loss.backward()  # .backward() adds into .grad: the micro-steps' parts add up to the step's gradient
-    next_data_state = train_loader.state_dict()  # the next step's data, fetched while the device works
-    step_batches = [next(train_loader) for _ in range(grad_accum_steps)]
-    # Gradients are averaged across ranks in clip_grad_norm_ (clipping on) or in opt.step() (off): see base_train
-    grad_norm = clip_grad_norm_(optimizers, grad_clip) if grad_clip > 0 else None
+    next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
     # How far the run is: in steps, or for a run of one epoch, in conversations of this rank's share read so far
-    done, total = (step, num_iterations) if num_iterations > 0 else \
-        (train_size if train_loader.epoch_done else train_loader.cursor, train_size)
+    done, total = (step, num_iterations) if num_iterations > 0 else train_loader.progress()
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     # The optimizers are new (midtraining does not load the base run's optimizer state): Muon's momentum buffers
     # start at zero, so its momentum gets the same 0.85 -> 0.95 warm-up over 300 steps as in pretraining.
     momentum = muon_momentum(step)
-    set_learning_rates(optimizers, lrm, momentum)
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
-    rank_loss_sums = per_rank(step_loss_sum.item())  # every rank's summed token losses, on every rank
-    stop_now, epoch_done = any_rank(stop_request.requested, epoch_done or train_loader.epoch_done)
-    synchronize()
-    dt = time.time() - t0
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # the ranks' gradients averaged: see base_train
+    train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
+    stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
+    dt = device_time(device) - t0
     step += 1
 
     # ---- logging ----
-    train_loss = sum(rank_loss_sums) / max(step_targets, 1)  # global loss: the mean over every supervised target of the step
-    rank_losses = [loss_sum / max(n, 1) for loss_sum, n in zip(rank_loss_sums, rank_targets)]
-    grad_norm_value = grad_norm.item() if grad_norm is not None else None
-    stage.check_finite(step, train_loss, grad_norm_value, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
-    smooth_train_loss = ema_beta * smooth_train_loss + (1 - ema_beta) * train_loss
-    debiased_loss = smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
+    stage.check_finite(step, train_loss, grad_norm, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
+    loop.smooth_train_loss = ema_beta * loop.smooth_train_loss + (1 - ema_beta) * train_loss
+    debiased_loss = loop.smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
     tok_per_sec = total_batch_size / dt
     mfu = 100 * flops_per_token * tok_per_sec / (peak_flops * ddp_world_size)
     if step - start_step > 10:  # the first steps include compilation and warm-up: keep them out of the time
-        total_training_time += dt
+        loop.total_training_time += dt
         mfus.append(mfu)
-    grad_text = f"{grad_norm_value:.4f}" if grad_norm_value is not None else "n/a (no clipping)"
+    grad_text = f"{grad_norm:.4f}" if grad_norm is not None else "n/a (no clipping)"
     progress = step / num_iterations if num_iterations > 0 else done / total  # after this step
     print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
            f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm (before clip): {grad_text} "
-           f"| dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {total_training_time / 60:.2f}m")
-    stage.wandb.log({"step": step, "total_training_flops": flops_per_token * total_batch_size * step,
-                     "total_training_time": total_training_time, "train/loss": debiased_loss, "train/step_loss": train_loss,
-                     "train/lrm": lrm, "train/muon_momentum": momentum, "train/grad_norm": grad_norm_value, "train/dt": dt,
-                     "train/tok_per_sec": tok_per_sec, "train/mfu": mfu})
-    stage.log_metrics(step=step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets,
-                      lrm=lrm, grad_norm=grad_norm_value, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
+           f"| dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {loop.total_training_time / 60:.2f}m")
+    stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
+              muon_momentum=momentum, grad_norm=grad_norm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu,
+              total_training_flops=flops_per_token * total_batch_size * step, total_training_time=loop.total_training_time)
 
 # -----------------------------------------------------------------------------
 # 8. What each rank read (gathered so rank 0 can show it), report, and the end of the stage
@@ -268,19 +230,18 @@ per_rank_stats = gather_from_ranks(train_loader.stats)
 for r, stats in enumerate(per_rank_stats):
     print0(f"rank {r}: read {stats['read']:,} training conversations (first: {stats['first']}), "
            f"{stats['split']} longer than a row, continued across rows")
+stopped_early = stage.stopped_early()  # a stop cut the training or the final validation short
 bpb_text = lambda bpb: f"{bpb:.4f}" if bpb is not None else "n/a (stopped)"  # noqa: E731
-print0(f"Validation bpb: {bpb_text(first_val_bpb)} (base model) -> {bpb_text(val_bpb)} (after {step} steps of midtraining)")
-stopped_early = (stop_now and not (step >= num_iterations if num_iterations > 0 else epoch_done)) or evaluations_cut
-stage.report("Midtraining", [
+print0(f"Validation bpb: {bpb_text(loop.first_val_bpb)} (base model) -> {bpb_text(val_bpb)} (after {step} steps of midtraining)")
+stage.report("Midtraining", step, [
     config,
-    {"Number of iterations": step, "Stopped early": stopped_early, "Mixture": mixture, "Training conversations": train_size,
-     "Gradient accumulation steps": grad_accum_steps, "World size": ddp_world_size, "torch.compile": use_compile,
-     "Validation bpb of the base model": first_val_bpb, "Minimum validation bpb": min_val_bpb,
-     "Final validation bpb": bpb_text(None) if evaluations_cut else val_bpb, "Total training time (min)": total_training_time / 60,
-     "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)",
+    {"Mixture": mixture, "Training conversations": train_loader.size,
      "Conversations longer than a row (continued, not cropped)": sum(s["split"] for s in per_rank_stats),
-     "Metrics file": stage.metrics_path},
+     "Gradient accumulation steps": grad_accum_steps, "torch.compile": use_compile,
+     "Validation bpb of the base model": loop.first_val_bpb, "Minimum validation bpb": loop.min_val_bpb,
+     "Final validation bpb": bpb_text(None) if stopped_early else val_bpb, "Total training time (min)": loop.total_training_time / 60,
+     "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)"},
 ])
 eval_args, sft_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")
-stage.finish(step, stopped_early, f"python -m scripts.chat_eval -i mid{eval_args}, then python -m scripts.chat_sft{sft_args} "
-                                  f"(or talk to it: python -m scripts.chat_cli --source=mid)")
+sys.exit(stage.finish(step, f"python -m scripts.chat_eval -i mid{eval_args}, then python -m scripts.chat_sft{sft_args} "
+                            f"(or talk to it: python -m scripts.chat_cli --source=mid)"))

@@ -145,14 +145,15 @@ def start_script(*args, nproc=1, env=None, cwd=REPO_ROOT, **popen_kwargs):
 def refusal_in_process(module, *args):
     """
     Run `python -m <module> <args>` inside this process, as far as its argument checks: returns the UserError it
-    raises before doing any work (fails if it raises none, or gets to compute_init). A test of a refused value
-    needs no process of its own, which costs 2-3 s of imports; subprocess tests prove that such an error is one
-    line on stderr and exit status 1. The script's changes to the logging setup and sys.excepthook are undone.
+    raises before doing any work (fails if it raises none, or gets to compute_init or the training stages'
+    start_compute). A test of a refused value needs no process of its own, which costs 2-3 s of imports;
+    subprocess tests prove that such an error is one line on stderr and exit status 1. The script's changes to the
+    logging setup and sys.excepthook are undone.
     """
     import logging
     import runpy
 
-    from nanochat import common
+    from nanochat import common, stage
     logger = logging.getLogger("nanochat")
     saved = sys.argv, sys.excepthook, list(logger.handlers), logger.propagate, logger.level
 
@@ -162,6 +163,7 @@ def refusal_in_process(module, *args):
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(common, "compute_init", no_work)
+            mp.setattr(stage, "start_compute", no_work)
             sys.argv = [module, *args]
             runpy.run_module(module, run_name="__main__")
     except common.UserError as e:
