@@ -36,7 +36,7 @@ from nanochat.tokenizer import get_token_bytes, get_tokenizer
 run = "dummy"  # wandb run name ("dummy" = no wandb)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
 # model
-depth = 20  # the one size dial: width 64*depth, heads 128 wide (64 for odd depths)
+depth = 20  # the one size dial: width 64*depth, heads 128 wide; an odd depth gets others (7 -> 4 of 112: gpt.config_from_depth)
 max_seq_len = 2048  # tokens per row (context length)
 # training horizon: the first of these that is > 0 decides the number of optimizer steps
 num_iterations = -1  # explicit number of steps

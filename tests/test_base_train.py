@@ -222,8 +222,10 @@ def test_evaluate_bpb_hand_computed():
 
 @pytest.mark.slow
 def test_readme_quick_start_runs_in_minutes(trained_tokenizer, isolated_env):
-    """The Mac/CPU quick start of the README and of base_train's docstring, exactly as written there (on this test
-    process's share of the cores: see conftest.CORES)."""
+    """The Mac/CPU quick start of the README and of base_train's docstring: its base_train command as written there,
+    but with the session's 512-token tokenizer on the session's pydocs corpus (the README's two commands before it,
+    the corpus and a 4096-token tokenizer, are not run), its "minutes" bounded in CPU time on this test process's
+    share of the cores (helpers.CORES)."""
     readme = open(os.path.join(REPO_ROOT, "README.md")).read()
     command = "python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512 --num_iterations=20"
     assert command in readme and command in open(os.path.join(REPO_ROOT, "scripts", "base_train.py")).read()

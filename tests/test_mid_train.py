@@ -53,8 +53,9 @@ def test_mid_train_writes_a_checkpoint_and_lowers_the_held_out_loss(base_model):
 
 
 def test_two_ranks_read_disjoint_conversations_and_stop_together(base_model):
-    # 7 conversations: rank 0 reads 0, 2, 4, 6 and rank 1 reads 1, 3, 5, so rank 1 runs out first; without the
-    # last_step all_reduce rank 0 would go on alone and wait forever in its next collective (timeout here).
+    # 7 conversations: rank 0 reads 0, 2, 4, 6 and rank 1 reads 1, 3, 5, so rank 1 runs out first; if the ranks did
+    # not agree on epoch_done (any_rank, in stage.stop_after_step) rank 0 would go on alone and wait forever in its
+    # next collective (timeout here).
     result = mid("--max_conversations=7", nproc=2, timeout=240)
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
