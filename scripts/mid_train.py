@@ -125,8 +125,8 @@ print0(f"Mixture {mixture}: {train_loader.size:,} training conversations (of {le
 data_settings = dict(mixture=mixture, max_conversations=max_conversations, device_batch_size=device_batch_size,
                      max_seq_len=max_seq_len, total_batch_size=total_batch_size, world_size=ddp_world_size,
                      train_on_all_tokens=train_on_all_tokens)
-eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * total_batch_size)
-                 // (device_batch_size * max_seq_len * ddp_world_size))
+eval_tokens = eval_tokens if eval_tokens > 0 else 20 * total_batch_size  # as in base_train
+eval_steps = max(1, eval_tokens // (device_batch_size * max_seq_len * ddp_world_size))
 
 # -----------------------------------------------------------------------------
 # 6. Optimizers: Muon for the block matrices, AdamW for embedding and head (see GPT.setup_optimizers). A resumed run
