@@ -144,9 +144,11 @@ def test_disk_full_save_leaves_no_partial_file(tmp_path, monkeypatch):
         real_save(obj, f)
 
     monkeypatch.setattr(checkpoint_manager.torch, "save", save_until_the_disk_is_full)
-    with pytest.raises(UserError, match=f"no space left on {tmp_path}"):
-        checkpoint_manager.save_checkpoint(str(tmp_path), 7, model.state_dict(), optimizer_shard(optimizers, model), {})
-    assert os.listdir(tmp_path) == []  # neither the partial model file nor the optimizer file of the failed step
+    ckpt = tmp_path / "ckpt"  # not tmp_path itself: it holds this test's base dir (the compute dtype's cache file)
+    ckpt.mkdir()
+    with pytest.raises(UserError, match=f"no space left on {ckpt}"):
+        checkpoint_manager.save_checkpoint(str(ckpt), 7, model.state_dict(), optimizer_shard(optimizers, model), {})
+    assert os.listdir(ckpt) == []  # neither the partial model file nor the optimizer file of the failed step
 
 
 @pytest.mark.slow
