@@ -335,8 +335,11 @@ class ConversationLoader:
         state = self.state_dict()
         return state, [next(self) for _ in range(n)]
 
-    def progress(self):
-        """(conversations of this rank's share of the epoch read so far, the epoch's size)"""
+    def progress(self, step, num_iterations):
+        """How far a run is, for its schedule: (step, num_iterations) for a run of num_iterations steps, else (-1: one
+        epoch) (conversations of this rank's share of the epoch read so far, the epoch's size)."""
+        if num_iterations > 0:
+            return step, num_iterations
         return (self.size if self.epoch_done else self.cursor), self.size
 
     def _read(self):

@@ -366,6 +366,7 @@ class GPT(nn.Module):
         Naive sampling that re-runs the whole sequence each step (no KV cache): yields one token id (int) at a time,
         `max_tokens` of them. The quick samples of training, and the Engine's reference (same sample_next_token).
         """
+        from nanochat.engine import sample_next_token  # the Engine's sampler (engine.py does not import this module)
         device = self.lm_head.weight.device
         rng = torch.Generator(device=device).manual_seed(seed)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
@@ -374,24 +375,3 @@ class GPT(nn.Module):
             next_id = sample_next_token(logits, rng, temperature, top_k)
             ids = torch.cat((ids, next_id[:, None]), dim=1)
             yield next_id.item()
-
-
-def sample_next_token(logits, rng, temperature=1.0, top_k=None):
-    """
-    Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng unused).
-    Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits only when top_k is
-    a positive int (None or 0: the whole vocabulary), by inverse transform sampling (docs/model.md). All randomness
-    comes from `rng` (a torch.Generator on the logits' device); the global RNG is not touched.
-    """
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    indices = None
-    if top_k and top_k < logits.size(-1):
-        logits, indices = torch.topk(logits, top_k, dim=-1)
-    cdf = F.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
-    total = cdf[:, -1:]  # 1 up to rounding
-    u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype) * total
-    # u < total: rounding could land u on it, past every token (a zero-probability token is never chosen)
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    choice = torch.searchsorted(cdf, u, right=True)  # the first token whose cumulative probability exceeds u
-    return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)

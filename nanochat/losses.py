@@ -164,6 +164,15 @@ def supervised_loss(model, x, y, step_targets, ddp_world_size):
     return loss_sum * (ddp_world_size / max(step_targets, 1)), loss_sum.detach()
 
 
+def smoothed_loss(ema, loss, step, beta=0.9):
+    """
+    (the new EMA of a logged loss, its debiased value) after step `step` (>= 1): ema = beta * ema + (1 - beta) * loss,
+    started at 0; dividing by 1 - beta**step removes the pull toward that 0 of the first steps (Adam's bias correction).
+    """
+    ema = beta * ema + (1 - beta) * loss
+    return ema, ema / (1 - beta ** step)
+
+
 def step_losses(loss_sum, rank_targets):
     """
     The loss of a supervised step, for logging, on every rank (one all_reduce): (the mean over every supervised

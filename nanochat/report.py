@@ -81,7 +81,9 @@ class Report:
 
 
 def format_value(v):
-    """Floats with the precision a reader can use: 1.2346 (small numbers: losses, bpb), 87.6, 12,345."""
+    """Floats with the precision a reader can use: 1.2346 (small numbers: losses, bpb), 87.6, 12,345; None: n/a."""
+    if v is None:
+        return "n/a"
     if not isinstance(v, float):
         return v
     if v != v or v in (float("inf"), float("-inf")):

@@ -27,9 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 import nanochat
-from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError
-from nanochat.engine import Engine, TextStreamer
+from nanochat.engine import TextStreamer
 from nanochat.hardware import autocast_context
 
 logger = logging.getLogger("nanochat.serving")
@@ -158,21 +157,15 @@ class WorkerPool:
         }
 
 
-def load_workers(source, device_type, num_gpus=1, model_tag="", step=-1):
-    """One Worker per device: cuda:0..num_gpus-1 for CUDA, else one on `device_type` (cpu / mps)."""
+def worker_devices(device_type, num_gpus=1):
+    """The devices of the workers, one model each: cuda:0..num_gpus-1 for CUDA, else `device_type` (cpu / mps)."""
     if device_type == "cuda":
         if num_gpus > torch.cuda.device_count():
             raise UserError(f"--num_gpus={num_gpus} but {torch.cuda.device_count()} CUDA device(s) are visible")
-        devices = [torch.device("cuda", i) for i in range(num_gpus)]
-    else:
-        if num_gpus != 1:
-            raise UserError(f"--num_gpus={num_gpus} applies to CUDA; on {device_type} one worker serves (leave --num_gpus out)")
-        devices = [torch.device(device_type)]
-    workers = []
-    for index, device in enumerate(devices):
-        model, tokenizer, _ = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
-        workers.append(Worker(index, Engine(model, tokenizer)))
-    return workers
+        return [torch.device("cuda", i) for i in range(num_gpus)]
+    if num_gpus != 1:
+        raise UserError(f"--num_gpus={num_gpus} applies to CUDA; on {device_type} one worker serves (leave --num_gpus out)")
+    return [torch.device(device_type)]
 
 
 # -----------------------------------------------------------------------------

@@ -303,26 +303,24 @@ class Stage:
         step = self.last_saved_step if self.last_saved_step is not None else (self.start_step if self.resumed else None)
         return f"the last checkpoint is step {step}" if step is not None else "no checkpoint was saved"
 
-    def check_finite(self, step, loss, grad_norm, lr_keys):
-        """
-        Stop at the first non-finite loss or gradient norm: the weights are about to be (or already are) NaN and
-        every later step would be garbage. Raised before the next save: no checkpoint newer than the last finite.
-        """
-        if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
-            return
-        what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
-        raise UserError(f"step {step}: {what} is not finite, training diverged ({self._last_saved()}; nothing newer is "
-                        f"saved). The likely knob is the learning rate: lower {', '.join('--' + k for k in lr_keys)} "
-                        f"(or raise --warmup_ratio), then resume from the last checkpoint or start again")
-
     def log(self, step, **metrics):
         """
         The metrics of step `step`, under the same names in every sink: the wandb run (rank 0, unless --run=dummy)
         and a line of <checkpoint dir>/metrics.jsonl (rank 0, not in a dry run; the report plots it; a resumed run
-        continues it).
+        continues it). A non-finite `step_loss` or `grad_norm` stops the run here (UserError), before the next save:
+        the weights are about to be (or are) NaN, every later step would be garbage, and no checkpoint newer than
+        the last finite one is written.
         """
         self.wandb.log(dict(step=step, **metrics))
         self._log_metrics(step=step, **metrics)
+        for name in ("step_loss", "grad_norm"):
+            value = metrics.get(name)
+            if value is not None and not math.isfinite(value):
+                lr_keys = [f"--{k}" for k in self.config if k.endswith("_lr") or k == "init_lr_frac"]
+                raise UserError(f"step {step}: {name.replace('_', ' ')} {value} is not finite, training diverged "
+                                f"({self._last_saved()}; nothing newer is saved). The likely knob is the learning rate: "
+                                f"lower {', '.join(lr_keys)} (or raise --warmup_ratio), then resume from the last "
+                                f"checkpoint or start again")
 
     @contextlib.contextmanager
     def phase(self, what):

@@ -26,8 +26,9 @@ from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_dat
 from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
-from nanochat.losses import evaluate_bpb
+from nanochat.losses import evaluate_bpb, smoothed_loss
 from nanochat.optim import lr_multiplier, muon_momentum, step_optimizers
+from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
@@ -163,8 +164,7 @@ x, y = next(train_loader)  # the first micro-batch; from now on the next one is 
 peak_flops, peak_source = get_peak_flops(device, compute_dtype)
 print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
 start_step = stage.start_step
-val_bpb, core_metric = None, {}
-ema_beta = 0.9
+val_bpb, core_metric, debiased_loss = None, {}, None  # debiased_loss: the logged train loss (EMA) of the last step
 mfus, first_step_time = [], None
 sample_prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
                   "The opposite of hot is", "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
@@ -241,9 +241,7 @@ while True:
 
     # ---- logging ----
     train_loss = sum(rank_losses) / ddp_world_size  # global loss: the mean over ranks
-    stage.check_finite(step, train_loss, grad_norm, ["matrix_lr", "embedding_lr", "unembedding_lr"])
-    loop.smooth_train_loss = ema_beta * loop.smooth_train_loss + (1 - ema_beta) * train_loss
-    debiased_loss = loop.smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
+    loop.smooth_train_loss, debiased_loss = smoothed_loss(loop.smooth_train_loss, train_loss, step)
     tok_per_sec = total_batch_size / dt  # tokens of ALL micro-steps of ALL ranks per second of step time
     mfu = 100 * flops_per_token * tok_per_sec / (peak_flops * ddp_world_size)
     if step - start_step > 10:  # the first steps include compilation and warm-up: keep them out of the time
@@ -251,10 +249,9 @@ while True:
         mfus.append(mfu)
     if first_step_time is None:  # start-up (imports included), data, compile and the first step
         first_step_time = time.time() - psutil.Process().create_time()
-    grad_text = f"{grad_norm:.4f}" if grad_norm is not None else "n/a (no clipping)"
     print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) | loss (EMA): {debiased_loss:.6f} "
            f"| step loss (mean of {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
-           f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "
+           f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "
            f"| total time: {loop.total_training_time / 60:.2f}m")
     stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm, muon_momentum=momentum,
               grad_norm=grad_norm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu,
@@ -282,7 +279,7 @@ stage.report("Base model training", step, [
     {"Minimum validation bpb": loop.min_val_bpb,
      "Final validation bpb": "n/a (its evaluation was stopped)" if stopped_early else val_bpb,
      **core_metric,
-     "Final train loss (EMA)": loop.smooth_train_loss / (1 - ema_beta ** max(step, 1)),
+     "Final train loss (EMA)": debiased_loss if debiased_loss is not None else "n/a (no step in this run)",
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)",
      "Peak FLOP/s used for MFU": f"{peak_flops:.3e} ({peak_source})",
      "Total training time (min)": loop.total_training_time / 60, "Time to first step (s)": first_step_time,

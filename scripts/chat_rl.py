@@ -30,6 +30,7 @@ from nanochat.engine import Engine
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 
 # -----------------------------------------------------------------------------
@@ -256,10 +257,8 @@ while True:
     step += 1
     loop.mean_rewards.append(mean_reward)
 
-    stage.check_finite(step, mean_reward, grad_norm, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
-    grad_text = f"{grad_norm:.4f}" if grad_norm is not None else "n/a (no clipping)"
     print0(f"step {step:05d}/{num_iterations:05d} | mean reward: {mean_reward:.4f} | mean answer length: {mean_length:.1f} "
-           f"| sampled tokens: {step_tokens:,.0f} | lrm: {lrm:.2f} | grad norm (before clip): {grad_text} | dt: {dt:.2f}s")
+           f"| sampled tokens: {step_tokens:,.0f} | lrm: {lrm:.2f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
     stage.log(step, reward=mean_reward, answer_length=mean_length, targets=step_tokens, lrm=lrm, muon_momentum=momentum,
               grad_norm=grad_norm, dt=dt)
 

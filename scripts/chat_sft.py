@@ -28,8 +28,9 @@ from nanochat.common import UserError, gather_from_ranks, get_base_dir, interrup
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader
 from nanochat.hardware import autocast_context, compile_model, device_time
-from nanochat.losses import count_step_targets, evaluate_bpb, step_losses, supervised_loss
+from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 
@@ -179,7 +180,7 @@ x, y = step_batches[0]
 print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
       f"{100 * (y == -1).float().mean().item():.0f}% of targets -1 (padding, user turns, tool outputs)", flush=True)
 start_step = stage.start_step
-val_bpb, metrics, ema_beta = None, {}, 0.9
+val_bpb, metrics = None, {}
 step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 while True:
     # All ranks stop together (see mid_train): after num_iterations steps, after one epoch, or when asked to
@@ -224,7 +225,7 @@ while True:
         loss.backward()
     next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
     # How far the run is: in steps, or for a run of one epoch, in conversations of this rank's share read so far
-    done, total = (step, num_iterations) if num_iterations > 0 else train_loader.progress()
+    done, total = train_loader.progress(step, num_iterations)
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
     grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
@@ -234,16 +235,13 @@ while True:
     step += 1
 
     # ---- logging ----
-    stage.check_finite(step, train_loss, grad_norm, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
-    loop.smooth_train_loss = ema_beta * loop.smooth_train_loss + (1 - ema_beta) * train_loss
-    debiased_loss = loop.smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
+    loop.smooth_train_loss, debiased_loss = smoothed_loss(loop.smooth_train_loss, train_loss, step)
     if step - start_step > 10:
         loop.total_training_time += dt
-    grad_text = f"{grad_norm:.4f}" if grad_norm is not None else "n/a (no clipping)"
     progress = step / num_iterations if num_iterations > 0 else done / total  # after this step
     print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
            f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
-           f"| grad norm (before clip): {grad_text} | dt: {dt * 1000:.2f}ms | total time: {loop.total_training_time / 60:.2f}m")
+           f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | total time: {loop.total_training_time / 60:.2f}m")
     stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
               muon_momentum=momentum, grad_norm=grad_norm, dt=dt, total_training_time=loop.total_training_time)
 
@@ -254,13 +252,13 @@ read, cut = sum(s["read"] for s in per_rank_stats), sum(s["cut"] for s in per_ra
 print0(f"Read {read:,} training conversations on {ddp_world_size} rank(s); {cut} were longer than max_seq_len + 1 "
        f"tokens and cut")
 stopped_early = stage.stopped_early()  # a stop cut the training or the final evaluations short
-bpb_text = lambda bpb: f"{bpb:.4f}" if bpb is not None else "n/a (stopped)"  # noqa: E731
-print0(f"Validation bpb: {bpb_text(loop.first_val_bpb)} (before SFT) -> {bpb_text(val_bpb)} (after {step} steps)")
+final_bpb = None if stopped_early else val_bpb  # a final validation cut short measured nothing
+print0(f"Validation bpb: {format_value(loop.first_val_bpb)} (before SFT) -> {format_value(final_bpb)} (after {step} steps)")
 stage.report("Chat SFT", step, [
     config,
     {"Mixture": mixture, "Training conversations": train_loader.size, "Conversations cut at max_seq_len": cut,
      "Gradient accumulation steps": grad_accum_steps, "torch.compile": use_compile,
-     "Validation bpb before SFT": loop.first_val_bpb, "Final validation bpb": bpb_text(None) if stopped_early else val_bpb,
+     "Validation bpb before SFT": loop.first_val_bpb, "Final validation bpb": final_bpb,
      **{f"{name} accuracy": acc for name, acc in ({} if stopped_early else metrics).items()},
      "Total training time (min)": loop.total_training_time / 60},
 ])

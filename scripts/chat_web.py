@@ -38,11 +38,13 @@ import socket
 
 import uvicorn
 
+from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autodetect_device_type, compute_init, print0
 from nanochat.configurator import check_config, configure
+from nanochat.engine import Engine
 from nanochat.hardware import compute_dtype_line
 from nanochat.openai_api import mount as mount_openai_api
-from nanochat.serving import Settings, WorkerPool, create_app, load_workers
+from nanochat.serving import Settings, Worker, WorkerPool, create_app, worker_devices
 
 # -----------------------------------------------------------------------------
 # Config (override as --key=value; --help lists them)
@@ -91,7 +93,11 @@ with socket.socket(family, socket.SOCK_STREAM) as s:
 device_type = device_type or autodetect_device_type()
 compute_init(device_type)
 print0(compute_dtype_line(device_type))
-pool = WorkerPool(load_workers(source, device_type, num_gpus, model_tag, step))
+workers = []
+for index, device in enumerate(worker_devices(device_type, num_gpus)):  # one model per device: replies in parallel
+    model, tokenizer, _ = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
+    workers.append(Worker(index, Engine(model, tokenizer)))
+pool = WorkerPool(workers)
 app = create_app(pool, Settings(temperature=temperature, top_k=top_k, max_tokens=max_tokens,
                                 max_tokens_limit=max_tokens_limit, max_messages=max_messages,
                                 max_message_chars=max_message_chars, max_conversation_chars=max_conversation_chars,

@@ -23,8 +23,9 @@ from nanochat.common import UserError, gather_from_ranks, get_base_dir, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
-from nanochat.losses import count_step_targets, evaluate_bpb, step_losses, supervised_loss
+from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 
@@ -153,7 +154,7 @@ masked = 100 * (y == -1).float().mean().item()
 print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
       f"{masked:.0f}% of targets -1 (not trained on: user turns, tool outputs)", flush=True)
 start_step = stage.start_step
-val_bpb, ema_beta, mfus = None, 0.9, []
+val_bpb, mfus = None, []
 step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 while True:
     # After num_iterations steps, or (num_iterations = -1) as soon as ANY rank has read its share of the epoch
@@ -195,7 +196,7 @@ while True:
         loss.backward()  # .backward() adds into .grad: the micro-steps' parts add up to the step's gradient
     next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
     # How far the run is: in steps, or for a run of one epoch, in conversations of this rank's share read so far
-    done, total = (step, num_iterations) if num_iterations > 0 else train_loader.progress()
+    done, total = train_loader.progress(step, num_iterations)
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     # The optimizers are new (midtraining does not load the base run's optimizer state): Muon's momentum buffers
     # start at zero, so its momentum gets the same 0.85 -> 0.95 warm-up over 300 steps as in pretraining.
@@ -204,21 +205,18 @@ while True:
     train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
     dt = device_time(device) - t0
+    tok_per_sec = total_batch_size / dt  # rows are packed: every step trains on total_batch_size tokens
     step += 1
 
     # ---- logging ----
-    stage.check_finite(step, train_loss, grad_norm, ["matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac"])
-    loop.smooth_train_loss = ema_beta * loop.smooth_train_loss + (1 - ema_beta) * train_loss
-    debiased_loss = loop.smooth_train_loss / (1 - ema_beta ** step)  # the EMA starts at 0: undo that bias
-    tok_per_sec = total_batch_size / dt
+    loop.smooth_train_loss, debiased_loss = smoothed_loss(loop.smooth_train_loss, train_loss, step)
     mfu = 100 * flops_per_token * tok_per_sec / (peak_flops * ddp_world_size)
     if step - start_step > 10:  # the first steps include compilation and warm-up: keep them out of the time
         loop.total_training_time += dt
         mfus.append(mfu)
-    grad_text = f"{grad_norm:.4f}" if grad_norm is not None else "n/a (no clipping)"
     progress = step / num_iterations if num_iterations > 0 else done / total  # after this step
     print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
-           f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm (before clip): {grad_text} "
+           f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} "
            f"| dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {loop.total_training_time / 60:.2f}m")
     stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
               muon_momentum=momentum, grad_norm=grad_norm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu,
@@ -226,20 +224,19 @@ while True:
 
 # -----------------------------------------------------------------------------
 # 8. What each rank read (gathered so rank 0 can show it), report, and the end of the stage
+final_bpb = None if stage.stopped_early() else val_bpb  # a final validation cut short by a stop measured nothing
+print0(f"Validation bpb: {format_value(loop.first_val_bpb)} (base model) -> {format_value(final_bpb)} (after {step} steps of midtraining)")
 per_rank_stats = gather_from_ranks(train_loader.stats)
 for r, stats in enumerate(per_rank_stats):
     print0(f"rank {r}: read {stats['read']:,} training conversations (first: {stats['first']}), "
            f"{stats['split']} longer than a row, continued across rows")
-stopped_early = stage.stopped_early()  # a stop cut the training or the final validation short
-bpb_text = lambda bpb: f"{bpb:.4f}" if bpb is not None else "n/a (stopped)"  # noqa: E731
-print0(f"Validation bpb: {bpb_text(loop.first_val_bpb)} (base model) -> {bpb_text(val_bpb)} (after {step} steps of midtraining)")
 stage.report("Midtraining", step, [
     config,
     {"Mixture": mixture, "Training conversations": train_loader.size,
      "Conversations longer than a row (continued, not cropped)": sum(s["split"] for s in per_rank_stats),
      "Gradient accumulation steps": grad_accum_steps, "torch.compile": use_compile,
      "Validation bpb of the base model": loop.first_val_bpb, "Minimum validation bpb": loop.min_val_bpb,
-     "Final validation bpb": bpb_text(None) if stopped_early else val_bpb, "Total training time (min)": loop.total_training_time / 60,
+     "Final validation bpb": final_bpb, "Total training time (min)": loop.total_training_time / 60,
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)"},
 ])
 eval_args, sft_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")

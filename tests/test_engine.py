@@ -12,8 +12,8 @@ import torch
 
 from helpers import bigram_model, build_once, engine_stream
 from nanochat.common import UserError
-from nanochat.engine import Engine, KVCache, TextStreamer
-from nanochat.gpt import GPT, GPTConfig, sample_next_token
+from nanochat.engine import Engine, KVCache, TextStreamer, sample_next_token
+from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import Tokenizer
 
 SEQ_LEN = 64

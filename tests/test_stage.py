@@ -86,14 +86,16 @@ def test_a_stop_agreed_at_the_end_of_a_step_ends_the_training_early(isolated_env
 
 
 def test_a_diverged_run_is_stopped_and_never_saved(isolated_env, tok, signal_handlers):
-    stage = Stage("base", stage_config(), "cpu")
+    stage = Stage("base", stage_config(matrix_lr=0.02), "cpu")
     model = tiny_gpt(tok)
     stage.start("tiny", model=model, tokenizer=tok)
     optimizers = model.setup_optimizers()
     loop = stage.resume(optimizers, None, {"corpus": "x"}, smooth_train_loss=0.0)
     stage.save(1, optimizers, loop)
-    with pytest.raises(UserError, match=r"step 2: loss nan is not finite.*the last checkpoint is step 1.*--matrix_lr"):
-        stage.check_finite(2, float("nan"), 1.0, ["matrix_lr"])
+    with pytest.raises(UserError, match=r"step 2: step loss nan is not finite.*the last checkpoint is step 1.*--matrix_lr"):
+        stage.log(2, step_loss=float("nan"), grad_norm=1.0)
+    with pytest.raises(UserError, match=r"step 2: grad norm inf is not finite"):
+        stage.log(2, step_loss=1.0, grad_norm=float("inf"))
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("inf")
     with pytest.raises(UserError, match="step 2: the weights are not finite; nothing saved"):

@@ -45,11 +45,14 @@ def chat_web_server(chat_web_base):
     one server)."""
     import uvicorn
 
+    from nanochat.checkpoint_manager import load_model
+    from nanochat.engine import Engine
     from nanochat.openai_api import mount
-    from nanochat.serving import Settings, WorkerPool, create_app, load_workers
+    from nanochat.serving import Settings, Worker, WorkerPool, create_app
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(chat_web_base))
-        pool = WorkerPool(load_workers("base", "cpu"))
+        model, tokenizer, _ = load_model("base", "cpu", phase="eval")
+    pool = WorkerPool([Worker(0, Engine(model, tokenizer))])
     app = create_app(pool, Settings(temperature=0.8, top_k=50, max_tokens=512, max_tokens_limit=4096, max_messages=500,
                                     max_message_chars=8000, max_conversation_chars=32000, model_name="nanochat", api_key=""))
     mount(app)
