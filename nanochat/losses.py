@@ -1,67 +1,11 @@
 """
 The losses: the training loss over the vocabulary on a CPU (softcapped_cross_entropy), the supervised loss of the
 conversation stages (normalised over a whole step), the policy-gradient loss of RL, and bits per byte, the
-validation metric.
+validation metric. Why each is computed the way it is (and the derivation of the CPU loss's backward): docs/losses.md.
 
-
-The supervised loss (mid_train, chat_sft)
------------------------------------------
-In a conversation only some targets are trained on (the assistant's tokens; the rest are -1), and how many
-varies wildly from micro-batch to micro-batch: one may hold a long assistant answer, the next only a user's
-question (0 targets). Averaging each micro-batch's loss over its own targets and then averaging micro-batches
-and ranks with equal weight would count a token of a sparse micro-batch many times more than one of a dense
-micro-batch, and a fully masked micro-batch as a loss of 0 that dilutes the step's gradient. Instead:
-
-    step loss = sum of the per-token losses of every supervised target of the step / their number N,
-
-N counted over all micro-steps and all ranks BEFORE the backward passes (count_step_targets: one all_reduce of
-one number per rank). Each micro-step backpropagates its loss SUM times world_size / N (supervised_loss):
-the gradients add up over micro-steps, the optimizers average them over ranks (hence the world_size), and
-the result is exactly the gradient of the mean over every supervised token of the step, however the step is
-split into micro-batches and ranks.
-
-The policy-gradient loss (chat_rl)
-----------------------------------
-For each prompt the model samples several answers; each gets a reward (1 if the task's check passes). The
-advantage of an answer is its reward minus the mean reward of that prompt's answers (group_advantages): better
-than its siblings > 0, worse < 0, all equal (all right or all wrong) 0, so such a prompt teaches nothing. The
-loss is -sum(advantage * log p(token)) over the tokens the model SAMPLED (not the prompt, not the tool outputs
-the engine forced in), divided by the number of such tokens in the whole step (count_step_targets again), so
-following its gradient makes better-than-average answers more likely and worse ones less likely.
-
-Bits per byte
--------------
-
-Mean cross-entropy per token depends on the tokenizer (a bigger vocabulary packs more text into each
-token, so each token is harder to predict). Bits per byte does not: it is the total loss, converted from
-nats to bits, divided by the number of UTF-8 bytes the predicted tokens stand for:
-
-    bpb = sum(loss of each target token, nats) / (ln 2 * sum(bytes of each target token))
-
-Targets that are special tokens (0 bytes in token_bytes, e.g. <|bos|>) and ignored targets (-1) count in
-neither sum. Under torchrun both sums are all-reduced, so every rank returns the bpb of all ranks' data.
-
-The softcapped cross-entropy on a CPU
--------------------------------------
-The training loss over the vocabulary on a CPU: cross-entropy of the softcapped logits cap * tanh(z / cap),
-z = x @ lm_head^T, computed with fewer passes over the (rows x vocab) logits than the same expression written
-as separate PyTorch ops.
-
-Why a CPU needs it: without torch.compile (which fuses these elementwise ops on CUDA, and is off on a CPU for
-the short runs made there: nanochat/hardware.py compile_model) every op of
-    F.cross_entropy(cap * tanh(z / cap), targets)
-reads and writes the whole logits tensor, forward and backward: divide, tanh, multiply, log-softmax (max, exp,
-sum, write), and in the backward zeros for the one-hot, log-softmax backward (exp again), multiply, tanh
-backward, divide. With a vocabulary of thousands and a small model, those passes cost as much as the head's
-matmul (profile: bench/RESULTS.md). Here:
-- the 1/cap goes into the matmul (addmm's alpha): no pass;
-- forward: L = cap * tanh(u) and e = exp(L), one sum per row: the log-sum-exp needs no max, because softcapped
-  logits lie in (-cap, cap), so exp(L) <= e^15 ~ 3.3e6 and a row's sum stays far below fp32's range;
-- backward, with p = e / sum(e) and dL/du = cap * (1 - tanh^2) = (cap^2 - L^2) / cap:
-      d loss / d u = grad * (p - onehot(target)) * (cap^2 - L^2) / cap
-  in three passes (scale e by grad / sum per row, subtract the one-hot in place, multiply), no exp.
-Numbers: the same loss and gradients as the separate ops up to fp32 rounding (tests/test_gpt.py checks both
-against float64). Under bf16 autocast the matmul runs in bf16 and everything after it in fp32, as before.
+Invariants: the supervised and policy-gradient losses give the gradient of the mean over every counted token of
+the step, however the step is split into micro-batches and ranks; bpb = sum of the target tokens' losses (nats) /
+(ln 2 * their UTF-8 bytes), special and ignored targets in neither sum, all ranks' data on every rank.
 """
 
 import math

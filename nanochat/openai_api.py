@@ -256,19 +256,19 @@ def usage(prompt_tokens, completion_tokens):
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def model_card(settings, pool):
+def model_object(settings, pool):
     return {"id": settings.model_name, "object": "model", "created": int(pool.started), "owned_by": "nanochat"}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": [model_card(request.app.state.settings, request.app.state.pool)]}
+    return {"object": "list", "data": [model_object(request.app.state.settings, request.app.state.pool)]}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request):
     check_model(model, request.app.state.settings)
-    return model_card(request.app.state.settings, request.app.state.pool)
+    return model_object(request.app.state.settings, request.app.state.pool)
 
 
 @router.post("/v1/chat/completions")
