@@ -1,0 +1,400 @@
+"""
+Quality benchmark (issue 24): which recipe trains the best model per token? Our base_train, in named variants,
+side by side with the two anchors, karpathy/nanochat at 088726a (Dec 2025, the reference we started from) and at
+its newest commit (HEAD, 2026), all trained on the same pydocs text with the same number of tokens, several seeds
+each, and all scored by one bits-per-byte computation (bench/quality_eval.py).
+
+    python bench/quality.py --dry                                    # plumbing check: tiny sizes, ~10 min on 2 cores
+    python bench/quality.py                                          # depth 6, T 512, 16,384 tokens/step, 2M tokens, 2 seeds: hours
+    python bench/quality.py --variants=baseline,warmdown65 --anchors=       # our variants only
+    python bench/quality.py --variant=lr2:--matrix_lr=0.04,--embedding_lr=0.3 --seeds=3 --out=/tmp/q.json
+
+Prints a table (variant, val bpb mean +- half the range over seeds and each seed's, training tokens/s, parameters,
+training wall time per run, compute dtype) with the machine (CPU model, its bf16 flags), and writes every run's
+numbers to --out (JSON, rewritten after each run). Everything a run needs lies under --work, one base dir per
+codebase, so a rerun reuses the corpus and the tokenizers (models are always retrained).
+
+How each codebase is trained (sizes from --depth, --seq_len, --tokens_per_step, --tokens; steps = tokens //
+tokens_per_step; device batch --device_batch_size rows, accumulation making up the rest):
+- ours: `python -m scripts.base_train` with its defaults plus the variant's --key=value overrides, on
+  NANOCHAT_DATASET=pydocs (`python -m nanochat.dataset`) and a tokenizer of `python -m scripts.tok_train
+  --vocab_size=8192`; no periodic evaluation, CORE or samples. Seed s of a run is `--seed=42+s` when our base_train
+  has a `--seed` setting; without one our init is fixed (GPT.init_weights' seed 42), so each variant runs once and
+  the table says why.
+- the anchors: their own scripts/tok_train.py (same vocab size) and scripts/base_train.py with their defaults
+  except depth, sequence length, batch sizes, number of iterations, evaluation and sampling (off, or one batch at
+  the end), CPU. HEAD runs as its runs/runcpu.sh runs it: --head-dim=64 --window-pattern=L (its learning rates scale
+  with the total batch size). Their data dir (088726a: <base>/base_data; HEAD: <base>/base_data_climbmix) holds
+  symlinks to our pydocs shards; each takes the last sorted file as its validation split, and the benchmark checks
+  through their own code that this is our validation shard. Both fix torch.manual_seed(42) in compute_init, so they
+  run through LAUNCHER below, which makes that call seed 42+s (their weight init draws from the global RNG; their
+  data order has no seed). Their compute dtype on CPU is float32 (088726a never autocasts off CUDA; HEAD reads
+  NANOCHAT_DTYPE, else float32); ours decides by the CPU (bf16 where native); --dtype sets ours and HEAD's alike.
+- scoring: bench/quality_eval.py, run in each codebase's environment with its own loader and tokenizer: the
+  first documents of the validation shard holding >= --eval_tokens tokens by our tokenizer, the same documents
+  for every model, each on its own from BOS, summed fp32 cross-entropy / ln 2 / UTF-8 bytes.
+
+The anchors need their code and an environment of their own (where our package is installed, our `nanochat` and
+`scripts` shadow theirs); rustbpe from PyPI stands in for the Rust crate of 088726a's checkout:
+
+    git clone https://github.com/karpathy/nanochat /tmp/nanochat-head
+    git clone https://github.com/karpathy/nanochat /tmp/nanochat-088726a && git -C /tmp/nanochat-088726a checkout 088726a
+    python3 -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install torch numpy rustbpe tiktoken tokenizers pyarrow \
+        wandb psutil requests filelock jinja2 pyyaml regex kernels
+    python bench/quality.py --ref088=/tmp/nanochat-088726a --refhead=/tmp/nanochat-head --ref_python=/tmp/refvenv/bin/python
+
+Their base_train torch.compiles the model on CPU too: that needs a C compiler (gcc) and costs ~1-2 min per run.
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from ab import machine_line  # bench/ab.py
+
+EVAL_SCRIPT = os.path.join(HERE, "quality_eval.py")
+FULL = dict(depth=6, seq_len=512, tokens_per_step=16384, tokens=2_000_000, eval_tokens=65536, seeds=2)
+DRY = dict(depth=2, seq_len=128, tokens_per_step=4096, tokens=16384, eval_tokens=8192, seeds=2)
+EVAL_FLOOR = 65536  # tokens of validation text at least (real mode): fewer and seed noise swamps recipe effects
+
+# Named variants of our recipe: overrides of scripts.base_train (more with --variant=name:--key=v,--key2=w)
+VARIANTS = {
+    "baseline": [],  # our defaults as they are
+    "warmdown65": ["--warmdown_ratio=0.65", "--final_lr_frac=0.05"],  # the shape of HEAD's LR schedule
+    "bos": ["--bos_aligned=True"],  # every row starts at a document, as HEAD's best-fit loader does
+}
+# What the benchmark sets itself: a variant overriding these would not be the same experiment
+CONTROLLED = {"device_type", "depth", "max_seq_len", "device_batch_size", "total_batch_size", "num_iterations",
+              "target_flops", "target_param_data_ratio", "eval_every", "eval_tokens", "core_metric_every",
+              "sample_every", "save_every", "model_tag", "overwrite", "run", "seed", "dry_run", "resume_from_step"}
+
+ANCHORS = {  # name: (label, data directory under their base dir, a string only their base_train.py holds, commit)
+    "088": ("karpathy/nanochat 088726a", "base_data", "configurator.py", "088726a"),
+    "head": ("karpathy/nanochat HEAD", "base_data_climbmix", "--window-pattern", None),
+}
+DEFAULT_PATHS = {"088": "/tmp/nanochat-088726a", "head": "/tmp/nanochat-head"}
+
+# Run in their environment as `python -c LAUNCHER <seed offset> <module> <args...>`, cwd = their checkout (so '' on
+# sys.path is their code): their compute_init calls torch.manual_seed(42), which becomes 42 + offset.
+LAUNCHER = r"""
+import runpy, sys, torch
+offset, module = int(sys.argv[1]), sys.argv[2]
+set_seed = torch.manual_seed
+torch.manual_seed = lambda seed: set_seed(seed + offset)
+sys.argv = [module] + sys.argv[3:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def fail(message):
+    sys.exit(f"error: {message}")
+
+
+class Codebase:
+    """Where one codebase's code, interpreter and base dir are, and the environment its processes get."""
+
+    def __init__(self, name, label, root, python, base, dtype=""):
+        self.name, self.label, self.root, self.python, self.base, self.dtype = name, label, root, python, base, dtype
+
+    def env(self, dtype=None):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONPATH", "NANOCHAT_DATASET", "NANOCHAT_DTYPE", "NANOCHAT_BASE_DIR")}
+        env.update(NANOCHAT_BASE_DIR=self.base, WANDB_MODE="disabled")
+        if self.name == "ours":
+            env.update(PYTHONPATH=ROOT, NANOCHAT_DATASET="pydocs")
+        dtype = self.dtype if dtype is None else dtype
+        if dtype:
+            env["NANOCHAT_DTYPE"] = dtype
+        return env
+
+    def run(self, args, log, what, dtype=None, shown=None):
+        """Run `python args...` in the checkout, all output into `log`; (wall seconds, output). Failure exits with its tail."""
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        t0 = time.time()
+        with open(log, "w", encoding="utf-8") as f:
+            f.write(f"$ cd {self.root} && NANOCHAT_BASE_DIR={self.base} {self.python} {shown or shlex.join(args)}\n")
+            f.flush()
+            rc = subprocess.run([self.python, *args], cwd=self.root, env=self.env(dtype), stdout=f,
+                                stderr=subprocess.STDOUT).returncode
+        wall = time.time() - t0
+        with open(log, encoding="utf-8", errors="replace") as f:
+            out = f.read()
+        if rc != 0:
+            tail = "\n".join(out.splitlines()[-25:])
+            fail(f"{self.label}: {what} failed (exit {rc}); log {log}, its tail:\n{tail}")
+        return wall, out
+
+    def check(self, log, val_shard, docs_for_tokens=0):
+        """quality_eval.py --check in this codebase: the val shard its data code reads (and documents needed)."""
+        args = [EVAL_SCRIPT, "--check", f"--val_shard={val_shard}"] + ([f"--docs_for_tokens={docs_for_tokens}"] if docs_for_tokens else [])
+        _, out = self.run(args, log, "the environment check (imports, its val shard)")
+        return json.loads(out.strip().splitlines()[-1])
+
+
+def parse_variants(names, custom):
+    """[(name, overrides)] of the named built-ins (comma-separated) and of each --variant=name:--k=v,--k2=w."""
+    chosen = []
+    for name in filter(None, names.split(",")):
+        if name not in VARIANTS:
+            fail(f"--variants: no variant {name!r}; built in: {', '.join(VARIANTS)} (or add one: --variant=name:--key=value)")
+        chosen.append((name, VARIANTS[name]))
+    for spec in custom:
+        name, _, rest = spec.partition(":")
+        overrides = [o for o in re.split(r",(?=--)", rest) if o]  # a comma before "--" separates; others are in values
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or any(not re.fullmatch(r"--\w+=.*", o) for o in overrides):
+            fail(f"--variant={spec!r}: write name:--key=value,--key2=value2 (name: letters, digits, '.', '_', '-')")
+        chosen.append((name, overrides))
+    if len({n for n, _ in chosen}) != len(chosen):
+        fail("two variants have the same name")
+    return chosen
+
+
+def prepare_ours(ours, vocab_size, work, variants):
+    """Our corpus and tokenizer (reused when there), our base_train's settings; whether it has --seed."""
+    ours.run(["-m", "nanochat.dataset"], f"{work}/logs/ours_dataset.log", "building the pydocs corpus")
+    ensure_tokenizer(ours, ["-m", "scripts.tok_train", f"--vocab_size={vocab_size}"], work)
+    _, help_text = ours.run(["-m", "scripts.base_train", "--help"], f"{work}/logs/ours_help.log", "base_train --help")
+    keys = set(re.findall(r"^\s+--(\w+)\s", help_text, re.M))
+    for name, overrides in variants:
+        for o in overrides:
+            key = o[2:].split("=", 1)[0]
+            if key not in keys:
+                fail(f"variant {name}: our scripts.base_train has no setting --{key} (python -m scripts.base_train --help)")
+            if key in CONTROLLED:
+                fail(f"variant {name}: --{key} is set by the benchmark (use --depth/--seq_len/--tokens_per_step/--tokens/--seeds)")
+    return "seed" in keys
+
+
+def ensure_tokenizer(cb, args, work):
+    """Train cb's tokenizer unless this exact command already did (a stamp file beside it)."""
+    stamp = os.path.join(cb.base, "quality_tokenizer.json")
+    if os.path.exists(stamp) and os.path.isdir(os.path.join(cb.base, "tokenizer")):
+        with open(stamp) as f:
+            if json.load(f) == args:
+                return
+    cb.run(args, f"{work}/logs/{cb.name}_tok_train.log", "tokenizer training")
+    with open(stamp, "w") as f:
+        json.dump(args, f)
+
+
+def prepare_anchor(name, root, python, work, our_shards, vocab_size, dtype):
+    """The anchor's checkout and environment checked, our shards linked where its code reads, its tokenizer."""
+    label, data_dir, marker, commit = ANCHORS[name]
+    flag = "--ref088" if name == "088" else "--refhead"
+    clone = f"git clone https://github.com/karpathy/nanochat {root}" + (f" && git -C {root} checkout {commit}" if commit else "")
+    train_script = os.path.join(root, "scripts", "base_train.py")
+    if not os.path.exists(train_script):
+        fail(f"{flag}={root}: no karpathy/nanochat checkout there; make it: {clone}")
+    if marker not in open(train_script, encoding="utf-8").read():
+        fail(f"{flag}={root} is not {label} (its scripts/base_train.py lacks {marker!r}); make it: {clone}")
+    git = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    found = git.stdout.strip() if git.returncode == 0 and os.path.exists(os.path.join(root, ".git")) else None
+    if commit and found and not commit.startswith(found[:7]):
+        fail(f"{flag}={root} is at {found}, not {commit}: git -C {root} checkout {commit}")
+    if not os.access(python, os.X_OK):
+        fail(f"--ref_python={python}: no such interpreter; make the anchors' environment: python3 -m venv /tmp/refvenv && "
+             f"/tmp/refvenv/bin/pip install torch numpy rustbpe tiktoken tokenizers pyarrow wandb psutil requests filelock "
+             f"jinja2 pyyaml regex kernels")
+    cb = Codebase(name, f"{label} ({found or 'not a git checkout: commit unknown'})", root, python,
+                  os.path.join(work, name), dtype if name == "head" else "")
+    # our shards under the names their code lists: the last sorted one, our validation shard, is their val split
+    data = os.path.join(cb.base, data_dir)
+    os.makedirs(data, exist_ok=True)
+    for entry in os.listdir(data):
+        if os.path.islink(os.path.join(data, entry)):
+            os.unlink(os.path.join(data, entry))
+    for shard in our_shards:
+        os.symlink(shard, os.path.join(data, os.path.basename(shard)))
+    # what their scripts import, imported from their checkout: a missing package is named now, not after a run
+    imports = "import torch, pyarrow, rustbpe, tiktoken, wandb, psutil, nanochat.tokenizer, nanochat.gpt, nanochat.dataloader"
+    tried = subprocess.run([python, "-c", imports], cwd=root, env=cb.env(), capture_output=True, text=True)
+    if tried.returncode != 0:
+        last = (tried.stderr.strip().splitlines() or ["?"])[-1]
+        module = re.search(r"No module named '([\w.]+)'", last)
+        fail(f"{label}'s code does not import in {python} ({last}): {python} -m pip install "
+             f"{module[1].split('.')[0] if module else 'torch numpy rustbpe tiktoken pyarrow wandb psutil filelock regex'}")
+    found_env = cb.check(f"{work}/logs/{name}_check.log", our_shards[-1])
+    if not found_env["nanochat"].startswith(os.path.realpath(root) + os.sep):
+        fail(f"{python} imports the nanochat at {found_env['nanochat']}, not {root}'s: use an environment without ours installed")
+    if found_env["val_shard"] != os.path.realpath(our_shards[-1]):
+        fail(f"{label} reads {found_env['val_shard']} as its validation shard, not ours ({our_shards[-1]}): "
+             f"remove other parquet files from {data}")
+    vocab = f"--vocab_size={vocab_size}" if name == "088" else f"--vocab-size={vocab_size}"
+    ensure_tokenizer(cb, ["-m", "scripts.tok_train", vocab], work)
+    return cb
+
+
+def train_args(cb, variant, overrides, seed, has_seed, s):
+    """The training command (after the interpreter) of one run, and how the log shows it."""
+    depth, T, B, tps, n = s["depth"], s["seq_len"], s["device_batch_size"], s["tokens_per_step"], s["steps"]
+    if cb.name == "ours":
+        args = ["-m", "scripts.base_train", "--device_type=cpu", f"--depth={depth}", f"--max_seq_len={T}",
+                f"--device_batch_size={B}", f"--total_batch_size={tps}", f"--num_iterations={n}", "--eval_every=-1",
+                f"--eval_tokens={B * T}", "--core_metric_every=-1", "--sample_every=-1", "--run=dummy",
+                f"--model_tag=q-{variant}-s{seed}", "--overwrite=True"] + ([f"--seed={42 + seed}"] if has_seed else []) + overrides
+        return args, None
+    if cb.name == "088":  # its configurator: --key=value; eval_every=n evaluates one batch at steps 0 and n
+        rest = ["--device_type=cpu", f"--depth={depth}", f"--max_seq_len={T}", f"--device_batch_size={B}",
+                f"--total_batch_size={tps}", f"--num_iterations={n}", f"--eval_every={n}", f"--eval_tokens={B * T}",
+                "--core_metric_every=-1", f"--sample_every={n}", "--run=dummy", f"--model_tag=s{seed}"]
+    else:  # HEAD: argparse with dashes; as runs/runcpu.sh, with evaluation and samples off
+        rest = ["--device-type=cpu", f"--depth={depth}", "--head-dim=64", "--window-pattern=L", f"--max-seq-len={T}",
+                f"--device-batch-size={B}", f"--total-batch-size={tps}", f"--num-iterations={n}", "--eval-every=-1",
+                f"--eval-tokens={B * T}", "--core-metric-every=-1", "--sample-every=-1", "--run=dummy", f"--model-tag=s{seed}"]
+    return ["-c", LAUNCHER, str(seed), "scripts.base_train", *rest], f"-c LAUNCHER {seed} scripts.base_train {shlex.join(rest)}"
+
+
+def parse_log(cb, out):
+    """(median tokens/s over the steps after the first few, compute dtype) from a training log."""
+    rates = [int(r.replace(",", "")) for r in re.findall(r"tok/sec: ([\d,]+)", out)]
+    steady = rates[min(5, len(rates) // 2):]  # the first steps hold compilation and warm-up
+    if cb.name == "ours":
+        m = re.search(r"^Compute dtype: (\w+)", out, re.M)
+    elif cb.name == "head":
+        m = re.search(r"^COMPUTE_DTYPE: torch\.(\w+)", out, re.M)
+    else:
+        m = None
+    dtype = m[1] if m else ("float32" if cb.name == "088" else "?")
+    return (statistics.median(steady) if steady else None), dtype
+
+
+def one_run(cb, variant, overrides, seed, has_seed, s, eval_set, work):
+    tag = f"q-{variant}-s{seed}" if cb.name == "ours" else f"s{seed}"
+    args, shown = train_args(cb, variant, overrides, seed, has_seed, s)
+    print(f"  {variant} seed {seed}: training ({cb.label}) ...", flush=True)
+    wall, out = cb.run(args, f"{work}/logs/{cb.name}_{variant}_s{seed}_train.log", f"base_train ({variant}, seed {seed})",
+                       shown=shown)
+    tok_s, dtype = parse_log(cb, out)
+    _, ev = cb.run([EVAL_SCRIPT, f"--model_tag={tag}", f"--val_shard={eval_set['val_shard']}", f"--docs={eval_set['docs']}",
+                    f"--seq_len={s['seq_len']}"], f"{work}/logs/{cb.name}_{variant}_s{seed}_eval.log",
+                   f"evaluation ({variant}, seed {seed})", dtype="float32")
+    result = json.loads(ev.strip().splitlines()[-1])
+    print(f"  {variant} seed {seed}: val bpb {result['bpb']:.4f}, {tok_s or 0:,.0f} tok/s, train wall {wall:.0f} s "
+          f"({result['targets']:,} target tokens evaluated)", flush=True)
+    return dict(codebase=cb.name, code=cb.label, variant=variant, overrides=overrides, seed=42 + seed if cb.name != "ours"
+                or has_seed else None, train_command=f"{cb.python} {shown or shlex.join(args)}", train_wall_s=wall,
+                tok_per_s=tok_s, compute_dtype=dtype, **{f"eval_{k}": v for k, v in result.items()})
+
+
+def summarize(runs):
+    """One row per (codebase, variant): bpb mean, half range, per seed; medians of tokens/s; mean wall."""
+    rows = {}
+    for r in runs:
+        rows.setdefault((r["codebase"], r["variant"]), []).append(r)
+    out = []
+    for (codebase, variant), rs in rows.items():
+        bpbs = [r["eval_bpb"] for r in rs]
+        rates = [r["tok_per_s"] for r in rs if r["tok_per_s"]]
+        out.append(dict(codebase=codebase, variant=variant, code=rs[0]["code"], bpb_mean=statistics.mean(bpbs),
+                        bpb_half_range=(max(bpbs) - min(bpbs)) / 2 if len(bpbs) > 1 else None, bpb_per_seed=bpbs,
+                        seeds=[r["seed"] for r in rs], tok_per_s=statistics.median(rates) if rates else None,
+                        params=rs[0]["eval_params"], train_wall_s=statistics.mean(r["train_wall_s"] for r in rs),
+                        compute_dtype=rs[0]["compute_dtype"]))
+    return out
+
+
+def print_table(summary, seed_note):
+    print("\n| variant | code | val bpb (mean ± half range) | per seed | tok/s | params | train wall / run | compute dtype |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in summary:
+        spread = f" ± {row['bpb_half_range']:.4f}" if row["bpb_half_range"] is not None else " (1 seed)"
+        print(f"| {row['variant']} | {row['code']} | {row['bpb_mean']:.4f}{spread} | "
+              f"{', '.join(f'{b:.4f}' for b in row['bpb_per_seed'])} | "
+              f"{row['tok_per_s'] or 0:,.0f} | {row['params']:,} | {row['train_wall_s']:.0f} s | {row['compute_dtype']} |")
+    if seed_note:
+        print(f"\n{seed_note}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depth", type=int, help=f"model depth (default {FULL['depth']}; --dry {DRY['depth']})")
+    parser.add_argument("--seq_len", type=int, help=f"sequence length (default {FULL['seq_len']}; --dry {DRY['seq_len']})")
+    parser.add_argument("--tokens_per_step", type=int, help=f"tokens per optimizer step (default {FULL['tokens_per_step']:,})")
+    parser.add_argument("--tokens", type=int, help=f"training tokens per run (default {FULL['tokens']:,}; steps = tokens // tokens_per_step)")
+    parser.add_argument("--seeds", type=int, help=f"runs per variant, seeds 42, 43, ... (default {FULL['seeds']})")
+    parser.add_argument("--eval_tokens", type=int, help=f"validation tokens scored, by our tokenizer (default and minimum {EVAL_FLOOR:,}; --dry {DRY['eval_tokens']:,})")
+    parser.add_argument("--device_batch_size", type=int, default=32, help="rows per forward/backward (every codebase)")
+    parser.add_argument("--vocab_size", type=int, default=8192, help="vocabulary of every tokenizer")
+    parser.add_argument("--variants", default="baseline", help=f"our named variants, comma-separated: {', '.join(VARIANTS)}")
+    parser.add_argument("--variant", action="append", default=[], help="a custom variant: name:--key=value,--key2=value2 (repeatable)")
+    parser.add_argument("--anchors", default="088,head", help="which anchors to run: 088, head (empty: none)")
+    parser.add_argument("--ref088", default=DEFAULT_PATHS["088"], help="checkout of karpathy/nanochat at 088726a")
+    parser.add_argument("--refhead", default=DEFAULT_PATHS["head"], help="checkout of karpathy/nanochat's newest commit")
+    parser.add_argument("--ref_python", default="/tmp/refvenv/bin/python", help="python of the anchors' environment")
+    parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"], help="NANOCHAT_DTYPE of ours and HEAD (empty: each decides)")
+    parser.add_argument("--work", default="/tmp/nanochat_quality", help="work directory: corpus, tokenizers, checkpoints, logs")
+    parser.add_argument("--out", default="", help="JSON of every run (default <work>/quality.json)")
+    parser.add_argument("--dry", action="store_true", help="tiny sizes: checks the plumbing, says nothing about quality")
+    args = parser.parse_args()
+
+    s = {k: getattr(args, k) if getattr(args, k) is not None else (DRY if args.dry else FULL)[k] for k in FULL}
+    if not args.dry and s["eval_tokens"] < EVAL_FLOOR:
+        fail(f"--eval_tokens={s['eval_tokens']}: at least {EVAL_FLOOR:,} (only --dry may score fewer)")
+    s["device_batch_size"] = B = min(args.device_batch_size, s["tokens_per_step"] // s["seq_len"])
+    if B < 1 or s["tokens_per_step"] % (B * s["seq_len"]):
+        fail(f"--tokens_per_step={s['tokens_per_step']} must be a multiple of device_batch_size x seq_len = {max(B, 1)} x {s['seq_len']}")
+    s["steps"] = s["tokens"] // s["tokens_per_step"]
+    if s["steps"] < 1:
+        fail(f"--tokens={s['tokens']} is less than one step of {s['tokens_per_step']} tokens")
+    anchors = [a for a in args.anchors.split(",") if a]
+    if any(a not in ANCHORS for a in anchors):
+        fail(f"--anchors={args.anchors}: choose among {', '.join(ANCHORS)}")
+    variants = parse_variants(args.variants, args.variant)
+    work = os.path.abspath(args.work)
+    out_path = args.out or os.path.join(work, "quality.json")
+    print(f"{'DRY RUN (plumbing check, not a quality result): ' if args.dry else ''}depth {s['depth']}, seq {s['seq_len']}, "
+          f"{s['tokens_per_step']:,} tokens/step x {s['steps']} steps = {s['steps'] * s['tokens_per_step']:,} tokens, "
+          f"{s['seeds']} seed(s), device batch {B}; work dir {work}\n{machine_line()}")
+
+    # prerequisites first, each a clear message: nothing trains for an hour and then finds a path missing
+    ours = Codebase("ours", "ours", ROOT, sys.executable, os.path.join(work, "ours"), args.dtype)
+    has_seed = prepare_ours(ours, args.vocab_size, work, variants)
+    seed_note = None if has_seed else ("our scripts.base_train has no --seed setting (its init is GPT.init_weights' fixed "
+                                       "seed 42): our variants cannot vary the seed and run once each")
+    if seed_note:
+        print(f"note: {seed_note}")
+    shard_dir = os.path.join(ours.base, "base_data", "pydocs")
+    our_shards = sorted(os.path.join(shard_dir, f) for f in os.listdir(shard_dir) if re.fullmatch(r"shard_\d{5}\.parquet", f))
+    ours_check = ours.check(f"{work}/logs/ours_check.log", our_shards[-1], s["eval_tokens"])
+    if ours_check["val_shard"] != os.path.realpath(our_shards[-1]):
+        fail(f"our data code reads {ours_check['val_shard']} as the validation shard, not {our_shards[-1]}")
+    if not ours_check["shard_tokens_enough"]:
+        fail(f"the validation shard holds only {ours_check['tokens']:,} tokens by our tokenizer: lower --eval_tokens")
+    eval_set = dict(val_shard=our_shards[-1], docs=ours_check["docs"], our_tokens=ours_check["tokens"])
+    print(f"eval set: the first {eval_set['docs']} documents of {eval_set['val_shard']} ({eval_set['our_tokens']:,} "
+          f"tokens by our tokenizer)")
+    codebases = [ours] + [prepare_anchor(a, os.path.abspath(args.ref088 if a == "088" else args.refhead),
+                                         os.path.abspath(args.ref_python), work, our_shards, args.vocab_size, args.dtype)
+                          for a in anchors]
+
+    # seeds outermost: every codebase's runs spread over the same stretch of time (the machine's load varies)
+    runs, t0 = [], time.time()
+    for seed in range(s["seeds"]):
+        for cb in codebases:
+            for variant, overrides in (variants if cb.name == "ours" else [(cb.name, [])]):
+                if cb.name == "ours" and seed > 0 and not has_seed:
+                    continue
+                runs.append(one_run(cb, variant, overrides, seed, has_seed, s, eval_set, work))
+                with open(out_path, "w") as f:
+                    json.dump(dict(settings=s, dry=args.dry, machine=machine_line(), eval_set=eval_set, seed_note=seed_note,
+                                   runs=runs, summary=summarize(runs)), f, indent=1)
+
+    print(f"\n{'DRY RUN, plumbing check only: ' if args.dry else ''}{machine_line()}")
+    print(f"depth {s['depth']}, seq {s['seq_len']}, {s['tokens_per_step']:,} tokens/step x {s['steps']} steps; val bpb over "
+          f"the first {eval_set['docs']} documents of the pydocs validation shard ({eval_set['our_tokens']:,} tokens by "
+          f"our tokenizer); total {(time.time() - t0) / 60:.1f} min")
+    print_table(summarize(runs), seed_note)
+    print(f"\nwrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
