@@ -249,12 +249,12 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------
     # optimizers
 
-    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0):
+    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, matrix_weight_decay=0.0):
         """
         [adamw, muon], each parameter in exactly one (why two: docs/optimizers.md). Muon: every matrix of the blocks,
         nearly all the compute. AdamW: wte and lm_head (a lookup table and a classifier whose rows see very different
         gradient scales), betas (0.8, 0.95), eps 1e-10, lrs scaled by (n_embd / 768) ** -0.5 (tuned at width 768),
-        weight_decay on both. With a process group, DistAdamW / DistMuon (gradients averaged inside step()). Every
+        weight_decay on both; Muon's cautious matrix_weight_decay (nanochat/muon.py). With a process group, DistAdamW / DistMuon (gradients averaged inside step()). Every
         group gets "initial_lr": the loop sets lr = initial_lr * the schedule's multiplier. Prints the groups.
         """
         from nanochat.adamw import AdamW, DistAdamW
@@ -276,7 +276,7 @@ class GPT(nn.Module):
         adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
         adamw = (DistAdamW if distributed else AdamW)(adam_groups, **adamw_kwargs)
         # Newton-Schulz computes in the compute dtype, decided once for the run (nanochat/hardware.py)
-        muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95,
+        muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=matrix_weight_decay,
                                                    ns_dtype=autocast_dtype(self.lm_head.weight.device.type))
         optimizers = [adamw, muon]
         for opt in optimizers:
@@ -289,7 +289,8 @@ class GPT(nn.Module):
                f"(= {unembedding_lr} x (n_embd/768)^-0.5), weight decay {weight_decay}")
         print0(f"  AdamW  wte     {n(embedding_params):,} params, lr {embedding_lr * lr_scale:.6f} "
                f"(= {embedding_lr} x (n_embd/768)^-0.5), weight decay {weight_decay}")
-        print0(f"  Muon   {len(matrix_params)} block matrices, {n(matrix_params):,} params, lr {matrix_lr}")
+        print0(f"  Muon   {len(matrix_params)} block matrices, {n(matrix_params):,} params, lr {matrix_lr}, "
+               f"cautious weight decay {matrix_weight_decay}")
         return optimizers
 
     # ------------------------------------------------------------------------------------------

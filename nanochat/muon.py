@@ -2,8 +2,9 @@
 Muon, the optimizer of the transformer blocks' matrices: Muon in one process, DistMuon sharded across ranks.
 
 A step orthogonalises each matrix's Nesterov momentum with a Newton-Schulz iteration and moves the matrix along it,
-p <- p - lr * sqrt(max(1, rows/cols)) * NS(momentum direction); no weight decay. Why Muon, how the iteration
-works, and the sharding: docs/optimizers.md.
+p <- p - lr * sqrt(max(1, rows/cols)) * NS(momentum direction), and with weight_decay > 0 a "cautious" decay of the
+same lr: only the entries where the update moves the weight toward zero (update * p >= 0) shrink by lr * wd * p.
+Why Muon, how the iteration works, and the sharding: docs/optimizers.md.
 """
 
 import math
@@ -57,6 +58,16 @@ def _lr_scale(p):
     return math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
 
 
+def _apply_update(p, update, group):
+    """p -= lr * update, lr = the group's lr x _lr_scale(p); plus the cautious weight decay lr * wd * p on the entries
+    where update and p have the same sign (where the step already pulls the weight toward zero)."""
+    lr = group["lr"] * _lr_scale(p)
+    wd = group.get("weight_decay", 0.0)
+    if wd:
+        p.sub_(p * (update * p >= 0), alpha=lr * wd)
+    p.add_(update, alpha=-lr)
+
+
 def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
     """
     The direction Muon orthogonalises, for one matrix: buf <- momentum * buf + (1 - momentum) * grad in place, then
@@ -102,8 +113,9 @@ class Muon(torch.optim.Optimizer):
     dtype). Parameters without a gradient are skipped.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32):
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype)
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32, weight_decay=0.0):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype,
+                        weight_decay=weight_decay)
         super().__init__(params, defaults)
         for group in self.param_groups:
             _check_matrices(group["params"], "Muon")
@@ -127,7 +139,7 @@ class Muon(torch.optim.Optimizer):
                 else:
                     updates = zeropower_via_newtonschulz5(torch.stack(directions), group["ns_steps"], group["ns_dtype"]).unbind(0)
                 for p, update in zip(batch, updates):
-                    p.add_(update, alpha=-group["lr"] * _lr_scale(p))
+                    _apply_update(p, update, group)
         return loss
 
     def owned_state(self, name_of):
@@ -151,7 +163,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
     through nanochat.optim, across world sizes.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32):
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32, weight_decay=0.0):
         if not is_distributed():
             raise RuntimeError("DistMuon needs an initialised process group (torchrun + compute_init); use Muon in a single process")
         params = list(params)
@@ -160,7 +172,8 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
         for p in params:
             by_shape.setdefault(tuple(p.shape), []).append(p)
         param_groups = [{"params": ps} for ps in by_shape.values()]
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype,
+                        weight_decay=weight_decay)
         super().__init__(param_groups, defaults)
         # one zero matrix per shape, padding the last block; outside the param groups, so not in state_dict()
         self._zero_buffers = {}
@@ -212,7 +225,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 # one matrix at a time: the block's others belong to other ranks
                 direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
                 update = zeropower_via_newtonschulz5(direction, group["ns_steps"], group["ns_dtype"])
-                p.add_(update, alpha=-group["lr"] * _lr_scale(p))
+                _apply_update(p, update, group)
                 source = p
             else:
                 source = self._zero_buffer(block[0])  # this rank owns nothing in the padded last block

@@ -225,15 +225,22 @@ def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, fi
     return progress + (1 - progress) * final_lr_frac
 
 
-def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95):
+def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95, final=None, num_iterations=0, warmdown_ratio=0.0):
     """
-    Muon's momentum at `step`: linear from `start` 0.85 to `end` 0.95 over the first `warmup_steps` 300, then 0.95.
+    Muon's momentum at `step`: linear from `start` 0.85 to `end` 0.95 over the first `warmup_steps` 300, then `end`;
+    with `final` (and num_iterations, warmdown_ratio), linear from `end` to `final` over the lr's warmdown.
     Why: a momentum of 0.95 averages the gradient over ~1/(1-0.95) = 20 steps, smooth but slow to react, which hurts
-    while the weights still change fast at the start; 0.85 (~7 steps) reacts faster early, later the smoothing helps.
-    Every stage ramps it, not only pretraining: each stage builds new optimizers, whose momentum buffers start at zero.
+    while the weights still change fast at the start; 0.85 (~7 steps) reacts faster early, later the smoothing helps
+    (and as the lr decays, a shorter memory lets the last steps settle). Every stage ramps it, not only pretraining:
+    each stage builds new optimizers, whose momentum buffers start at zero.
     """
     frac = min(step / warmup_steps, 1.0)
-    return (1 - frac) * start + frac * end
+    momentum = (1 - frac) * start + frac * end
+    warmdown = round(warmdown_ratio * num_iterations)
+    if final is not None and warmdown > 0 and step > num_iterations - warmdown:
+        p = min((step - (num_iterations - warmdown)) / warmdown, 1.0)  # 0 at the warmdown's start, 1 at the end
+        momentum = (1 - p) * momentum + p * final
+    return momentum
 
 
 def scale_initial_lrs(optimizers, init_lr_frac):

@@ -51,10 +51,13 @@ embedding_lr = 0.2  # AdamW lr of the token embedding
 unembedding_lr = 0.004  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 weight_decay = 0.0  # AdamW weight decay (embedding, lm_head)
+matrix_weight_decay = 0.0  # Muon's cautious weight decay of the block matrices (only where the step pulls toward 0)
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 warmup_ratio = 0.0  # fraction of steps of linear lr warmup
 warmdown_ratio = 0.2  # fraction of steps of linear lr decay at the end
 final_lr_frac = 0.0  # lr multiplier at the very end of the warmdown
+muon_momentum_peak = 0.95  # Muon's momentum after its warm-up from 0.85 over the first 300 steps
+muon_momentum_final = 0.95  # Muon's momentum at the end, reached linearly over the warmdown (= peak: constant)
 # evaluation and output (every <= 0 turns a periodic action off; the final eval and checkpoint always happen)
 eval_every = 250  # steps between val bits-per-byte evaluations
 eval_tokens = -1  # val tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
@@ -68,14 +71,15 @@ model_tag = ""  # checkpoint directory name under base_checkpoints/ (default d<d
 overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
+init_seed = 42  # seeds the initial weights (the same on every rank)
 bos_aligned = False  # start every row at a document start (crops documents; reports the tokens dropped)
 dry_run = False  # run everything but write no checkpoint and no report
 config = configure(globals())
 # What each value means, checked before any work (a bad value must not train for hours)
 check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
              positive_or_unset=["num_iterations", "target_flops", "eval_tokens", "core_metric_max_per_task"],
-             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip"],
-             fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
+             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "matrix_weight_decay", "grad_clip"],
+             fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac", "muon_momentum_peak", "muon_momentum_final"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "core_bundle": ("", "dclm", "offline")})
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
@@ -101,7 +105,7 @@ print0(f"Model: depth {depth} -> n_embd {model_config.n_embd}, {model_config.n_h
 with torch.device("meta"):  # build without allocating, then materialise on the device and initialise once
     model = GPT(model_config)
 model.to_empty(device=device)
-model.init_weights()  # identical on every rank and in every run: drawn from a generator of its own, seeded
+model.init_weights(seed=init_seed)  # identical on every rank and in every run: drawn from a generator of its own, seeded
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
 model, use_compile = compile_model(orig_model, compile, device_type)
 num_params = orig_model.num_params()
@@ -141,7 +145,8 @@ grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max
 # (--resume_from_step) continues that checkpoint: its weights, every rank's optimizer state and data position.
 stage.start(model_tag, model=orig_model, tokenizer=tokenizer)
 optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
-                                         matrix_lr=matrix_lr, weight_decay=weight_decay)  # [AdamW, Muon]
+                                         matrix_lr=matrix_lr, weight_decay=weight_decay,
+                                         matrix_weight_decay=matrix_weight_decay)  # [AdamW, Muon]
 # What decides which data step N reads: resuming with a different value would not continue the same run. The
 # world size is not among them: the loader's data slots make a step's data the same on any number of ranks.
 data_settings = dict(corpus=dataset_name(), device_batch_size=device_batch_size, max_seq_len=max_seq_len,
@@ -229,7 +234,8 @@ while True:
         loss.backward()
         x, y = next(train_loader)  # fetch the next micro-batch while the device is still busy
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
-    momentum = muon_momentum(step)  # 0.85 -> 0.95 over the first 300 steps (why: nanochat/optim.py)
+    momentum = muon_momentum(step, end=muon_momentum_peak, final=muon_momentum_final, num_iterations=num_iterations,
+                             warmdown_ratio=warmdown_ratio)  # 0.85 -> peak over the first 300 steps (why: nanochat/optim.py)
     # Clip (the norm it returns is the one BEFORE clipping), this step's lr and momentum, and the update. Under
     # torchrun the ranks' gradients are averaged there: in the clipping, which needs the norm of the averaged
     # gradient, or else in opt.step() (reduce_scatter; nanochat/optim.py)

@@ -206,6 +206,9 @@ def test_muon_momentum_schedule():
     assert muon_momentum(150) == pytest.approx(0.90)
     assert muon_momentum(300) == pytest.approx(0.95)
     assert muon_momentum(10_000) == pytest.approx(0.95)
+    # karpathy/nanochat's 2026 shape: up to 0.97, then down to 0.90 over the lr's warmdown (the last 50 of 100 steps)
+    schedule = dict(end=0.97, final=0.90, num_iterations=100, warmdown_ratio=0.5, warmup_steps=40)
+    assert [round(muon_momentum(s, **schedule), 4) for s in (0, 20, 40, 50, 75, 100)] == [0.85, 0.91, 0.97, 0.97, 0.935, 0.9]
 
 
 def test_evaluate_bpb_hand_computed():

@@ -108,13 +108,13 @@ def reference_newton_schulz(M, steps=5):
     return X.T if tall else X
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_matches_hand_written_steps(nesterov):
+@pytest.mark.parametrize("nesterov, weight_decay", [(True, 0.0), (False, 0.0), (True, 0.4)])
+def test_muon_matches_hand_written_steps(nesterov, weight_decay):
     gen = torch.Generator().manual_seed(7)
     tall = torch.randn(24, 8, generator=gen)   # lr scaled by sqrt(24 / 8)
     wide = torch.randn(8, 20, generator=gen)   # lr not scaled
     params = [torch.nn.Parameter(tall.clone()), torch.nn.Parameter(wide.clone())]
-    opt = Muon(params, lr=0.05, momentum=0.9, nesterov=nesterov)
+    opt = Muon(params, lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
     expected = [tall.numpy().astype(np.float64), wide.numpy().astype(np.float64)]
     buffers = [np.zeros_like(e) for e in expected]
     for step, (lr, momentum) in enumerate([(0.05, 0.9), (0.02, 0.8), (0.03, 0.95)]):
@@ -129,7 +129,10 @@ def test_muon_matches_hand_written_steps(nesterov):
             buffers[i] = momentum * buffers[i] + (1 - momentum) * g
             direction = (1 - momentum) * g + momentum * buffers[i] if nesterov else buffers[i]
             rows, cols = g.shape
-            expected[i] = expected[i] - lr * math.sqrt(max(1.0, rows / cols)) * reference_newton_schulz(direction)
+            update, scaled_lr = reference_newton_schulz(direction), lr * math.sqrt(max(1.0, rows / cols))
+            # cautious weight decay: only where the update moves the weight toward zero (same signs)
+            decay = weight_decay * expected[i] * (update * expected[i] >= 0)
+            expected[i] = expected[i] - scaled_lr * (update + decay)
         for p, g, e in zip(params, grads, expected):
             assert torch.equal(p.grad, g), "step() must not modify the gradient"
             np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
