@@ -18,9 +18,9 @@ How each codebase is trained (sizes from --depth, --seq_len, --tokens_per_step, 
 tokens_per_step; device batch --device_batch_size rows, accumulation making up the rest):
 - ours: `python -m scripts.base_train` with its defaults plus the variant's --key=value overrides, on
   NANOCHAT_DATASET=pydocs (`python -m nanochat.dataset`) and a tokenizer of `python -m scripts.tok_train
-  --vocab_size=8192`; no periodic evaluation, CORE or samples. Seed s of a run is `--seed=42+s` when our base_train
-  has a `--seed` setting; without one our init is fixed (GPT.init_weights' seed 42), so each variant runs once and
-  the table says why.
+  --vocab_size=8192`; no periodic evaluation, CORE or samples. Seed s of a run is `--init_seed=42+s` (the initial weights; the
+  data order stays data_seed 0, as the anchors' data order has no seed); a base_train without that setting runs each
+  variant once, and the table says why.
 - the anchors: their own scripts/tok_train.py (same vocab size) and scripts/base_train.py with their defaults
   except depth, sequence length, batch sizes, number of iterations, evaluation and sampling (off, or one batch at
   the end), CPU. HEAD runs as its runs/runcpu.sh runs it: --head-dim=64 --window-pattern=L (its learning rates scale
@@ -71,11 +71,16 @@ VARIANTS = {
     "baseline": [],  # our defaults as they are
     "warmdown65": ["--warmdown_ratio=0.65", "--final_lr_frac=0.05"],  # the shape of HEAD's LR schedule
     "bos": ["--bos_aligned=True"],  # every row starts at a document, as HEAD's best-fit loader does
+    "lr2026": ["--embedding_lr=0.3", "--unembedding_lr=0.008"],  # HEAD's AdamW learning rates
+    "momentum2026": ["--muon_momentum_peak=0.97", "--muon_momentum_final=0.90"],  # HEAD's Muon momentum shape
+    "cautious_wd": ["--matrix_weight_decay=0.4"],  # Muon's cautious weight decay at HEAD's d8 optimum
+    "recipe2026": ["--warmdown_ratio=0.65", "--final_lr_frac=0.05", "--embedding_lr=0.3", "--unembedding_lr=0.008",
+                   "--muon_momentum_peak=0.97", "--muon_momentum_final=0.90", "--matrix_weight_decay=0.4"],
 }
 # What the benchmark sets itself: a variant overriding these would not be the same experiment
 CONTROLLED = {"device_type", "depth", "max_seq_len", "device_batch_size", "total_batch_size", "num_iterations",
               "target_flops", "target_param_data_ratio", "eval_every", "eval_tokens", "core_metric_every",
-              "sample_every", "save_every", "model_tag", "overwrite", "run", "seed", "dry_run", "resume_from_step"}
+              "sample_every", "save_every", "model_tag", "overwrite", "run", "init_seed", "dry_run", "resume_from_step"}
 
 ANCHORS = {  # name: (label, data directory under their base dir, a string only their base_train.py holds, commit)
     "088": ("karpathy/nanochat 088726a", "base_data", "configurator.py", "088726a"),
@@ -159,7 +164,7 @@ def parse_variants(names, custom):
 
 
 def prepare_ours(ours, vocab_size, work, variants):
-    """Our corpus and tokenizer (reused when there), our base_train's settings; whether it has --seed."""
+    """Our corpus and tokenizer (reused when there), our base_train's settings; whether it has --init_seed."""
     ours.run(["-m", "nanochat.dataset"], f"{work}/logs/ours_dataset.log", "building the pydocs corpus")
     ensure_tokenizer(ours, ["-m", "scripts.tok_train", f"--vocab_size={vocab_size}"], work)
     _, help_text = ours.run(["-m", "scripts.base_train", "--help"], f"{work}/logs/ours_help.log", "base_train --help")
@@ -171,7 +176,7 @@ def prepare_ours(ours, vocab_size, work, variants):
                 fail(f"variant {name}: our scripts.base_train has no setting --{key} (python -m scripts.base_train --help)")
             if key in CONTROLLED:
                 fail(f"variant {name}: --{key} is set by the benchmark (use --depth/--seq_len/--tokens_per_step/--tokens/--seeds)")
-    return "seed" in keys
+    return "init_seed" in keys
 
 
 def ensure_tokenizer(cb, args, work):
@@ -240,7 +245,7 @@ def train_args(cb, variant, overrides, seed, has_seed, s):
         args = ["-m", "scripts.base_train", "--device_type=cpu", f"--depth={depth}", f"--max_seq_len={T}",
                 f"--device_batch_size={B}", f"--total_batch_size={tps}", f"--num_iterations={n}", "--eval_every=-1",
                 f"--eval_tokens={B * T}", "--core_metric_every=-1", "--sample_every=-1", "--run=dummy",
-                f"--model_tag=q-{variant}-s{seed}", "--overwrite=True"] + ([f"--seed={42 + seed}"] if has_seed else []) + overrides
+                f"--model_tag=q-{variant}-s{seed}", "--overwrite=True"] + ([f"--init_seed={42 + seed}"] if has_seed else []) + overrides
         return args, None
     if cb.name == "088":  # its configurator: --key=value; eval_every=n evaluates one batch at steps 0 and n
         rest = ["--device_type=cpu", f"--depth={depth}", f"--max_seq_len={T}", f"--device_batch_size={B}",
@@ -358,7 +363,7 @@ def main():
     # prerequisites first, each a clear message: nothing trains for an hour and then finds a path missing
     ours = Codebase("ours", "ours", ROOT, sys.executable, os.path.join(work, "ours"), args.dtype)
     has_seed = prepare_ours(ours, args.vocab_size, work, variants)
-    seed_note = None if has_seed else ("our scripts.base_train has no --seed setting (its init is GPT.init_weights' fixed "
+    seed_note = None if has_seed else ("our scripts.base_train has no --init_seed setting (its init is GPT.init_weights' fixed "
                                        "seed 42): our variants cannot vary the seed and run once each")
     if seed_note:
         print(f"note: {seed_note}")
