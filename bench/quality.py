@@ -76,7 +76,15 @@ VARIANTS = {
     "cautious_wd": ["--matrix_weight_decay=0.4"],  # Muon's cautious weight decay at HEAD's d8 optimum
     "recipe2026": ["--warmdown_ratio=0.65", "--final_lr_frac=0.05", "--embedding_lr=0.3", "--unembedding_lr=0.008",
                    "--muon_momentum_peak=0.97", "--muon_momentum_final=0.90", "--matrix_weight_decay=0.4"],
+    # HEAD's model parts (gpt.GPTConfig), each alone on our defaults
+    "rope100k": ["--rope_base=100000"],
+    "qk12": ["--qk_scale=1.2"],
+    "init2026": ["--init_recipe=2026"],
+    "scalars": ["--layer_scalars=True"],
+    "ve": ["--value_embeds=True"],
 }
+VARIANTS["model2026"] = VARIANTS["rope100k"] + VARIANTS["qk12"] + VARIANTS["init2026"] + VARIANTS["scalars"] + VARIANTS["ve"]
+VARIANTS["all2026"] = VARIANTS["recipe2026"] + VARIANTS["model2026"]  # every part of HEAD's recipe we have
 # What the benchmark sets itself: a variant overriding these would not be the same experiment
 CONTROLLED = {"device_type", "depth", "max_seq_len", "device_batch_size", "total_batch_size", "num_iterations",
               "target_flops", "target_param_data_ratio", "eval_every", "eval_tokens", "core_metric_every",

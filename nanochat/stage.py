@@ -221,9 +221,10 @@ class Stage:
             if model is None:
                 model = model_from_state(state, self.meta, self.device, where)
             else:
-                if self.meta["model_config"] != model.config.to_dict():
-                    raise UserError(f"{where} has model config {self.meta['model_config']}, this run "
-                                    f"{model.config.to_dict()}: resume with the settings of that run (--depth, --max_seq_len)")
+                saved = {**type(model.config)().to_dict(), **self.meta["model_config"]}  # older checkpoints: fields added since at their defaults
+                if saved != model.config.to_dict():
+                    differ = ", ".join(f"{k} {saved[k]!r} (this run {v!r})" for k, v in model.config.to_dict().items() if saved[k] != v)
+                    raise UserError(f"{where} has a different model: {differ}; resume with the settings of that run")
                 model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
             del state
             self.parent, self.start_step = self.meta.get("parent"), self.resume_from_step

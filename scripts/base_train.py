@@ -39,6 +39,13 @@ device_type = ""  # cuda | cpu | mps; empty = autodetect
 # model
 depth = 20  # the one size dial: width 64*depth, heads 128 wide; an odd depth gets others (7 -> 4 of 112: gpt.config_from_depth)
 max_seq_len = 2048  # tokens per row (context length)
+# the 2026 recipe's model parts (gpt.GPTConfig; bench/RESULTS.md measures each). The last three change the checkpoint
+# format: such a model exports to transformers only with its own modeling file (export_model, trust_remote_code)
+rope_base = 10000.0  # rotary base (2026: 100000)
+qk_scale = 1.0  # scale of q and k after their RMSNorm (2026: 1.2)
+layer_scalars = False  # learned per-layer multipliers of the residual stream and of the embedding added back in
+value_embeds = False  # every other layer's values get a gated token embedding (adds vocab x width per such layer)
+init_recipe = "2025"  # initial weights: 2025 (lm_head zero) | 2026 (karpathy/nanochat HEAD's scales): GPT.init_weights
 # training horizon: the first of these that is > 0 decides the number of optimizer steps
 num_iterations = -1  # explicit number of steps
 target_flops = -1.0  # total training FLOPs to spend (steps = target_flops / (6N+attn) / total_batch_size)
@@ -50,6 +57,7 @@ total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-step
 embedding_lr = 0.2  # AdamW lr of the token embedding
 unembedding_lr = 0.004  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
+scalar_lr = 0.5  # AdamW lr of the layer scalars (x0; resid gets 1/100 of it), with --layer_scalars
 weight_decay = 0.0  # AdamW weight decay (embedding, lm_head)
 matrix_weight_decay = 0.0  # Muon's cautious weight decay of the block matrices (only where the step pulls toward 0)
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
@@ -78,10 +86,12 @@ config = configure(globals())
 # What each value means, checked before any work (a bad value must not train for hours)
 check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
              positive_or_unset=["num_iterations", "target_flops", "eval_tokens", "core_metric_max_per_task"],
-             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "matrix_weight_decay", "grad_clip"],
+             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "matrix_weight_decay", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac", "muon_momentum_peak", "muon_momentum_final"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
-                      "core_bundle": ("", "dclm", "offline")})
+                      "core_bundle": ("", "dclm", "offline"), "init_recipe": GPT.INIT_RECIPES})
+if not (rope_base > 1 and qk_scale > 0):
+    raise UserError(f"--rope_base must be > 1 and --qk_scale > 0, got {rope_base!r} and {qk_scale!r}")
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 model_tag = check_model_tag(model_tag or f"d{depth}")
 
@@ -99,18 +109,23 @@ core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_m
 tokenizer = get_tokenizer()
 token_bytes = get_token_bytes(device=device)
 vocab_size = tokenizer.get_vocab_size()
-model_config = config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len)
+model_config = config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len, rope_base=rope_base,
+                                 qk_scale=qk_scale, layer_scalars=layer_scalars, value_embeds=value_embeds)
 print0(f"Model: depth {depth} -> n_embd {model_config.n_embd}, {model_config.n_head} heads of "
        f"{model_config.n_embd // model_config.n_head}, vocab {vocab_size:,}, context {max_seq_len}")
 with torch.device("meta"):  # build without allocating, then materialise on the device and initialise once
     model = GPT(model_config)
 model.to_empty(device=device)
-model.init_weights(seed=init_seed)  # identical on every rank and in every run: drawn from a generator of its own, seeded
+model.init_weights(seed=init_seed, recipe=init_recipe)  # identical on every rank and in every run: drawn from a generator of its own, seeded
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
 model, use_compile = compile_model(orig_model, compile, device_type)
 num_params = orig_model.num_params()
+# the tokens:params ratio counts the parameters that compute: value-embedding tables are lookups (at depth 20 they would
+# be 10x the embedding), as nanochat HEAD counts them
+scaling_params = orig_model.num_params(value_embeds=False)
 flops_per_token = orig_model.estimate_flops()
-print0(f"Parameters: {num_params:,} | FLOPs per token (6N + attention): {flops_per_token:.3e} | torch.compile: {use_compile}")
+print0(f"Parameters: {num_params:,}" + (f" ({scaling_params:,} without the value embeddings)" if value_embeds else "")
+       + f" | FLOPs per token (6N + attention): {flops_per_token:.3e} | torch.compile: {use_compile}")
 
 # -----------------------------------------------------------------------------
 # 4. Training horizon: how many optimizer steps
@@ -121,13 +136,13 @@ elif target_flops > 0:
     horizon = f"target_flops={target_flops:.3e}"
 else:
     # Chinchilla: compute-optimal training sees ~20 tokens per parameter
-    num_iterations = int(target_param_data_ratio * num_params) // total_batch_size
+    num_iterations = int(target_param_data_ratio * scaling_params) // total_batch_size
     horizon = f"target_param_data_ratio={target_param_data_ratio}"
 if num_iterations < 1:
     raise UserError(f"{horizon} gives {num_iterations} steps at total_batch_size={total_batch_size:,}: set --num_iterations or a larger target")
 total_tokens = total_batch_size * num_iterations
 print0(f"Training horizon from {horizon}: {num_iterations:,} steps")
-print0(f"Training tokens: {total_tokens:,} | tokens:params ratio {total_tokens / num_params:.2f} | "
+print0(f"Training tokens: {total_tokens:,} | tokens:params ratio {total_tokens / scaling_params:.2f} | "
        f"total training FLOPs {flops_per_token * total_tokens:.3e}")
 
 # -----------------------------------------------------------------------------
@@ -146,7 +161,7 @@ grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max
 stage.start(model_tag, model=orig_model, tokenizer=tokenizer)
 optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
                                          matrix_lr=matrix_lr, weight_decay=weight_decay,
-                                         matrix_weight_decay=matrix_weight_decay)  # [AdamW, Muon]
+                                         matrix_weight_decay=matrix_weight_decay, scalar_lr=scalar_lr)  # [AdamW, Muon]
 # What decides which data step N reads: resuming with a different value would not continue the same run. The
 # world size is not among them: the loader's data slots make a step's data the same on any number of ranks.
 data_settings = dict(corpus=dataset_name(), device_batch_size=device_batch_size, max_seq_len=max_seq_len,
@@ -278,7 +293,7 @@ stage.report("Base model training", step, [
     config,
     {"Number of parameters": f"{num_params:,}", "FLOPs per token": f"{flops_per_token:e}",
      "Training horizon": horizon, "Calculated number of iterations": num_iterations,
-     "Number of training tokens": f"{total_tokens:,}", "Tokens : Params ratio": f"{total_tokens / num_params:.2f}",
+     "Number of training tokens": f"{total_tokens:,}", "Tokens : Params ratio": f"{total_tokens / scaling_params:.2f}",
      "Tokens / micro-batch / rank": tokens_per_fwdbwd, "Tokens / micro-batch": world_tokens_per_fwdbwd,
      "Gradient accumulation steps": grad_accum_steps, "DDP": ddp, "Device": str(device), "Compute dtype": str(compute_dtype), "torch.compile": use_compile,
      "Total training FLOPs": f"{flops_per_token * total_tokens:e}"},

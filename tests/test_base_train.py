@@ -84,17 +84,25 @@ def test_help_and_one_line_errors(trained_tokenizer):
 # bf16 number and grows from step to step, so the property is tested here, in bf16. (Other splits, 3 ranks or
 # 4 micro-steps, add the gradients in another order: equal to rounding, test_training_core, in fp32.) A resume
 # does the same operations on the same numbers: exact too.
+# The second case: every part of the 2026 recipe (layer scalars and value embeddings are AdamW parameters of their
+# own, sharded across ranks like the rest; rows of 1 to 2 values padded for the collectives).
+RECIPE_2026 = ["--rope_base=100000", "--qk_scale=1.2", "--layer_scalars=True", "--value_embeds=True", "--init_recipe=2026",
+               "--matrix_weight_decay=0.4", "--warmdown_ratio=0.65", "--final_lr_frac=0.05", "--muon_momentum_peak=0.97",
+               "--muon_momentum_final=0.90"]
+
+
 @pytest.mark.slow
-def test_bf16_two_ranks_equal_one_rank_and_resume_is_exact(trained_tokenizer, isolated_env, monkeypatch):
+@pytest.mark.parametrize("recipe", [[], RECIPE_2026], ids=["defaults", "recipe2026"])
+def test_bf16_two_ranks_equal_one_rank_and_resume_is_exact(trained_tokenizer, isolated_env, monkeypatch, recipe):
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     monkeypatch.setenv("NANOCHAT_PEAK_FLOPS", "1e11")  # a CPU without native bf16 would spend a while measuring it
-    single = base_train("--num_iterations=6", "--model_tag=single", "--save_every=3")
+    single = base_train(*recipe, "--num_iterations=6", "--model_tag=single", "--save_every=3")
     assert single.returncode == 0, single.stderr
     assert "Compute dtype: bfloat16 (NANOCHAT_DTYPE=bfloat16" in single.stdout
     assert "gradient accumulation steps: 2" in single.stdout
     single_losses = train_losses(isolated_env, "single")
     assert max(m["grad_norm"] for m in metrics(isolated_env, "single") if "grad_norm" in m) > 1.0  # clipping took part
-    ddp = run_script("-m", "scripts.base_train", *with_defaults(TINY, ["--num_iterations=6", "--model_tag=ddp"]), nproc=2)
+    ddp = run_script("-m", "scripts.base_train", *with_defaults(TINY, [*recipe, "--num_iterations=6", "--model_tag=ddp"]), nproc=2)
     assert ddp.returncode == 0, ddp.stderr
     assert "gradient accumulation steps: 1" in ddp.stdout
     # the logged loss: one rank's mean of its micro-steps in fp32, or the mean of the ranks' in float64 (last bit)
@@ -104,7 +112,7 @@ def test_bf16_two_ranks_equal_one_rank_and_resume_is_exact(trained_tokenizer, is
     # resumed from the single run's step 3, as if it had died after that save
     resumed = isolated_env / "base_checkpoints" / "resumed"
     shutil.copytree(isolated_env / "base_checkpoints" / "single", resumed, ignore=shutil.ignore_patterns("*000006*", ".lock"))
-    again = base_train("--num_iterations=6", "--model_tag=resumed", "--resume_from_step=3")
+    again = base_train(*recipe, "--num_iterations=6", "--model_tag=resumed", "--resume_from_step=3")
     assert again.returncode == 0, again.stderr
     assert train_losses(isolated_env, "resumed") == single_losses
     assert_same_weights(single_weights, weights(isolated_env, 6, "resumed"), rtol=0, atol=0)

@@ -225,7 +225,7 @@ def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         (tokens,), _ = engine_stream(engine, prompts[0][:10], max_tokens=20, temperature=0)
         layers, head = engine._decode_weights()
-        assert head.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for layer in layers for w in layer)
+        assert head.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for layer in layers for w in layer if w is not None)
         assert engine._decode_weights()[1] is head
     assert len(tokens) > 0 and engine._decode_weights()[1].dtype == torch.float32
     cfg, idx = model.config, torch.tensor([prompts[1][:20]])

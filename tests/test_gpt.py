@@ -196,3 +196,97 @@ def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol)
         loss = softcapped_cross_entropy(x, head, targets, GPT.SOFTCAP)
         loss.sum().backward(retain_graph=True)
         loss.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------
+# the 2026 recipe's model parts (GPTConfig rope_base, qk_scale, layer_scalars, value_embeds; init_weights recipe)
+
+PARTS_2026 = dict(rope_base=100000.0, qk_scale=1.2, layer_scalars=True, value_embeds=True)
+
+
+def make_2026_model(n_layer=3):
+    model = make_model(n_layer=n_layer, n_head=4, n_kv_head=2, **PARTS_2026)
+    model.init_weights(recipe="2026")
+    randomize_zero_init(model)
+    return model
+
+
+def test_value_embeddings_on_alternating_layers_ending_with_the_last():
+    for n_layer, layers in [(6, {"1", "3", "5"}), (5, {"0", "2", "4"}), (1, {"0"})]:
+        model = make_model(n_layer=n_layer, value_embeds=True)
+        assert set(model.value_embeds) == layers
+        assert {str(i) for i, b in enumerate(model.transformer.h) if b.attn.ve_gate is not None} == layers
+        assert model.value_embeds[min(layers)].weight.shape == (256, 64)  # vocab x (kv heads x head dim)
+
+
+def test_2026_model_kv_cache_and_decode_step_match_the_full_forward():
+    model = make_2026_model()
+    model.eval()
+    idx = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache(batch_size=2, n_kv_head=2, max_len=32, head_dim=16, n_layer=3, device="cpu", dtype=torch.float32)
+        pieces = [model(idx[:, :8], kv_cache=cache), model(idx[:, 8:12], kv_cache=cache)]  # prefill, a chunk
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, :12], rtol=0, atol=1e-5)
+        weights = model.decode_weights()
+        for t in range(12, 20):
+            torch.testing.assert_close(model.decode_step(idx[:, t], cache, weights), full[:, t], rtol=0, atol=1e-5)
+
+
+def test_2026_parts_change_the_function_and_reach_every_parameter():
+    model = make_2026_model()
+    idx = torch.randint(0, 256, (2, 16))
+    loss = model(idx, idx)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    # each part alone changes the logits of the same weights (so none of them is silently ignored)
+    sd = model.state_dict()
+    reference = model(idx)
+    for part, off in [("rope_base", 10000.0), ("qk_scale", 1.0)]:
+        other = make_model(n_layer=3, n_head=4, n_kv_head=2, **{**PARTS_2026, part: off})
+        other.load_state_dict(sd)
+        assert (other(idx) - reference).abs().max() > 1e-3, part
+    with torch.no_grad():
+        model.resid_lambdas.fill_(1.0)
+        model.x0_lambdas.zero_()
+        for table in model.value_embeds.values():
+            table.weight.zero_()
+    # scalars 1 and 0, value embeddings zero: the model without those parts, to rounding
+    plain = make_model(n_layer=3, n_head=4, n_kv_head=2, rope_base=100000.0, qk_scale=1.2)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if k in plain.state_dict()})
+    torch.testing.assert_close(model(idx), plain(idx), rtol=0, atol=1e-5)
+
+
+def test_2026_init_and_parameter_groups():
+    model = make_2026_model(n_layer=4)
+    model.init_weights(recipe="2026")
+    assert model.transformer.wte.weight.std().item() == pytest.approx(0.8, rel=0.05)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.001, rel=0.05)
+    fc_bound = 0.4 * math.sqrt(3) / math.sqrt(64)
+    assert model.transformer.h[0].mlp.c_fc.weight.abs().max() <= fc_bound
+    assert model.transformer.h[0].mlp.c_fc.weight.abs().max() > 0.95 * fc_bound
+    torch.testing.assert_close(model.resid_lambdas, torch.tensor([1.15, 1.15 - 0.1 / 3, 1.15 - 0.2 / 3, 1.05]))
+    torch.testing.assert_close(model.x0_lambdas, torch.tensor([0.20, 0.15, 0.10, 0.05]))
+    adamw, muon = model.setup_optimizers(embedding_lr=0.2, scalar_lr=0.5)
+    seen = [id(p) for opt in (adamw, muon) for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    lr_of = {id(p): g for g in adamw.param_groups for p in g["params"]}
+    scale = (64 / 768) ** -0.5
+    assert lr_of[id(model.value_embeds["1"].weight)]["lr"] == pytest.approx(0.2 * scale / 2)
+    assert lr_of[id(model.resid_lambdas)]["lr"] == pytest.approx(0.005)
+    assert lr_of[id(model.x0_lambdas)]["lr"] == 0.5 and lr_of[id(model.x0_lambdas)]["betas"] == (0.96, 0.95)
+    assert {id(p) for g in muon.param_groups for p in g["params"]} >= {id(model.transformer.h[1].attn.ve_gate.weight)}
+    # FLOPs and the Chinchilla count leave the lookup tables out: the same as the plain model's plus the gates and scalars
+    plain = make_model(n_layer=4, n_head=4, n_kv_head=2)
+    extra = sum(b.attn.ve_gate.weight.numel() for b in model.transformer.h if b.attn.ve_gate is not None) + 2 * 4
+    assert model.estimate_flops() == plain.estimate_flops() + 6 * extra
+    assert model.num_params(value_embeds=False) == plain.num_params() + extra
+
+
+def test_rotary_tables_follow_the_configured_base():
+    for base in (10000.0, 100000.0):
+        model = make_model(rope_base=base)
+        head_dim = 16
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        torch.testing.assert_close(model.cos[0, 7, 0], torch.cos(7 * inv_freq))
