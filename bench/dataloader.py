@@ -26,7 +26,7 @@ device_batch_size = 8  # B
 max_seq_len = 512  # T
 total_batch_size = 8192  # tokens per optimizer step: sets the number of data slots
 tokens = 2_000_000  # how many tokens to pull through the loader
-bos_aligned = False  # measure the BOS-aligned row packing instead of the plain stream
+bos_aligned = False  # measure the best-fit BOS-aligned rows instead of the plain stream
 tokenizer_threads = 4  # threads tiktoken encodes with
 config = configure(globals())
 
@@ -47,4 +47,5 @@ print0(f"vocab {tokenizer.get_vocab_size()}, B={device_batch_size}, T={max_seq_l
        f"bos_aligned={bos_aligned}, threads={tokenizer_threads}")
 print0(f"first batch after {t_first * 1000:.0f} ms; then {n_batches} batches in {dt:.2f} s: {tok_s:,.0f} tokens/s "
        f"({1000 * dt / n_batches:.2f} ms per batch), epoch {loader.epoch}"
-       + (f", {100 * loader.dropped_fraction():.1f}% of tokens dropped by cropping" if bos_aligned else ""))
+       + (f", {100 * loader.leftover_fraction():.1f}% of tokens trained without their document's start, "
+          f"{100 * loader.dropped_fraction():.1f}% dropped" if bos_aligned else ""))

@@ -28,20 +28,39 @@ unit order is shuffled each epoch with random.Random(f"{seed}-{epoch}"); val is 
 Tokens. A slot tokenizes its documents in batches on threads (tiktoken releases the GIL), prepends BOS to
 every document, and keeps the tokens in a buffer. A micro-batch is the next B*T+1 tokens of the buffer:
 inputs are the first B*T, targets the same shifted by one; the last token is kept for the next batch.
-With `bos_aligned=True` each row instead starts at the beginning of a document (BOS first): rows are
-filled with whole documents and the last one is cropped; the fraction of tokens dropped is counted.
 
-Resuming. `loader.state_dict()` is a small dict (per slot: epoch, unit, document, token offset) giving the
+Best-fit rows (`bos_aligned=True`). Each row of T+1 tokens starts at a document's start (BOS), and no token
+is dropped. A slot keeps a buffer of BESTFIT_BUFFER *pieces* of documents, topped up in reading order before
+each placement. A row takes first the longest piece that starts a document and fits, then, again and again,
+the longest piece of either kind that fits what is left; when none fits, the shortest piece is cut to fill
+the row exactly and its rest goes back into the buffer as *leftover* pieces, which continue rows but never
+start one (they have no BOS). Ties go to the piece that came into the buffer first. This is the loader of
+karpathy/nanochat HEAD (largest fit, then the shortest cropped), except that HEAD throws the cut-off rest
+away and this keeps it. Keeping it takes two more rules, without which what no row can take whole piles up
+in the buffer for good (a document longer than a row would only be taken once no shorter one is left, a long
+leftover once nothing is shorter):
+- a document longer than a row is cut as it comes in: its first T+1 tokens, a row of their own, and the rest;
+- leftovers come in pieces of at most (T+1) // 2 tokens, which fit the space that rows leave.
+The tokens of leftovers are trained without their document's start: leftover_fraction() (pydocs, T=512: 17%,
+nearly all of it the rest of documents longer than a row, which no row that starts at a BOS can hold). When
+documents are on average about as long as a row or longer (every row starts one, so the rows cannot hold all
+their tokens), the buffer fills up with leftovers; then the shortest one is dropped, counted in dropped_fraction().
+
+Resuming. `loader.state_dict()` is a small dict (per slot: epoch, unit, document, token offset; best-fit:
+the next document to read and the buffer's pieces as [epoch, unit, document, start, end]) giving the
 position of the batch most recently returned; after load_state_dict() of it the loader returns that same
-batch first, then continues exactly. (The training loop prefetches the next batch, so the batch it holds
-when it saves a checkpoint is the first one the resumed run must see.) Slot states are keyed by slot, so
-the states of all ranks merge into one, and a run can continue on any number of ranks.
+batch first, then continues exactly (the documents of the pieces are read and tokenized again). (The
+training loop prefetches the next batch, so the batch it holds when it saves a checkpoint is the first one
+the resumed run must see.) Slot states are keyed by slot, so the states of all ranks merge into one, and a
+run can continue on any number of ranks.
 
 Chat stages (ConversationLoader): conversations of a task mixture in, rendered with their training mask;
 see its docstring. pad_rows() is the padding both it and chat_rl's policy-gradient batches use.
 """
 
+import math
 import random
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 
 import numpy as np
@@ -49,6 +68,8 @@ import torch
 
 from nanochat.common import UserError, print0
 from nanochat.dataset import list_row_groups, read_row_group
+
+BESTFIT_BUFFER = 1000  # pieces of documents a best-fit (bos_aligned) slot chooses from
 
 
 def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size, show=False):
@@ -79,38 +100,136 @@ def _units(row_groups, num_slots):
     return [(g, j, k) for g in range(len(row_groups)) for j in range(k)]
 
 
-class _Slot:
-    """One data slot: its own position in the corpus and its own token buffer."""
+def _longest_up_to(keys, space):
+    """The (length, seq) of the longest piece of at most `space` tokens in sorted `keys`, the earliest of equals."""
+    i = bisect_right(keys, (space, math.inf)) - 1
+    return keys[bisect_left(keys, (keys[i][0],))] if i >= 0 else None
 
-    def __init__(self, slot, num_slots, row_groups, seed, tokenizer, bos_id, threads, doc_batch, shuffle, split, state=None):
+
+class _BestFitBuffer:
+    """
+    The pieces a best-fit slot packs its rows from (see the module docstring). A piece is (where, tokens, start,
+    end): tokens[start:end] of the document at where = (epoch, unit_pos, doc_idx). Pieces with start 0 begin
+    with BOS and may begin a row; the others are leftovers. Each kind is kept sorted by (length, seq), seq
+    counting the pieces in the order they came in, so every choice is a bisection, not a scan.
+    """
+
+    def __init__(self, width):
+        self.width = width
+        self.pieces = {}  # seq -> piece, in the order they came in
+        self.starts, self.leftovers = [], []
+        self.seq = 0
+
+    def __len__(self):
+        return len(self.pieces)
+
+    def put(self, piece):
+        _, _, start, end = piece
+        insort(self.starts if start == 0 else self.leftovers, (end - start, self.seq))
+        self.pieces[self.seq] = piece
+        self.seq += 1
+
+    def add(self, where, tokens, start=0, end=None):
+        """tokens[start:end] of a document as pieces: from its start, at most a row; the rest in leftovers."""
+        end = len(tokens) if end is None else end
+        if start == 0:
+            self.put((where, tokens, 0, min(end, self.width)))
+            start = min(end, self.width)
+        step = self.width // 2
+        for s in range(start, end, step):
+            self.put((where, tokens, s, min(s + step, end)))
+
+    def _remove(self, key):
+        piece = self.pieces.pop(key[1])
+        keys = self.starts if piece[2] == 0 else self.leftovers
+        del keys[bisect_left(keys, key)]
+        return piece
+
+    def take(self, space, first):
+        """The piece to put next in a row that has `space` tokens left (first: the row is empty), removed."""
+        kinds = (self.starts,) if first else (self.starts, self.leftovers)
+        fits = [key for keys in kinds if (key := _longest_up_to(keys, space))]
+        if fits:
+            return self._remove(max(fits, key=lambda key: (key[0], -key[1])))
+        return self._remove(min(keys[0] for keys in kinds if keys))  # the shortest, to be cut
+
+    def drop_leftover(self):
+        """Remove the shortest leftover (the fewest tokens lost); returns its length."""
+        _, _, start, end = self._remove(self.leftovers[0])
+        return end - start
+
+
+class _Slot:
+    """One data slot: its own position in the corpus and its own token buffer (best-fit: `width` = T+1)."""
+
+    def __init__(self, slot, num_slots, row_groups, seed, tokenizer, bos_id, threads, doc_batch, shuffle, split,
+                 width=None, state=None):
         self.slot, self.num_slots, self.row_groups, self.seed, self.shuffle = slot, num_slots, row_groups, seed, shuffle
         self.tokenizer, self.bos_id, self.threads, self.doc_batch, self.split = tokenizer, bos_id, threads, doc_batch, split
+        self.width = width
+        if width is None and isinstance(state, dict):
+            raise UserError("this data position was saved by a run with bos_aligned=True: resume with bos_aligned=True")
+        pieces = []
+        if width is not None and state is not None:
+            if not isinstance(state, dict):  # saved before best fit: a document start, nothing in a buffer
+                state = {"next": state[:3], "pieces": []}
+            state, pieces = [*state["next"], 0], state["pieces"]
         # reading position: the next document to tokenize is document `next_doc` of unit `unit_pos` of `epoch`
         self.epoch, self.unit_pos, self.next_doc, resume_offset = state if state is not None else (0, 0, 0, 0)
-        self._set_epoch_units()
+        self.my_units = self._epoch_units(self.epoch)
         self.unit_texts = None
         # token buffer: entries [epoch, unit_pos, doc_idx, tokens]; the first one is consumed up to self.offset
+        # (best-fit: the documents read, whole, that have not yet gone into self.bestfit)
         self.docs = deque()
         self.offset = 0
         self.buffered = 0  # tokens in the buffer not yet consumed
-        self.tokens_seen, self.tokens_dropped = 0, 0
+        self.tokens_seen, self.tokens_dropped, self.tokens_placed, self.tokens_leftover = 0, 0, 0, 0
         if resume_offset:
             self._refill()
             self.offset = resume_offset
             self.buffered -= resume_offset
+        if width is not None:
+            self.bestfit = _BestFitBuffer(width)
+            self._load_pieces(pieces)
 
-    def _set_epoch_units(self):
+    def _epoch_units(self, epoch):
         units = _units(self.row_groups, self.num_slots)
         if self.shuffle:
-            random.Random(f"{self.seed}-{self.epoch}").shuffle(units)
-        self.my_units = units[self.slot::self.num_slots]
+            random.Random(f"{self.seed}-{epoch}").shuffle(units)
+        return units[self.slot::self.num_slots]
 
-    def state(self):
-        """(epoch, unit, document, token offset) of the first token not yet returned."""
+    def snapshot(self):
+        """Where this slot stands, cheaply: state() turns it into the saved form (small ints)."""
+        if self.width is not None:
+            position = tuple(self.docs[0][:3]) if self.docs else (self.epoch, self.unit_pos, self.next_doc)
+            return position, list(self.bestfit.pieces.values())
         if self.docs:
             epoch, unit_pos, doc_idx, _ = self.docs[0]
             return (epoch, unit_pos, doc_idx, self.offset)
         return (self.epoch, self.unit_pos, self.next_doc, 0)
+
+    def state(self, snapshot=None):
+        """Stream: [epoch, unit, document, token offset] of the first token not yet returned. Best-fit: {"next":
+        [epoch, unit, document] of the next document to read, "pieces": [[epoch, unit, document, start, end], ...]}."""
+        snapshot = self.snapshot() if snapshot is None else snapshot
+        if self.width is None:
+            return list(snapshot)
+        position, pieces = snapshot
+        return {"next": list(position), "pieces": [[*where, start, end] for where, _, start, end in pieces]}
+
+    def _load_pieces(self, pieces):
+        """Rebuild a saved best-fit buffer: the documents its pieces come from are read and tokenized again."""
+        units, texts, docs = {}, {}, {}
+        for epoch, unit_pos, doc_idx, _, _ in pieces:
+            if (epoch, unit_pos) not in texts:
+                units.setdefault(epoch, self._epoch_units(epoch))
+                g, j, k = units[epoch][unit_pos]
+                texts[epoch, unit_pos] = read_row_group(*self.row_groups[g])[j::k]
+            docs[epoch, unit_pos, doc_idx] = texts[epoch, unit_pos][doc_idx]
+        encoded = self.tokenizer.encode(list(docs.values()), prepend=self.bos_id, num_threads=self.threads) if docs else []
+        tokens = {where: np.asarray(ids, dtype=np.int32) for where, ids in zip(docs, encoded)}
+        for epoch, unit_pos, doc_idx, start, end in pieces:
+            self.bestfit.put(((epoch, unit_pos, doc_idx), tokens[epoch, unit_pos, doc_idx], start, end))
 
     def _refill(self):
         """Tokenize the next few documents of this slot into the buffer."""
@@ -128,7 +247,7 @@ class _Slot:
             self.unit_pos += 1
             if self.unit_pos == len(self.my_units):
                 self.epoch, self.unit_pos = self.epoch + 1, 0
-                self._set_epoch_units()
+                self.my_units = self._epoch_units(self.epoch)
                 print0(f"Data slot {self.slot} ({self.split}): starting epoch {self.epoch}")
 
     def take_tokens(self, n):
@@ -151,21 +270,35 @@ class _Slot:
         self.buffered -= n
         return out
 
-    def take_rows(self, rows, width):
-        """bos_aligned mode: `rows` rows of `width` tokens, each starting at a document start (BOS)."""
+    def take_rows(self, rows):
+        """Best-fit: `rows` rows of `width` tokens, each starting at a document start (BOS)."""
+        width = self.width
         out = np.empty((rows, width), dtype=np.int32)
         for r in range(rows):
             filled = 0
             while filled < width:
-                while not self.docs:
-                    self._refill()
-                tokens = self.docs.popleft()[3]
-                take = min(len(tokens), width - filled)
-                out[r, filled:filled + take] = tokens[:take]
-                filled += take
-                self.tokens_dropped += len(tokens) - take  # the cropped tail of the row's last document
-                self.buffered -= len(tokens)
+                self._top_up()
+                where, tokens, start, end = self.bestfit.take(width - filled, first=filled == 0)
+                n = min(end - start, width - filled)
+                out[r, filled:filled + n] = tokens[start:start + n]
+                if n < end - start:  # cut to fill the row: the rest waits in the buffer
+                    self.bestfit.add(where, tokens, start + n, end)
+                if start > 0:
+                    self.tokens_leftover += n
+                filled += n
+        self.tokens_placed += rows * width
         return out
+
+    def _top_up(self):
+        """Before each placement: BESTFIT_BUFFER pieces in the buffer, at least one of which can start a row."""
+        while len(self.bestfit) < BESTFIT_BUFFER or not self.bestfit.starts:
+            if len(self.bestfit) >= BESTFIT_BUFFER:  # full of leftovers: documents longer than rows, on average
+                self.tokens_dropped += self.bestfit.drop_leftover()
+                continue
+            while not self.docs:
+                self._refill()
+            epoch, unit_pos, doc_idx, tokens = self.docs.popleft()
+            self.bestfit.add((epoch, unit_pos, doc_idx), tokens)
 
 
 class DistributedTokenLoader:
@@ -195,11 +328,12 @@ class DistributedTokenLoader:
         states = state if isinstance(state, list) else [state]
         slot_states = {k: v for s in states for k, v in s["slots"].items()}
         seed, tokenizer, bos_id, threads, doc_batch = self.slot_args
+        width = self.T + 1 if self.bos_aligned else None
         self.slots = [_Slot(s, self.num_slots, self.row_groups, seed, tokenizer, bos_id, threads, doc_batch,
-                            shuffle=(self.split == "train"), split=self.split, state=slot_states.get(str(s)))
+                            shuffle=(self.split == "train"), split=self.split, width=width, state=slot_states.get(str(s)))
                       for s in self.my_slots]
         self.micro = states[0].get("micro", 0) % self.accum  # which of my slots serves the next batch
-        self.last = None  # (slot index, state before the last returned batch)
+        self.last = None  # (slot index, snapshot of its state before the last returned batch)
 
     def __iter__(self):
         return self
@@ -207,9 +341,9 @@ class DistributedTokenLoader:
     def __next__(self):
         i = self.micro
         slot = self.slots[i]
-        self.last = (i, slot.state())
+        self.last = (i, slot.snapshot())
         if self.bos_aligned:
-            rows = slot.take_rows(self.B, self.T + 1)
+            rows = slot.take_rows(self.B)
             inputs, targets = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
         else:
             buf = torch.from_numpy(slot.take_tokens(self.B * self.T))
@@ -228,16 +362,23 @@ class DistributedTokenLoader:
         return min(s.epoch for s in self.slots)
 
     def dropped_fraction(self):
+        """The fraction of the tokens read that were dropped: 0, unless best-fit documents outgrow the rows."""
         seen = sum(s.tokens_seen for s in self.slots)
         return sum(s.tokens_dropped for s in self.slots) / max(seen, 1)
 
+    def leftover_fraction(self):
+        """Best-fit: the fraction of the tokens put in rows that continue a document begun elsewhere (leftovers),
+        so are trained without their document's start."""
+        placed = sum(s.tokens_placed for s in self.slots)
+        return sum(s.tokens_leftover for s in self.slots) / max(placed, 1)
+
     def state_dict(self):
         """Position of the most recently returned batch (resuming returns it again first)."""
-        states = {str(s.slot): list(s.state()) for s in self.slots}
+        states = {str(s.slot): s.state() for s in self.slots}
         micro = self.micro
         if self.last is not None:
             i, before = self.last
-            states[str(self.slots[i].slot)] = list(before)
+            states[str(self.slots[i].slot)] = self.slots[i].state(before)
             micro = i
         return {"slots": states, "micro": micro, "num_slots": self.num_slots, "split": self.split}
 

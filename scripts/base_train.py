@@ -80,7 +80,7 @@ overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 init_seed = 42  # seeds the initial weights (the same on every rank)
-bos_aligned = False  # start every row at a document start (crops documents; reports the tokens dropped)
+bos_aligned = False  # start every row at a document start: best-fit packing, no token dropped
 dry_run = False  # run everything but write no checkpoint and no report
 config = configure(globals())
 # What each value means, checked before any work (a bad value must not train for hours)
@@ -304,7 +304,8 @@ stage.report("Base model training", step, [
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)",
      "Peak FLOP/s used for MFU": f"{peak_flops:.3e} ({peak_source})",
      "Total training time (min)": loop.total_training_time / 60, "Time to first step (s)": first_step_time,
-     "BOS-aligned rows, tokens dropped": f"{100 * train_loader.dropped_fraction():.2f}%" if bos_aligned else "n/a (packed stream)",
+     "BOS-aligned rows, tokens without their document's start / dropped":
+         f"{100 * train_loader.leftover_fraction():.2f}% / {100 * train_loader.dropped_fraction():.2f}%" if bos_aligned else "n/a (packed stream)",
      "Peak memory": peak_memory},
 ])
 sys.exit(stage.finish(step, "python -m scripts.base_loss (bpb on train/val and samples), then python -m scripts.mid_train"))
