@@ -28,7 +28,7 @@ class GPTConfig:
     n_embd: int = 1280
     # The 2026 recipe's parts (karpathy/nanochat HEAD; measured in bench/RESULTS.md). The defaults are the 2025
     # architecture, which transformers' NanoChatForCausalLM holds; qk_scale, layer_scalars and value_embeds make a
-    # checkpoint that exports only with its own modeling file (nanochat/hf_format.py, trust_remote_code).
+    # checkpoint that exports only with its own modeling file (export_model --layout=remote: nanochat/hf_remote.py).
     rope_base: float = 10000.0  # rotary base: 10k (2025) or 100k (2026): slower-turning low channels
     qk_scale: float = 1.0  # q and k multiplied by this after their RMSNorm (2026: 1.2, attention logits x1.44)
     layer_scalars: bool = False  # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0: the normed embedding)

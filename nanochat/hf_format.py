@@ -4,10 +4,10 @@ Converts models to and from the Hugging Face `NanoChat` format (transformers >= 
 Pure data mapping, no transformers import: exporting needs none of the Hugging Face libraries. Also safetensors
 read and written without the `safetensors` package, and directories written all or nothing.
 
-The model maps one to one. HF NanoChat is this architecture (parameter-free RMSNorm after the embedding, before
-attention and MLP and before the head; rotary with our pairing and direction; QK norm after rotary; ReLU^2 MLP of
-width 4 x n_embd; untied head; logits soft-capped at 15), so the weights only change names (weight_names()): no
-transposes, no permutations. Three config values must be written, not left at HF's defaults: the RMSNorm epsilon
+The model maps one to one, unless it has a 2026 part other than rope_base (those: hf_remote.py's layout). HF
+NanoChat is this architecture (parameter-free RMSNorm after the embedding, before attention and MLP and before the
+head; rotary with our pairing and direction, any base; QK norm after rotary; ReLU^2 MLP of width 4 x n_embd; untied
+head; logits soft-capped at 15), so the weights only change names (weight_names()): no transposes, no permutations. Three config values must be written, not left at HF's defaults: the RMSNorm epsilon
 (F.rms_norm with eps=None uses float32's machine epsilon, HF defaults to 1e-6), intermediate_size (HF default 8192)
 and the special token ids (HF defaults 0/1 are byte tokens here).
 
@@ -35,9 +35,10 @@ from nanochat.common import UserError
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm(x, shape) uses for fp32/bf16/fp16 inputs
-ROPE_THETA = 10000.0  # GPT.init_rotary's base
+ROPE_THETA = 10000.0  # HF's default rotary base, and GPTConfig's (rope_base, which the format holds as rope_theta)
 SOFTCAP = 15.0  # GPT.SOFTCAP
-MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")  # GPTConfig's fields
+MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")  # GPTConfig's fields of 2025
+PARTS_OFF = {"qk_scale": 1.0, "layer_scalars": False, "value_embeds": False}  # 2026 parts: held only off (--layout=remote: on)
 
 # -----------------------------------------------------------------------------
 # Weights
@@ -57,9 +58,9 @@ def weight_names(n_layer):
     return names + [("lm_head.weight", "lm_head.weight")]
 
 
-def check_weight_names(names, n_layer, hf, where):
-    """Every weight of an n_layer model must be in `names` (HF names if `hf`, else ours), and nothing else."""
-    expected = [pair[1 if hf else 0] for pair in weight_names(n_layer)]
+def check_weight_names(names, n_layer, hf, where, expected=None):
+    """Every weight of an n_layer model (HF names if `hf`, else ours), or of `expected`, must be in `names`, and nothing else."""
+    expected = expected or [pair[1 if hf else 0] for pair in weight_names(n_layer)]
     missing = [name for name in expected if name not in names]
     unknown = sorted(set(names) - set(expected))
     if missing or unknown:
@@ -84,10 +85,10 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
     config.json for our model_config (GPTConfig.to_dict()). A setting this format cannot hold is a UserError
     naming it. layout "mlx": mlx-lm's nanochat model reads the rotary base from a top-level rope_theta.
     """
-    for key, value in model_config.items():
-        if key not in MODEL_CONFIG_KEYS:
-            raise UserError(f"the model's setting {key}={value!r} has no equivalent in the Hugging Face NanoChat format "
-                            f"(it knows {', '.join(MODEL_CONFIG_KEYS)}): this model cannot be exported")
+    lacking = settings_without_equivalent(model_config)
+    if lacking:  # the 2026 parts are computed by our own modeling file (hf_remote.py); anything else by nothing
+        fix = "export it with --layout=remote (transformers, trust_remote_code=True)" if lacking.keys() <= PARTS_OFF.keys() else "this model cannot be exported"
+        raise UserError(f"the model's setting {', '.join(f'{k}={v!r}' for k, v in lacking.items())} has no equivalent in the Hugging Face NanoChat format (nor mlx-lm's): {fix}")
     c = model_config
     special = tokenizer.get_special_tokens()
     config = {
@@ -104,7 +105,7 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
         "attention_dropout": 0.0,
         "attention_bias": False,
         "rms_norm_eps": RMS_NORM_EPS,
-        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(c["rope_base"])},
         "final_logit_softcapping": SOFTCAP,
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
@@ -116,8 +117,13 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
         "dtype": dtype,
     }
     if layout == "mlx":
-        config["rope_theta"] = ROPE_THETA
+        config["rope_theta"] = float(c["rope_base"])
     return config
+
+
+def settings_without_equivalent(model_config):
+    """{setting: value} of model_config that the NanoChat format (transformers' and mlx-lm's) cannot hold."""
+    return {k: v for k, v in model_config.items() if k not in MODEL_CONFIG_KEYS + ("rope_base",) and not (k in PARTS_OFF and PARTS_OFF[k] == v)}
 
 
 def model_config_from_hf(config, where):
@@ -140,7 +146,6 @@ def model_config_from_hf(config, where):
         ("tie_word_embeddings", config.get("tie_word_embeddings", False), False),
         ("final_logit_softcapping", config.get("final_logit_softcapping", SOFTCAP), SOFTCAP),
         ("rope_parameters.rope_type", rope.get("rope_type", "default"), "default"),
-        ("rope_theta", theta, ROPE_THETA),
         ("head_dim", config.get("head_dim", hidden // heads), hidden // heads),
     ]
     for key, value, ours in checks:
@@ -150,7 +155,9 @@ def model_config_from_hf(config, where):
     if not (isinstance(eps, (int, float)) and 0 <= eps <= 1e-5):
         # F.rms_norm adds 1.2e-7; an epsilon up to 1e-5 changes unit-scale activations by < 1e-5 relative
         raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_NORM_EPS:.3g}: cannot import it")
-    return model_config
+    if not (isinstance(theta, (int, float)) and theta > 0):
+        raise UserError(f"{where} has rope_theta={theta!r}: not a rotary base, cannot import it")
+    return dict(model_config, rope_base=float(theta))
 
 
 # -----------------------------------------------------------------------------
@@ -320,7 +327,7 @@ CHAT_TEMPLATE = """\
 # -----------------------------------------------------------------------------
 # Files for exchanging models with other tools: safetensors read and written without the `safetensors` package,
 # and directories written all or nothing (staged_directory).
-# 
+#
 # safetensors layout: an 8-byte little-endian header length, a JSON header {name: {"dtype", "shape",
 # "data_offsets": [begin, end]}, "__metadata__": {...}} (offsets count from the first byte after the header), then
 # the tensors' raw little-endian bytes, row-major. A large model may be split into several such files, listed by

@@ -383,21 +383,23 @@ def model_card(meta, lineage, model, tokenizer, dtype, layout):
         *(evaluation_lines() or [f"{NOT_RECORDED} (no report card in this machine's run report)"]),
         "",
     ]
+    code = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "path = \"path/to/this/directory\"",
+            "tokenizer = AutoTokenizer.from_pretrained(path)",
+            f"model = AutoModelForCausalLM.from_pretrained(path{', trust_remote_code=True' if layout == 'remote' else ''})",
+            "messages = [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}]",
+            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)",
+            "output = model.generate(**inputs, max_new_tokens=128)",
+            "print(tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))", "```", ""]
     if layout == "mlx":
         lines += ["## Use", "", "This directory keeps nanochat's weight names, which mlx-lm's `nanochat` model reads:",
                   "", "    mlx_lm.generate --model path/to/this/directory --prompt \"Hello\"", "",
                   "transformers cannot load it (it expects `model.layers.*` names): export with `--layout=hf` for that.", ""]
+    elif layout == "remote":
+        lines += ["## Use", "", "This model has parts transformers' NanoChat model lacks (q/k scale, layer scalars or value",
+                  "embeddings), so its code comes with it: `modeling_nanochat_gpt.py` here, which transformers runs with",
+                  "`trust_remote_code=True` (it is code: read it first). vLLM and mlx-lm cannot run this model.", "", *code]
     else:
-        lines += ["## Use", "", "transformers >= 5.0 loads it with no custom code:", "", "```python",
-                  "from transformers import AutoModelForCausalLM, AutoTokenizer",
-                  "path = \"path/to/this/directory\"",
-                  "tokenizer = AutoTokenizer.from_pretrained(path)",
-                  "model = AutoModelForCausalLM.from_pretrained(path)",
-                  "messages = [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}]",
-                  "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)",
-                  "output = model.generate(**inputs, max_new_tokens=128)",
-                  "print(tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
-                  "```", ""]
+        lines += ["## Use", "", "transformers >= 5.0 loads it with no custom code:", "", *code]
     lines += [
         "## Differences from nanochat's own chat",
         "",

@@ -1,6 +1,5 @@
 """
-Export a checkpoint as a Hugging Face model directory, which transformers (>= 5.0), vLLM and other tools load with
-no custom code (nanochat/hf_format.py says how each part maps):
+Export a checkpoint as a Hugging Face model directory:
 
     python -m scripts.export_model --source=sft --out=nanochat-d20              # bf16 weights
     python -m scripts.export_model --source=sft --out=nanochat-d20 --dtype=float32
@@ -9,12 +8,18 @@ no custom code (nanochat/hf_format.py says how each part maps):
 Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja,
 generation_config.json and README.md (the model card: size, training, report card scores as recorded here).
 The directory is written under a temporary name and renamed when complete: an interrupted export leaves no
-half-written --out. `--layout=mlx` keeps nanochat's weight names, which mlx-lm's nanochat model expects (and
-transformers cannot load).
+half-written --out. The layouts (--layout; the default "auto" picks hf or remote by the model):
+  - hf: transformers' (>= 5.0) own NanoChat model, no custom code; vLLM runs it through its Transformers backend
+    (nanochat/hf_format.py says how each part maps). For the 2025 architecture, with any rope_base.
+  - mlx: the same with nanochat's weight names, which mlx-lm's nanochat model expects (and transformers cannot load).
+  - remote: for models with qk_scale, layer scalars or value embeddings, which neither of those models has: our own
+    modeling file (nanochat/modeling_nanochat_gpt.py) beside the weights, for transformers with trust_remote_code=True.
+    vLLM and mlx-lm cannot run it (nanochat/hf_remote.py).
 """
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -22,7 +27,9 @@ from nanochat.checkpoint_manager import SOURCES, lineage, load_model
 from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
 from nanochat.hf_format import (CHAT_TEMPLATE, check_free, generation_config, hf_config, rename_weights,
-                                save_safetensors, staged_directory, tokenizer_config, tokenizer_json)
+                                save_safetensors, settings_without_equivalent, staged_directory, tokenizer_config,
+                                tokenizer_json)
+from nanochat.hf_remote import MODELING_FILE, MODELING_SOURCE, remote_config
 from nanochat.report import model_card
 
 source = "sft"  # which checkpoints: base | mid | sft | rl
@@ -30,18 +37,20 @@ model_tag = ""  # which model under the source's checkpoint directory (needed on
 step = -1  # which step (-1 = the last complete checkpoint)
 out = ""  # the directory to write (required)
 dtype = "bfloat16"  # weights: bfloat16 (half the size) | float32 (exactly the checkpoint's values)
-layout = "hf"  # hf: transformers / vLLM weight names | mlx: nanochat's own names, which mlx-lm reads
+layout = "auto"  # hf: transformers' NanoChat (vLLM) | mlx: mlx-lm's | remote: our modeling file | auto: hf, or remote if needed
 overwrite = False  # replace a non-empty --out (default: refuse)
 config = configure(globals())
-check_config(config, choices={"source": tuple(SOURCES), "dtype": ("bfloat16", "float32"), "layout": ("hf", "mlx")})
+check_config(config, choices={"source": tuple(SOURCES), "dtype": ("bfloat16", "float32"), "layout": ("auto", "hf", "mlx", "remote")})
 if not out:
     raise UserError("--out=DIR is required: the directory to write the model to")
 check_free(os.path.abspath(out), overwrite, "--out")  # before loading anything
 
 model, tokenizer, meta = load_model(source, "cpu", phase="eval", model_tag=model_tag or None, step=step)
 model_config = model.config.to_dict()
+if layout == "auto":
+    layout = "remote" if settings_without_equivalent(model_config) else "hf"
 files = {
-    "config.json": hf_config(model_config, tokenizer, dtype, layout),
+    "config.json": remote_config(model_config, tokenizer, dtype) if layout == "remote" else hf_config(model_config, tokenizer, dtype, layout),
     "generation_config.json": generation_config(tokenizer),
     "tokenizer.json": tokenizer_json(tokenizer),
     "tokenizer_config.json": tokenizer_config(model_config["sequence_len"]),
@@ -59,6 +68,8 @@ with staged_directory(out, overwrite, "--out") as tmp:
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             f.write(content)
     save_safetensors(state, os.path.join(tmp, "model.safetensors"))
+    if layout == "remote":
+        shutil.copyfile(MODELING_SOURCE, os.path.join(tmp, MODELING_FILE))
 
 out = os.path.abspath(out)
 print0(f"Exported {source} model {meta['model_tag']} step {meta['step']} ({model.num_params():,} parameters, {dtype}, "
@@ -66,5 +77,8 @@ print0(f"Exported {source} model {meta['model_tag']} step {meta['step']} ({model
 if layout == "hf":
     print0(f"Next: transformers: AutoModelForCausalLM.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}); "
            f"vLLM: vllm serve {out}")
+elif layout == "remote":
+    print0(f"Next: transformers: AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True) and "
+           f"AutoTokenizer.from_pretrained({out!r}) (vLLM and mlx-lm cannot run this layout)")
 else:
     print0(f"Next: mlx_lm.generate --model {out} --prompt \"Hello\"")

@@ -7,7 +7,7 @@ Import a model trained elsewhere as a checkpoint of ours. It keeps its own token
 --path holds either
   - a Hugging Face NanoChat directory: config.json, model.safetensors (or an index and its shards), tokenizer.json;
     what transformers' save_pretrained (with the tokenizer saved beside it) or scripts/export_model.py writes,
-    either --layout; or
+    any --layout (remote: our own modeling file's config and weight names); or
   - a checkpoint of karpathy/nanochat's code of late 2025: model_<step>.pt + meta_<step>.json, with tokenizer.pkl
     and token_bytes.pt beside them, as its released models are laid out (nanochat/reference_format.py).
 It lands in $NANOCHAT_BASE_DIR/<source's checkpoints>/<model_tag>/ as a normal checkpoint (weights and meta, no
@@ -26,6 +26,7 @@ from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
 from nanochat.hf_format import (check_weight_names, load_safetensors_dir, model_config_from_hf, rename_weights,
                                 staged_directory, tokenizer_from_json)
+from nanochat.hf_remote import MODEL_TYPE as REMOTE_MODEL_TYPE, gpt_weight_names, model_config_from_remote
 from nanochat.reference_format import find_steps, read_checkpoint
 
 path = ""  # the directory to import (required)
@@ -63,7 +64,8 @@ def read_hf_directory(directory):
             hf_config = json.load(f)
     except ValueError as e:
         raise UserError(f"{config_path} is not JSON ({e})") from None
-    model_config = model_config_from_hf(hf_config, config_path)
+    remote = hf_config.get("model_type") == REMOTE_MODEL_TYPE  # export_model --layout=remote: our fields, our names
+    model_config = (model_config_from_remote if remote else model_config_from_hf)(hf_config, config_path)
     if not any(os.path.exists(os.path.join(directory, name)) for name in ("model.safetensors", "model.safetensors.index.json")):
         other = [name for name in ("pytorch_model.bin", "model.pt") if os.path.exists(os.path.join(directory, name))]
         hint = f" ({other[0]} is there: only safetensors weights are read; save with safe_serialization=True)" if other else ""
@@ -78,15 +80,15 @@ def read_hf_directory(directory):
     except ValueError as e:
         raise UserError(f"{tokenizer_path} is not JSON ({e})") from None
     tensors = load_safetensors_dir(directory)
-    if "transformer.wte.weight" in tensors:  # export_model --layout=mlx: our own names
-        check_weight_names(tensors, model_config["n_layer"], hf=False, where=directory)
+    if "transformer.wte.weight" in tensors:  # export_model --layout=mlx or remote: our own names
+        check_weight_names(tensors, model_config["n_layer"], hf=False, where=directory, expected=gpt_weight_names(model_config))
     else:
         tensors = rename_weights(tensors, model_config["n_layer"], to_hf=False, where=directory)
     if tokenizer.get_vocab_size() != model_config["vocab_size"]:
         raise UserError(f"{tokenizer_path} has {tokenizer.get_vocab_size():,} tokens but config.json's vocab_size is "
                         f"{model_config['vocab_size']:,}: they do not belong together")
     state = {name: t.float().contiguous() for name, t in tensors.items()}
-    return model_config, state, tokenizer, dict(format="Hugging Face NanoChat", path=directory)
+    return model_config, state, tokenizer, dict(format="Hugging Face NanoChat" + (" (remote code)" if remote else ""), path=directory)
 
 
 if os.path.exists(os.path.join(path, "config.json")):

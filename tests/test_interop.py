@@ -238,6 +238,7 @@ def reference_checkpoint(directory, tokenizer, step=650):
     Encoding. Returns our GPT holding the same (unpadded) weights."""
     import tiktoken
     from nanochat.gpt import GPT, GPTConfig
+    from nanochat.hf_format import MODEL_CONFIG_KEYS
     vocab_size = tokenizer.get_vocab_size()
     config = GPTConfig(sequence_len=32, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
     torch.manual_seed(1)
@@ -256,7 +257,8 @@ def reference_checkpoint(directory, tokenizer, step=650):
     os.makedirs(directory)
     torch.save(state, os.path.join(directory, f"model_{step:06d}.pt"))
     with open(os.path.join(directory, f"meta_{step:06d}.json"), "w") as f:
-        json.dump({"step": step, "model_config": config.to_dict(), "user_config": {"device_batch_size": 4}}, f)
+        model_config = {k: v for k, v in config.to_dict().items() if k in MODEL_CONFIG_KEYS}  # that code's fields (2025)
+        json.dump({"step": step, "model_config": model_config, "user_config": {"device_batch_size": 4}}, f)
     enc = tiktoken.Encoding(name="rustbpe", pat_str=tokenizer.pattern, mergeable_ranks=tokenizer.mergeable_ranks,
                             special_tokens=tokenizer.get_special_tokens())
     with open(os.path.join(directory, "tokenizer.pkl"), "wb") as f:

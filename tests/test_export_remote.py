@@ -1,0 +1,175 @@
+"""
+Exporting models with the 2026 recipe's parts (issue 24). rope_base alone fits transformers' own NanoChat (the plain
+layout); qk_scale, layer scalars and value embeddings do not, so export_model's default picks the remote-code layout:
+our modeling file beside the weights, loaded with trust_remote_code=True, which must compute our logits and our greedy
+tokens (with its KV cache), and import back as the same weights. `--layout=hf` (or mlx) on such a model is refused.
+
+The checkpoints are untrained (init_weights, then random values where init puts zeros: the output projections and
+the head), saved as a training stage saves them, with the session's small tokenizer.
+"""
+
+import filecmp
+import json
+import shutil
+
+import pytest
+import torch
+
+from test_interop import one_line_error, run, run_inprocess
+from nanochat.checkpoint_manager import checkpoint_dir_for, load_model, save_checkpoint
+from nanochat.common import UserError
+from nanochat.engine import Engine
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.hf_remote import MODELING_FILE, MODELING_SOURCE
+from nanochat.tokenizer import get_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+MODELS = {  # model_tag: (GPTConfig parts, init recipe)
+    "r26": (dict(rope_base=100000.0, qk_scale=1.2, layer_scalars=True, value_embeds=True), "2026"),
+    "rope": (dict(rope_base=100000.0), "2025"),
+}
+
+
+@pytest.fixture(scope="session")
+def recipe_base(small_tokenizer_dir, tmp_path_factory):
+    """A read-only base dir: the small tokenizer and base checkpoints of MODELS (3 layers, GQA 4:2, width 64)."""
+    base = tmp_path_factory.mktemp("recipe_base")
+    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base))
+        tokenizer = get_tokenizer()
+        for tag, (parts, recipe) in MODELS.items():
+            config = GPTConfig(sequence_len=64, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=4, n_kv_head=2,
+                               n_embd=64, **parts)
+            torch.manual_seed(0)
+            model = GPT(config)
+            model.init_weights(recipe=recipe)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("c_proj.weight") or name == "lm_head.weight":
+                        p.normal_(0, 0.1)
+            meta = dict(model_config=config.to_dict(),
+                        tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()))
+            save_checkpoint(checkpoint_dir_for("base", tag), 7, model.state_dict(), None, meta)
+    return base
+
+
+@pytest.fixture(scope="session")
+def exports(recipe_base, tmp_path_factory):
+    """export(tag): the fp32 export of MODELS[tag] with the default layout (made once), and load(tag): ours of it."""
+    out, done = tmp_path_factory.mktemp("exports"), {}
+
+    def export(tag):
+        if tag not in done:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("NANOCHAT_BASE_DIR", str(recipe_base))
+                run_inprocess("scripts.export_model", "--source=base", f"--model_tag={tag}", f"--out={out / tag}",
+                              "--dtype=float32", monkeypatch=mp)
+            done[tag] = out / tag
+        return done[tag]
+    return export
+
+
+def ours(recipe_base, tag):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(recipe_base))
+        return load_model("base", "cpu", phase="eval", model_tag=tag)
+
+
+@pytest.fixture(scope="session")
+def remote_model(exports, tmp_path_factory):
+    """transformers' model of the r26 export, from our modeling file (trust_remote_code), in fp32."""
+    import transformers.dynamic_module_utils as modules
+    with pytest.MonkeyPatch.context() as mp:  # where transformers copies remote code: not the user's ~/.cache
+        mp.setattr(modules, "HF_MODULES_CACHE", str(tmp_path_factory.mktemp("hf_modules")))
+        return transformers.AutoModelForCausalLM.from_pretrained(exports("r26"), trust_remote_code=True,
+                                                                 dtype=torch.float32).eval()
+
+
+def test_2026_model_exports_with_its_modeling_file(exports, remote_model):
+    directory = exports("r26")
+    assert filecmp.cmp(directory / MODELING_FILE, MODELING_SOURCE, shallow=False)  # copied verbatim
+    config = json.loads((directory / "config.json").read_text())
+    stem = MODELING_FILE.removesuffix(".py")
+    assert config["auto_map"] == {"AutoConfig": f"{stem}.NanoChatGPTConfig", "AutoModelForCausalLM": f"{stem}.NanoChatGPTForCausalLM"}
+    assert (config["qk_scale"], config["layer_scalars"], config["value_embeds"], config["rope_base"]) == (1.2, True, True, 100000.0)
+    assert type(remote_model).__name__ == "NanoChatGPTForCausalLM"
+    assert "trust_remote_code=True" in (directory / "README.md").read_text()
+    assert not any(p.name.endswith(".py") for p in exports("rope").iterdir())  # the plain layout has no code
+
+
+def test_remote_model_matches_our_logits_and_greedy_tokens(recipe_base, remote_model):
+    model, tokenizer, _ = ours(recipe_base, "r26")
+    torch.manual_seed(0)
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (2, model.config.sequence_len))  # the full context
+    ids[:, 0] = tokenizer.get_bos_token_id()
+    with torch.no_grad():
+        logits = model(ids)
+        assert (logits - remote_model(ids).logits).abs().max().item() <= 1e-5
+        # its cache: the prefix, then a chunk of 7 after it, then one token
+        first = remote_model(ids[:, :40], use_cache=True)
+        chunk = remote_model(ids[:, 40:47], cache=first.cache, use_cache=True)
+        one = remote_model(ids[:, 47:48], cache=chunk.cache, use_cache=True)
+    assert (torch.cat([first.logits, chunk.logits, one.logits], 1) - logits[:, :48]).abs().max().item() <= 1e-5
+    lengths = []  # the tokens each forward reads: with the cache, the prompt once and then one at a time
+    hook = remote_model.transformer.wte.register_forward_pre_hook(lambda _, args: lengths.append(args[0].size(1)))
+    try:
+        for prompt in (tokenizer.encode("The function", prepend="<|bos|>"),
+                       tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+2?"}]})):
+            engine_tokens = [column[0] for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=20, temperature=0)]
+            assert list(model.generate(prompt, 20, temperature=0)) == engine_tokens
+            lengths.clear()
+            batch = torch.tensor([prompt, prompt])
+            out = remote_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=20, do_sample=False)
+            assert out[:, len(prompt):].tolist() == [engine_tokens] * 2
+            assert lengths == [len(prompt)] + [1] * 19
+    finally:
+        hook.remove()
+
+
+def test_remote_model_refuses_padding(remote_model):
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match="padded batches"):
+        remote_model.generate(ids, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), max_new_tokens=2)
+
+
+def test_rope_base_alone_exports_plain(recipe_base, exports):
+    model, tokenizer, _ = ours(recipe_base, "rope")
+    directory = exports("rope")
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model_type"] == "nanochat" and config["rope_parameters"]["rope_theta"] == 100000.0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "NanoChatForCausalLM"
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (2, model.config.sequence_len))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("tag", MODELS)
+def test_export_import_round_trip(recipe_base, exports, tag, monkeypatch):
+    model, _, _ = ours(recipe_base, tag)
+    run_inprocess("scripts.import_model", f"--path={exports(tag)}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+    back, _, _ = load_model("sft", "cpu", phase="eval", model_tag="back")
+    assert back.config == model.config
+    assert back.state_dict().keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_plain_layouts_refuse_the_2026_parts(recipe_base, tmp_path, monkeypatch):
+    base = tmp_path / "base"
+    shutil.copytree(recipe_base, base)
+    error = one_line_error(run("scripts.export_model", "--source=base", "--model_tag=r26", f"--out={tmp_path / 'out'}",
+                               "--layout=hf", base=base))
+    assert "qk_scale=1.2, layer_scalars=True, value_embeds=True has no equivalent" in error and "--layout=remote" in error
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    with pytest.raises(UserError, match=r"has no equivalent .*nor mlx-lm.s.*--layout=remote"):
+        run_inprocess("scripts.export_model", "--source=base", "--model_tag=r26", f"--out={tmp_path / 'out'}",
+                      "--layout=mlx", monkeypatch=monkeypatch)
+    assert not (tmp_path / "out").exists()
+    bad = tmp_path / "bad"  # a remote-layout config.json our GPT cannot take
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "nanochat_gpt", "n_layer": 2}))
+    with pytest.raises(UserError, match="lacks sequence_len, vocab_size, n_head"):
+        run_inprocess("scripts.import_model", f"--path={bad}", "--source=sft", monkeypatch=monkeypatch)
