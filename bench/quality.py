@@ -7,6 +7,7 @@ each, and all scored by one bits-per-byte computation (bench/quality_eval.py).
     python bench/quality.py --dry                                    # plumbing check: tiny sizes, ~10 min on 2 cores
     python bench/quality.py                                          # depth 6, T 512, 16,384 tokens/step, 2M tokens, 2 seeds: hours
     python bench/quality.py --variants=baseline,warmdown65 --anchors=       # our variants only
+    python bench/quality.py --variants=2025,ve,bos,pick_bos --anchors=     # the ablations: parts of 2026 on the 2025 recipe
     python bench/quality.py --variant=lr2:--matrix_lr=0.04,--embedding_lr=0.3 --seeds=3 --out=/tmp/q.json
 
 Prints a table (variant, val bpb mean +- half the range over seeds and each seed's, training tokens/s, parameters,
@@ -66,25 +67,47 @@ FULL = dict(depth=6, seq_len=512, tokens_per_step=16384, tokens=2_000_000, eval_
 DRY = dict(depth=2, seq_len=128, tokens_per_step=4096, tokens=16384, eval_tokens=8192, seeds=2)
 EVAL_FLOOR = 65536  # tokens of validation text at least (real mode): fewer and seed noise swamps recipe effects
 
-# Named variants of our recipe: overrides of scripts.base_train (more with --variant=name:--key=v,--key2=w)
+# Named variants of our recipe: overrides of scripts.base_train (more with --variant=name:--key=v,--key2=w). The
+# ablations are each part of the 2026 recipe alone on the 2025 recipe (our defaults until issue 24), so they stay
+# the same experiment whatever the defaults are.
+RECIPE_2025 = {"embedding_lr": "0.2", "unembedding_lr": "0.004", "warmdown_ratio": "0.2", "final_lr_frac": "0",
+               "muon_momentum_peak": "0.95", "muon_momentum_final": "0.95", "matrix_weight_decay": "0",
+               "qk_scale": "1.0", "value_embeds": "False", "layer_scalars": "False", "rope_base": "10000",
+               "init_recipe": "2025", "bos_aligned": "False"}
+PARTS_2026 = {  # name: the settings of one part, as karpathy/nanochat HEAD has it
+    "warmdown65": {"warmdown_ratio": "0.65", "final_lr_frac": "0.05"},  # the shape of HEAD's LR schedule
+    "lr2026": {"embedding_lr": "0.3", "unembedding_lr": "0.008"},  # HEAD's AdamW learning rates
+    "momentum2026": {"muon_momentum_peak": "0.97", "muon_momentum_final": "0.90"},  # HEAD's Muon momentum shape
+    "cautious_wd": {"matrix_weight_decay": "0.4"},  # Muon's cautious weight decay at HEAD's d8 optimum
+    "bos": {"bos_aligned": "True"},  # every row starts at a document (best-fit packing)
+    "rope100k": {"rope_base": "100000"},
+    "qk12": {"qk_scale": "1.2"},
+    "init2026": {"init_recipe": "2026"},
+    "scalars": {"layer_scalars": "True"},
+    "ve": {"value_embeds": "True"},
+}
+
+
+def on_2025(*parts):
+    """The 2025 recipe with these parts of the 2026 one, as --key=value overrides."""
+    settings = dict(RECIPE_2025)
+    for part in parts:
+        settings.update(PARTS_2026[part])
+    return [f"--{k}={v}" for k, v in settings.items()]
+
+
+SCHEDULE_2026 = ("warmdown65", "lr2026", "momentum2026", "cautious_wd")
 VARIANTS = {
     "baseline": [],  # our defaults as they are
-    "warmdown65": ["--warmdown_ratio=0.65", "--final_lr_frac=0.05"],  # the shape of HEAD's LR schedule
-    "bos": ["--bos_aligned=True"],  # every row starts at a document, as HEAD's best-fit loader does
-    "lr2026": ["--embedding_lr=0.3", "--unembedding_lr=0.008"],  # HEAD's AdamW learning rates
-    "momentum2026": ["--muon_momentum_peak=0.97", "--muon_momentum_final=0.90"],  # HEAD's Muon momentum shape
-    "cautious_wd": ["--matrix_weight_decay=0.4"],  # Muon's cautious weight decay at HEAD's d8 optimum
-    "recipe2026": ["--warmdown_ratio=0.65", "--final_lr_frac=0.05", "--embedding_lr=0.3", "--unembedding_lr=0.008",
-                   "--muon_momentum_peak=0.97", "--muon_momentum_final=0.90", "--matrix_weight_decay=0.4"],
-    # HEAD's model parts (gpt.GPTConfig), each alone on our defaults
-    "rope100k": ["--rope_base=100000"],
-    "qk12": ["--qk_scale=1.2"],
-    "init2026": ["--init_recipe=2026"],
-    "scalars": ["--layer_scalars=True"],
-    "ve": ["--value_embeds=True"],
+    "2025": on_2025(),  # the recipe before issue 24
+    **{name: on_2025(name) for name in PARTS_2026},
+    "recipe2026": on_2025(*SCHEDULE_2026),  # the optimizer and schedule parts together
+    "recipe_ve": on_2025(*SCHEDULE_2026, "ve"),
+    "pick": on_2025(*SCHEDULE_2026, "ve", "qk12", "init2026"),
+    "pick_bos": on_2025(*SCHEDULE_2026, "ve", "qk12", "init2026", "bos"),  # = our defaults since issue 24
+    "plain2026": on_2025(*SCHEDULE_2026, "init2026", "bos"),  # the defaults without the parts the plain export lacks
+    "all2026": on_2025(*PARTS_2026),  # every part we have
 }
-VARIANTS["model2026"] = VARIANTS["rope100k"] + VARIANTS["qk12"] + VARIANTS["init2026"] + VARIANTS["scalars"] + VARIANTS["ve"]
-VARIANTS["all2026"] = VARIANTS["recipe2026"] + VARIANTS["model2026"]  # every part of HEAD's recipe we have
 # What the benchmark sets itself: a variant overriding these would not be the same experiment
 CONTROLLED = {"device_type", "depth", "max_seq_len", "device_batch_size", "total_batch_size", "num_iterations",
               "target_flops", "target_param_data_ratio", "eval_every", "eval_tokens", "core_metric_every",

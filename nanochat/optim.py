@@ -243,6 +243,21 @@ def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95, final=None, num_
     return momentum
 
 
+# Muon's cautious weight decay that karpathy/nanochat measured best by depth (its dev/LOG.md): (depth, decay)
+MATRIX_WEIGHT_DECAY_BY_DEPTH = ((8, 0.40), (12, 0.22), (20, 0.08))
+
+
+def matrix_weight_decay_for(depth):
+    """The decay those measurements give at `depth`: linear between them, the nearest one outside (d4: 0.40)."""
+    points = MATRIX_WEIGHT_DECAY_BY_DEPTH
+    if depth <= points[0][0]:
+        return points[0][1]
+    for (d0, w0), (d1, w1) in zip(points, points[1:]):
+        if depth <= d1:
+            return w0 + (w1 - w0) * (depth - d0) / (d1 - d0)
+    return points[-1][1]
+
+
 def scale_initial_lrs(optimizers, init_lr_frac):
     """Every group's lr and initial_lr times `init_lr_frac` (finetuning stages start below pretraining's rates)."""
     for opt in optimizers:

@@ -27,7 +27,7 @@ from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import evaluate_bpb, smoothed_loss
-from nanochat.optim import lr_multiplier, muon_momentum, step_optimizers
+from nanochat.optim import lr_multiplier, matrix_weight_decay_for, muon_momentum, step_optimizers
 from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
@@ -39,13 +39,15 @@ device_type = ""  # cuda | cpu | mps; empty = autodetect
 # model
 depth = 20  # the one size dial: width 64*depth, heads 128 wide; an odd depth gets others (7 -> 4 of 112: gpt.config_from_depth)
 max_seq_len = 2048  # tokens per row (context length)
-# the 2026 recipe's model parts (gpt.GPTConfig; bench/RESULTS.md measures each). The last three change the checkpoint
-# format: such a model exports to transformers only with its own modeling file (export_model, trust_remote_code)
-rope_base = 10000.0  # rotary base (2026: 100000)
-qk_scale = 1.0  # scale of q and k after their RMSNorm (2026: 1.2)
-layer_scalars = False  # learned per-layer multipliers of the residual stream and of the embedding added back in
-value_embeds = False  # every other layer's values get a gated token embedding (adds vocab x width per such layer)
-init_recipe = "2025"  # initial weights: 2025 (lm_head zero) | 2026 (karpathy/nanochat HEAD's scales): GPT.init_weights
+# the 2026 recipe's model parts (gpt.GPTConfig), each measured alone and together (bench/RESULTS.md, "The 2026 recipe").
+# qk_scale != 1, layer_scalars and value_embeds change the checkpoint format: such a model exports with its own
+# modeling file (transformers trust_remote_code=True; not vLLM or mlx-lm). For the plain NanoChat format, train with
+# --qk_scale=1 --value_embeds=False (README: "Use your model elsewhere").
+rope_base = 10000.0  # rotary base (HEAD: 100000; no gain measured at 512 tokens of context)
+qk_scale = 1.2  # scale of q and k after their RMSNorm (1 = the 2025 model)
+layer_scalars = False  # learned per-layer multipliers of the residual stream and of the embedding added back in (measured worse here)
+value_embeds = True  # every other layer's values get a gated token embedding (adds vocab x width per such layer)
+init_recipe = "2026"  # initial weights: 2025 (lm_head zero) | 2026 (karpathy/nanochat HEAD's scales): GPT.init_weights
 # training horizon: the first of these that is > 0 decides the number of optimizer steps
 num_iterations = -1  # explicit number of steps
 target_flops = -1.0  # total training FLOPs to spend (steps = target_flops / (6N+attn) / total_batch_size)
@@ -54,18 +56,19 @@ target_param_data_ratio = 20.0  # Chinchilla-style tokens:params ratio (20 = com
 device_batch_size = 32  # rows per forward/backward per rank (lower it if you run out of memory)
 total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-steps together
 # optimization
-embedding_lr = 0.2  # AdamW lr of the token embedding
-unembedding_lr = 0.004  # AdamW lr of lm_head
+embedding_lr = 0.3  # AdamW lr of the token embedding (the value embeddings get half)
+unembedding_lr = 0.008  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 scalar_lr = 0.5  # AdamW lr of the layer scalars (x0; resid gets 1/100 of it), with --layer_scalars
 weight_decay = 0.0  # AdamW weight decay (embedding, lm_head)
-matrix_weight_decay = 0.0  # Muon's cautious weight decay of the block matrices (only where the step pulls toward 0)
+matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices (only where the step pulls toward 0);
+# -1 = by depth, what karpathy/nanochat measured best: 0.40 up to d8, 0.22 at d12, 0.08 from d20 (optim.matrix_weight_decay_for)
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 warmup_ratio = 0.0  # fraction of steps of linear lr warmup
-warmdown_ratio = 0.2  # fraction of steps of linear lr decay at the end
-final_lr_frac = 0.0  # lr multiplier at the very end of the warmdown
-muon_momentum_peak = 0.95  # Muon's momentum after its warm-up from 0.85 over the first 300 steps
-muon_momentum_final = 0.95  # Muon's momentum at the end, reached linearly over the warmdown (= peak: constant)
+warmdown_ratio = 0.65  # fraction of steps of linear lr decay at the end
+final_lr_frac = 0.05  # lr multiplier at the very end of the warmdown
+muon_momentum_peak = 0.97  # Muon's momentum after its warm-up from 0.85 over the first 300 steps
+muon_momentum_final = 0.90  # Muon's momentum at the end, reached linearly over the warmdown (= peak: constant)
 # evaluation and output (every <= 0 turns a periodic action off; the final eval and checkpoint always happen)
 eval_every = 250  # steps between val bits-per-byte evaluations
 eval_tokens = -1  # val tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
@@ -80,16 +83,20 @@ overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 init_seed = 42  # seeds the initial weights (the same on every rank)
-bos_aligned = False  # start every row at a document start: best-fit packing, no token dropped
+bos_aligned = True  # start every row at a document start: best-fit packing, no token dropped
 dry_run = False  # run everything but write no checkpoint and no report
 config = configure(globals())
 # What each value means, checked before any work (a bad value must not train for hours)
 check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
              positive_or_unset=["num_iterations", "target_flops", "eval_tokens", "core_metric_max_per_task"],
-             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "matrix_weight_decay", "grad_clip"],
+             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac", "muon_momentum_peak", "muon_momentum_final"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "core_bundle": ("", "dclm", "offline"), "init_recipe": GPT.INIT_RECIPES})
+if not (matrix_weight_decay >= 0 or matrix_weight_decay == -1):
+    raise UserError(f"--matrix_weight_decay must be >= 0, or -1 for 'by depth', got {matrix_weight_decay!r}")
+if matrix_weight_decay == -1:
+    matrix_weight_decay = matrix_weight_decay_for(depth)
 if not (rope_base > 1 and qk_scale > 0):
     raise UserError(f"--rope_base must be > 1 and --qk_scale > 0, got {rope_base!r} and {qk_scale!r}")
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)

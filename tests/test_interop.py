@@ -57,7 +57,7 @@ def one_line_error(result):
 @pytest.fixture
 def chat_base(tiny_model):
     """This test's copy of the session's tiny midtrained model, as its NANOCHAT_BASE_DIR."""
-    return tiny_model("mid")
+    return tiny_model("mid2025")
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +65,7 @@ def exported(tiny_models, tmp_path_factory):
     """The tiny midtrained model exported in fp32 (read-only)."""
     out = tmp_path_factory.mktemp("export") / "hf"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_models("mid")))
+        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_models("mid2025")))
         run_inprocess("scripts.export_model", "--source=mid", f"--out={out}", "--dtype=float32", monkeypatch=mp)
     return out
 
@@ -75,7 +75,7 @@ def ours(tiny_models):
     """(model, tokenizer, meta) of the exported checkpoint, loaded by our code."""
     from nanochat.checkpoint_manager import load_model
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_models("mid")))
+        mp.setenv("NANOCHAT_BASE_DIR", str(tiny_models("mid2025")))
         return load_model("mid", "cpu", phase="eval")
 
 

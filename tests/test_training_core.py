@@ -173,6 +173,9 @@ def test_report_figures_have_sensible_precision_and_never_show_inf():
 # Resume on any world size (the optimizer state is re-sharded; the data of a step does not depend on it)
 
 
+LOOKUP_BOUNDS = {"transformer.wte.weight": (1e-5, 1e-3), "value_embeds": (1e-3, 0.05)}  # (RMS relative, max abs)
+
+
 def assert_same_training(a, b):
     """
     The weights of two fp32 runs whose steps added the same gradients up in another order. The matrices and lm_head
@@ -180,13 +183,15 @@ def assert_same_training(a, b):
     below 1e-5 of its RMS; measured: 9.1e-7 at most), but AdamW divides each entry's step by that entry's own
     gradient scale, which turns a last-bit difference of a small gradient into a larger one of a few entries
     (measured: 1.8e-4 at most, on an AMD EPYC with AVX-512, where the bound used before, 1e-4 relative + 1e-5,
-    allowed 1.6e-4 for that entry).
+    allowed 1.6e-4 for that entry). The value embeddings, lookup tables too, more so: their gradients come through
+    a gate, are smaller, and their lr is high at this width (0.5): measured RMS 1.2e-4 of theirs, 0.011 at most.
     """
     for k in a:
         difference = a[k] - b[k]
-        if k == "transformer.wte.weight":
-            assert difference.pow(2).mean().sqrt() < 1e-5 * a[k].pow(2).mean().sqrt(), k
-            assert difference.abs().max() < 1e-3, k
+        if k in LOOKUP_BOUNDS or k.startswith("value_embeds."):
+            rms_bound, max_bound = LOOKUP_BOUNDS.get(k, LOOKUP_BOUNDS["value_embeds"])
+            assert difference.pow(2).mean().sqrt() < rms_bound * a[k].pow(2).mean().sqrt(), k
+            assert difference.abs().max() < max_bound, k
         else:
             assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), (k, difference.abs().max().item())
 
@@ -196,7 +201,10 @@ def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(
     # fp32: 6 micro-steps on one rank, 3 on each of 2 or 2 on each of 3 add the same gradients up in other orders,
     # equal to fp32 rounding; bf16 would grow those last bits (the bit-exact split in bf16: test_base_train)
     monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
-    args = ["--total_batch_size=384", "--num_iterations=6", "--save_every=3"]  # 6 data slots: 1, 2 or 3 ranks
+    # Without Muon's cautious weight decay: it decays an entry only where update and weight agree in sign, a step
+    # function, so a rounding-level difference of an update near 0 flips it for that entry (lr x decay x weight,
+    # ~1e-3, not 1e-7). With it, equal placements are still exact (test_base_train, recipe2026 and defaults).
+    args = ["--total_batch_size=384", "--num_iterations=6", "--save_every=3", "--matrix_weight_decay=0"]  # 6 data slots: 1, 2 or 3 ranks
     full = base_train(*args, "--model_tag=full")
     assert full.returncode == 0, full.stderr
     assert "gradient accumulation steps: 6" in full.stdout
