@@ -56,12 +56,21 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
 
 
 def score_generative(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature, top_k, seed,
-                     progress=None, stop=None):
+                     progress=None, stop=None, batch_size=1):
     """
     Problems `indices` of a generative task: `num_samples` answers each (sample seed: seed + problem index), a
     problem passes if any does. Returns one (passed, answers) per problem; answers is None when the prompt fills the
-    context (the problem fails). stop: as for score_categorical, asked before every problem.
+    context (the problem fails). stop: as for score_categorical, asked before every problem (every decoded token of
+    a batch).
+    Greedy (temperature 0) answers need no seed, so `batch_size` problems of `indices` at a time are decoded together
+    (Engine.generate_many, one decoding step for all of them: several times faster than one after another). Their
+    answers are those of one problem at a time up to rounding, exactly when the same problems go together (how
+    chat_eval splits them among ranks). Sampled answers stay one problem at a time: problem i's samples depend on
+    seed + i only, never on what else is evaluated.
     """
+    if temperature == 0 and batch_size > 1:
+        return _score_greedy_batches(engine, tokenizer, task, indices, num_samples, max_new_tokens, batch_size,
+                                     progress, stop)
     outcomes = []
     for i in indices:
         if stop is not None and stop():
@@ -78,6 +87,37 @@ def score_generative(engine, tokenizer, task, indices, num_samples, max_new_toke
             outcomes.append((any(task.evaluate(conversation, answer) for answer in answers), answers))
         if progress:
             progress.update([outcomes[-1][0]])
+    return outcomes
+
+
+def _score_greedy_batches(engine, tokenizer, task, indices, num_samples, max_new_tokens, batch_size, progress, stop):
+    """score_generative at temperature 0, `batch_size` problems decoded together. A prompt with less room than
+    max_new_tokens left in the context is decoded alone, so every problem gets min(max_new_tokens, its room) tokens,
+    as one at a time; every greedy sample is the same answer, so one is decoded and counted num_samples times."""
+    outcomes = []
+    for start in range(0, len(indices), batch_size):
+        conversations = [task[i] for i in indices[start:start + batch_size]]
+        prompts = [tokenizer.render_for_completion(c) for c in conversations]
+        rooms = [engine.context_len - len(p) for p in prompts]
+        groups = [[k for k, room in enumerate(rooms) if room >= max_new_tokens]]  # decoded together
+        groups += [[k] for k, room in enumerate(rooms) if 0 < room < max_new_tokens]  # decoded alone
+        answers = [None] * len(prompts)  # a prompt that fills the context keeps None: the problem fails
+        for group in (g for g in groups if g):
+            tokens = [[] for _ in group]
+            steps = min(max_new_tokens, min(rooms[k] for k in group))
+            for column, _ in engine.generate_many([prompts[k] for k in group], max_tokens=steps, temperature=0.0):
+                if stop is not None and stop():
+                    raise Interrupted
+                for row, token in enumerate(column):
+                    if not tokens[row] or tokens[row][-1] not in engine.end_tokens:
+                        tokens[row].append(token)
+            for row, k in enumerate(group):
+                answers[k] = [tokenizer.decode([t for t in tokens[row] if t not in engine.end_tokens])] * num_samples
+        batch = [(False, None) if a is None else (any(task.evaluate(c, answer) for answer in a), a)
+                 for c, a in zip(conversations, answers)]
+        outcomes += batch
+        if progress:
+            progress.update([passed for passed, _ in batch])
     return outcomes
 
 

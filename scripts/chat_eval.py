@@ -29,8 +29,11 @@ mean over the offline tasks (baseline 1/number of choices for multiple choice, 0
 a small model trained on the offline mixture; it is a different score and never reported as ChatCORE.
 ChatCORE is computed when its six tasks ran (-a all), Offline ChatCORE with -a offline.
 
-Under torchrun, rank r evaluates problems r, r + W, r + 2W, ... (W processes) and the counts are summed over
-the ranks: the scores are those of one process. The report section "Chat evaluation <source>" holds the last
+Greedy answers (temperature 0, the default) of `batch_size` problems are decoded together (one decoding step for
+all of them); sampled ones one problem at a time, so that problem i's samples depend on seed + i only.
+
+Under torchrun, rank r evaluates the batches r, r + W, r + 2W, ... of `batch_size` consecutive problems (W
+processes) and the counts are summed over the ranks: the same batches as one process, so the same scores. The report section "Chat evaluation <source>" holds the last
 run's results: evaluate everything you want reported in one run.
 """
 
@@ -51,7 +54,7 @@ model_tag = ""  # which model of that stage (needed only if there are several)
 step = -1  # which checkpoint step (-1 = the last)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
 max_problems = -1  # evaluate only the first N problems of each task (-1 = all)
-batch_size = 8  # categorical tasks: prompts per forward per rank
+batch_size = 8  # problems per forward per rank (categorical), or decoded together (generative, greedy)
 num_samples = 1  # generative tasks: answers sampled per problem; a problem passes if any does (pass@k)
 temperature = 0.0  # generative tasks: sampling temperature (0 = greedy)
 top_k = 50  # generative tasks: sample from the k most likely tokens (0 = the whole vocabulary)
@@ -181,7 +184,9 @@ def main(argv=None):
     results = {}
     for name, task in tasks.items():
         count = len(task) if max_problems < 0 else min(max_problems, len(task))
-        indices = list(range(rank, count, world_size))  # this rank's share
+        # this rank's share: batches r, r + W, ... of batch_size consecutive problems, so a batch holds the same
+        # problems whatever the number of ranks (greedy answers decoded together depend on which go together)
+        indices = [i for i in range(count) if i // batch_size % world_size == rank]
         progress = Progress(name, len(indices), progress_every, enabled=rank == 0, share=" on rank 0" if ddp else "")
         t0 = time.time()
         with autocast:
@@ -190,7 +195,7 @@ def main(argv=None):
                 chance = sum(1.0 / len(task[i]["letters"]) for i in indices)  # guessing's expected number passed
             else:
                 outcomes = score_generative(engine, tokenizer, task, indices, num_samples, max_new_tokens, temperature,
-                                            top_k, seed, progress)
+                                            top_k, seed, progress, batch_size=batch_size)
                 chance = 0.0
         counts = torch.tensor([sum(passed for passed, _ in outcomes), len(outcomes), chance,
                                sum(detail is None for _, detail in outcomes)], dtype=torch.float64, device=device)

@@ -129,7 +129,7 @@ if mixture == "real":
 else:
     from tasks.offline import offline_mixture
     from tasks.pydocs_chat import PydocsMC
-    train_dataset, val_dataset = offline_mixture("train"), offline_mixture("test")
+    train_dataset, val_dataset = offline_mixture("train", draw=1), offline_mixture("test")  # examples mid did not read
     metric_tasks = {"PydocsMC": PydocsMC(split="test", step=8)}
 # One whole conversation per row, padded to the longest of the micro-batch (nanochat/dataloader.py)
 loader_args = dict(packed=False, rank=ddp_rank, world_size=ddp_world_size)

@@ -22,16 +22,24 @@ from tasks.pydocs_chat import PydocsChat, PydocsMC
 from tasks.spellingbee import SimpleSpelling, SpellingBee
 
 
-def offline_tasks(split):
-    """The tasks of the offline mixture for `split` ("train" or "test"), in a fixed order."""
+def offline_tasks(split, draw=0):
+    """
+    The tasks of the offline mixture for `split` ("train" or "test"), in a fixed order. `draw` picks which examples
+    of the train split: 0 is midtraining's; 1 is SFT's, as many others (the generators' seed 1, the pydocs entries
+    between midtraining's), so that SFT, like the real pipeline's, reads examples midtraining never saw (on the same
+    ones again it only overfits: measured in bench/RESULTS.md, "The CPU speedrun's chat stages"). The test split is
+    the same for every draw.
+    """
+    if draw not in (0, 1):
+        raise UserError(f"offline_tasks: draw must be 0 (midtraining's examples) or 1 (SFT's), got {draw!r}")
     if split == "train":
-        identity = Identity(split="train", size=200)
+        identity = Identity(split="train", size=200, seed=draw)
         return [
-            SpellingBee(split="train", size=700),  # count letters, with a python tool call
-            SimpleSpelling(split="train", size=500),  # spell a word letter by letter
-            Arithmetic(split="train", size=800),  # word problems with calculator calls, "#### answer"
-            PydocsChat(split="train", step=9),  # ~800 of the 7,188 training entries, spread over all modules
-            PydocsMC(split="train", step=16),  # ~450 multiple-choice questions (long prompts, 1 trained token)
+            SpellingBee(split="train", size=700, seed=draw),  # count letters, with a python tool call
+            SimpleSpelling(split="train", size=500, seed=draw),  # spell a word letter by letter
+            Arithmetic(split="train", size=800, seed=draw),  # word problems with calculator calls, "#### answer"
+            PydocsChat(split="train", step=9, start=4 * draw),  # ~800 of the 7,188 training entries, all modules
+            PydocsMC(split="train", step=16, start=8 * draw),  # ~450 multiple-choice questions (1 trained token)
             identity, identity,  # who am I; listed twice = oversampled 2x
         ]
     if split == "test":
@@ -46,9 +54,9 @@ def offline_tasks(split):
     raise UserError(f"offline_mixture: split must be train or test, got {split!r}")
 
 
-def offline_mixture(split, seed=42):
-    """TaskMixture of offline_tasks(split), shuffled with `seed`."""
-    return TaskMixture(offline_tasks(split), seed=seed)
+def offline_mixture(split, seed=42, draw=0):
+    """TaskMixture of offline_tasks(split, draw), shuffled with `seed`."""
+    return TaskMixture(offline_tasks(split, draw), seed=seed)
 
 
 def main(argv=None):

@@ -240,6 +240,28 @@ def test_generative_pass_at_k(tok):
     assert score_generative(engine, tok, long_task, [0], 1, 8, 0.0, 2, 42) == [(False, None)]
 
 
+def test_greedy_batches_equal_one_problem_at_a_time(tok):
+    """Greedy answers decoded together (chat_eval's batch_size) are the answers of one problem at a time (fp32):
+    prompts of different lengths, one that leaves less room than max_new_tokens (decoded alone, with what room
+    it has), one that fills the context (fails without generating)."""
+    model = random_gpt(tok, seed=1)
+    engine = Engine(model, tok)
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    rows = [(" ".join(words[(i * 3 + k) % len(words)] for k in range(1 + (i * 5) % 7)), None, "x") for i in range(10)]
+    rows[8] = ("word " * 80, None, "x")  # fills the context
+    room = lambda text: engine.context_len - len(tok.render_for_completion(FakeTask([(text, None, "x")], "generative")[0]))
+    rows[6] = (next(t for t in ("a" * n for n in range(200, 0, -1)) if 3 <= room(t) <= 8), None, "x")  # room < 12
+    task = FakeTask(rows, "generative")
+    indices = list(range(len(task)))
+    rooms = [engine.context_len - len(tok.render_for_completion(task[i])) for i in indices]
+    assert rooms[8] < 1 < rooms[6] < 12 < min(r for i, r in enumerate(rooms) if i not in (6, 8))
+    alone = score_generative(engine, tok, task, indices, 2, 12, 0.0, 0, 42)  # one problem after another
+    assert alone[8] == (False, None) and alone[6][1] is not None
+    assert len({answers[0] for _, answers in alone if answers}) > 3  # the answers differ from problem to problem
+    for batch_size in (3, 8, 16):
+        assert score_generative(engine, tok, task, indices, 2, 12, 0.0, 0, 42, batch_size=batch_size) == alone, batch_size
+
+
 # -----------------------------------------------------------------------------
 # ChatCORE, progress, arguments
 

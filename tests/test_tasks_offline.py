@@ -294,6 +294,21 @@ def test_offline_mixture():
         offline_mixture("val")
 
 
+def test_sft_draw_reads_other_training_examples():
+    """draw=1 (chat_sft's offline mixture): the same tasks and sizes as midtraining's draw 0, mostly other examples
+    (the generators' template space is finite, so a few repeat), none of the test split's."""
+    key = lambda conversation: json.dumps(conversation["messages"], sort_keys=True)
+    mid, sft, test = offline_tasks("train"), offline_tasks("train", draw=1), offline_tasks("test")
+    assert [(type(t).__name__, len(t)) for t in sft] == [(type(t).__name__, len(t)) for t in mid]
+    for a, b, t in zip(mid, sft, test):
+        seen, drawn, tested = ({key(task[i]) for i in range(len(task))} for task in (a, b, t))
+        assert len(seen & drawn) <= 0.1 * len(drawn), type(a).__name__
+        assert not drawn & tested, type(a).__name__
+    assert [key(offline_mixture("test", draw=1)[i]) for i in range(5)] == [key(offline_mixture("test")[i]) for i in range(5)]
+    with pytest.raises(UserError, match="draw must be 0"):
+        offline_tasks("train", draw=2)
+
+
 def test_generation_is_the_same_in_another_process():
     """String seeds, not hash(): a fresh interpreter with another PYTHONHASHSEED generates the same examples."""
     code = ("import json; from tasks.arithmetic import Arithmetic; from tasks.identity import Identity; "
