@@ -33,8 +33,9 @@ Greedy answers (temperature 0, the default) of `batch_size` problems are decoded
 all of them); sampled ones one problem at a time, so that problem i's samples depend on seed + i only.
 
 Under torchrun, rank r evaluates the batches r, r + W, r + 2W, ... of `batch_size` consecutive problems (W
-processes) and the counts are summed over the ranks: the same batches as one process, so the same scores. The report section "Chat evaluation <source>" holds the last
-run's results: evaluate everything you want reported in one run.
+processes) and the counts are summed over the ranks: the same batches as one process, so the same scores. The
+report section "Chat evaluation <source>" holds the last run's results: evaluate everything you want reported in
+one run.
 """
 
 import sys

@@ -25,10 +25,10 @@ from tasks.spellingbee import SimpleSpelling, SpellingBee
 def offline_tasks(split, draw=0):
     """
     The tasks of the offline mixture for `split` ("train" or "test"), in a fixed order. `draw` picks which examples
-    of the train split: 0 is midtraining's; 1 is SFT's, as many others (the generators' seed 1, the pydocs entries
-    between midtraining's), so that SFT, like the real pipeline's, reads examples midtraining never saw (on the same
-    ones again it only overfits: measured in bench/RESULTS.md, "The CPU speedrun's chat stages"). The test split is
-    the same for every draw.
+    of the train split: 0 is midtraining's; 1 is SFT's, as many, nearly all others (the generators' seed 1, the
+    pydocs entries between midtraining's; a few generated examples repeat, the template space being finite), so that
+    SFT, like the real pipeline's, reads examples midtraining did not (on the same ones again it only overfits:
+    measured in bench/RESULTS.md, "The CPU speedrun's chat stages"). The test split is the same for every draw.
     """
     if draw not in (0, 1):
         raise UserError(f"offline_tasks: draw must be 0 (midtraining's examples) or 1 (SFT's), got {draw!r}")
