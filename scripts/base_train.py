@@ -56,13 +56,16 @@ target_param_data_ratio = 20.0  # Chinchilla-style tokens:params ratio (20 = com
 device_batch_size = 32  # rows per forward/backward per rank (lower it if you run out of memory)
 total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-steps together
 # optimization
-embedding_lr = 0.3  # AdamW lr of the token embedding (the value embeddings get half)
-unembedding_lr = 0.008  # AdamW lr of lm_head
+# AdamW lrs: 088726a's 0.2 / 0.004. HEAD's 0.3 / 0.008 learn faster in the first epoch of pydocs but then learn the
+# repeated text by heart: at depth 6 over 2M tokens (~3 epochs) these, with Muon decay 0.80, score 2.8% better,
+# at depth 4 over 491k tokens 3% worse (bench/RESULTS.md, "Quality at the acceptance size")
+embedding_lr = 0.2  # AdamW lr of the token embedding (the value embeddings get half)
+unembedding_lr = 0.004  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 scalar_lr = 0.5  # AdamW lr of the layer scalars (x0; resid gets 1/100 of it), with --layer_scalars
 weight_decay = 0.0  # AdamW weight decay (embedding, lm_head)
 matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices (only where the step pulls toward 0);
-# -1 = by depth, what karpathy/nanochat measured best: 0.40 up to d8, 0.22 at d12, 0.08 from d20 (optim.matrix_weight_decay_for)
+# -1 = by depth (optim.matrix_weight_decay_for): 0.80 up to d6 (measured here), karpathy/nanochat's 0.40 at d8, 0.22 at d12, 0.08 from d20
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 warmup_ratio = 0.0  # fraction of steps of linear lr warmup
 warmdown_ratio = 0.65  # fraction of steps of linear lr decay at the end

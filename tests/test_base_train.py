@@ -214,8 +214,9 @@ def test_lr_schedule_endpoints_and_boundaries():
 
 
 def test_matrix_weight_decay_by_depth():
-    # karpathy/nanochat's measured optima at d8, d12, d20; linear between, flat outside
-    assert [round(matrix_weight_decay_for(d), 4) for d in (1, 4, 8, 10, 12, 16, 20, 32)] == [0.4, 0.4, 0.4, 0.31, 0.22, 0.15, 0.08, 0.08]
+    # ours at d6, karpathy/nanochat's measured optima at d8, d12, d20; linear between, flat outside
+    assert [round(matrix_weight_decay_for(d), 4) for d in (1, 4, 6, 7, 8, 10, 12, 16, 20, 32)] == \
+        [0.8, 0.8, 0.8, 0.6, 0.4, 0.31, 0.22, 0.15, 0.08, 0.08]
 
 
 def test_muon_momentum_schedule():
