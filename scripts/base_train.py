@@ -58,7 +58,7 @@ total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-step
 # optimization
 # AdamW lrs: 088726a's 0.2 / 0.004. HEAD's 0.3 / 0.008 learn faster in the first epoch of pydocs but then learn the
 # repeated text by heart: at depth 6 over 2M tokens (~3 epochs) these, with Muon decay 0.80, score 2.8% better,
-# at depth 4 over 491k tokens 3% worse (bench/RESULTS.md, "Quality at the acceptance size")
+# at depth 4 over 491k tokens 3.2% worse (bench/RESULTS.md, "Quality at the acceptance size")
 embedding_lr = 0.2  # AdamW lr of the token embedding (the value embeddings get half)
 unembedding_lr = 0.004  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
