@@ -9,6 +9,7 @@ each, and all scored by one bits-per-byte computation (bench/quality_eval.py).
     python bench/quality.py --variants=baseline,warmdown65 --anchors=       # our variants only
     python bench/quality.py --variants=2025,ve,bos,pick_bos --anchors=     # the ablations: parts of 2026 on the 2025 recipe
     python bench/quality.py --variant=lr2:--matrix_lr=0.04,--embedding_lr=0.3 --seeds=3 --out=/tmp/q.json
+    python bench/quality.py --first_seed=1 --seeds=1 --anchors=088 --out=/tmp/q1.json  # seed 43 alone (a run takes ~20 min)
 
 Prints a table (variant, val bpb mean +- half the range over seeds and each seed's, training tokens/s, parameters,
 training wall time per run, compute dtype) with the machine (CPU model, its bf16 flags), and writes every run's
@@ -357,6 +358,8 @@ def main():
     parser.add_argument("--tokens_per_step", type=int, help=f"tokens per optimizer step (default {FULL['tokens_per_step']:,})")
     parser.add_argument("--tokens", type=int, help=f"training tokens per run (default {FULL['tokens']:,}; steps = tokens // tokens_per_step)")
     parser.add_argument("--seeds", type=int, help=f"runs per variant, seeds 42, 43, ... (default {FULL['seeds']})")
+    parser.add_argument("--first_seed", type=int, default=0, help="start at seed 42 + this: runs seeds the last invocation did not "
+                        "(--first_seed=1 --seeds=1 is the second seed alone)")
     parser.add_argument("--eval_tokens", type=int, help=f"validation tokens scored, by our tokenizer (default and minimum {EVAL_FLOOR:,}; --dry {DRY['eval_tokens']:,})")
     parser.add_argument("--device_batch_size", type=int, default=32, help="rows per forward/backward (every codebase)")
     parser.add_argument("--vocab_size", type=int, default=8192, help="vocabulary of every tokenizer")
@@ -378,6 +381,8 @@ def main():
     s["device_batch_size"] = B = min(args.device_batch_size, s["tokens_per_step"] // s["seq_len"])
     if B < 1 or s["tokens_per_step"] % (B * s["seq_len"]):
         fail(f"--tokens_per_step={s['tokens_per_step']} must be a multiple of device_batch_size x seq_len = {max(B, 1)} x {s['seq_len']}")
+    if args.first_seed < 0:
+        fail(f"--first_seed={args.first_seed}: must be >= 0")
     s["steps"] = s["tokens"] // s["tokens_per_step"]
     if s["steps"] < 1:
         fail(f"--tokens={s['tokens']} is less than one step of {s['tokens_per_step']} tokens")
@@ -389,7 +394,7 @@ def main():
     out_path = args.out or os.path.join(work, "quality.json")
     print(f"{'DRY RUN (plumbing check, not a quality result): ' if args.dry else ''}depth {s['depth']}, seq {s['seq_len']}, "
           f"{s['tokens_per_step']:,} tokens/step x {s['steps']} steps = {s['steps'] * s['tokens_per_step']:,} tokens, "
-          f"{s['seeds']} seed(s), device batch {B}; work dir {work}\n{machine_line()}")
+          f"{s['seeds']} seed(s) from {42 + args.first_seed}, device batch {B}; work dir {work}\n{machine_line()}")
 
     # prerequisites first, each a clear message: nothing trains for an hour and then finds a path missing
     ours = Codebase("ours", "ours", ROOT, sys.executable, os.path.join(work, "ours"), args.dtype)
@@ -414,7 +419,7 @@ def main():
 
     # seeds outermost: every codebase's runs spread over the same stretch of time (the machine's load varies)
     runs, t0 = [], time.time()
-    for seed in range(s["seeds"]):
+    for seed in range(args.first_seed, args.first_seed + s["seeds"]):
         for cb in codebases:
             for variant, overrides in (variants if cb.name == "ours" else [(cb.name, [])]):
                 if cb.name == "ours" and seed > 0 and not has_seed:

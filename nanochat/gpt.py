@@ -171,11 +171,11 @@ class GPT(nn.Module):
         if config.layer_scalars:
             self.resid_lambdas = nn.Parameter(torch.empty(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.empty(config.n_layer))
-        if config.value_embeds:
-            if config.n_embd < VE_GATE_CHANNELS:
-                raise ValueError(f"value embeddings need n_embd >= {VE_GATE_CHANNELS}, got {config.n_embd}")
-            self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_kv_head * head_dim)
-                                               for i in range(config.n_layer) if has_value_embeds(config, i)})
+        if config.value_embeds and config.n_embd < VE_GATE_CHANNELS:
+            raise ValueError(f"value embeddings need n_embd >= {VE_GATE_CHANNELS}, got {config.n_embd}")
+        # empty without value embeddings (an empty ModuleDict has no state_dict keys: the checkpoint format is unchanged)
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_kv_head * head_dim)
+                                           for i in range(config.n_layer) if has_value_embeds(config, i)})
         if head_dim % 2 != 0:
             raise ValueError(f"head dim {head_dim} must be even for rotary embeddings")
         self.rotary_len = config.sequence_len * 10
@@ -216,7 +216,7 @@ class GPT(nn.Module):
             nn.init.zeros_(self.lm_head.weight)
         else:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001, generator=rng)
-        for table in getattr(self, "value_embeds", {}).values():
+        for table in self.value_embeds.values():
             uniform(table.weight, 1.0 / math.sqrt(n_embd))
         if self.config.layer_scalars:
             depth_frac = torch.arange(L, dtype=torch.float32) / max(L - 1, 1)
@@ -294,7 +294,7 @@ class GPT(nn.Module):
 
     def num_params(self, value_embeds=True):
         """Number of parameters (the rotary buffers are not parameters); value_embeds=False leaves their tables out."""
-        tables = [] if value_embeds else [t.weight for t in getattr(self, "value_embeds", {}).values()]
+        tables = [] if value_embeds else [t.weight for t in self.value_embeds.values()]
         return sum(p.numel() for p in self.parameters()) - sum(w.numel() for w in tables)
 
     def estimate_flops(self):
@@ -304,7 +304,7 @@ class GPT(nn.Module):
         docs/model.md.
         """
         cfg = self.config
-        lookups = [self.transformer.wte.weight] + [t.weight for t in getattr(self, "value_embeds", {}).values()]
+        lookups = [self.transformer.wte.weight] + [t.weight for t in self.value_embeds.values()]
         n_matmul = self.num_params() - sum(w.numel() for w in lookups)
         head_dim = cfg.n_embd // cfg.n_head
         return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.sequence_len
