@@ -72,7 +72,7 @@ EVAL_FLOOR = 65536  # tokens of validation text at least (real mode): fewer and 
 # ablations are each part of the 2026 recipe alone on the 2025 recipe (our defaults until issue 24), so they stay
 # the same experiment whatever the defaults are.
 RECIPE_2025 = {"embedding_lr": "0.2", "unembedding_lr": "0.004", "warmdown_ratio": "0.2", "final_lr_frac": "0",
-               "muon_momentum_peak": "0.95", "muon_momentum_final": "0.95", "matrix_weight_decay": "0",
+               "muon_momentum_peak": "0.95", "muon_momentum_final": "0.95", "matrix_weight_decay": "0", "weight_decay": "0",
                "qk_scale": "1.0", "value_embeds": "False", "layer_scalars": "False", "rope_base": "10000",
                "init_recipe": "2025", "bos_aligned": "False"}
 PARTS_2026 = {  # name: the settings of one part, as karpathy/nanochat HEAD has it
@@ -105,7 +105,7 @@ VARIANTS = {
     "recipe2026": on_2025(*SCHEDULE_2026),  # the optimizer and schedule parts together
     "recipe_ve": on_2025(*SCHEDULE_2026, "ve"),
     "pick": on_2025(*SCHEDULE_2026, "ve", "qk12", "init2026"),
-    "pick_bos": on_2025(*SCHEDULE_2026, "ve", "qk12", "init2026", "bos"),  # = our defaults since issue 24
+    "pick_bos": on_2025(*SCHEDULE_2026, "ve", "qk12", "init2026", "bos"),  # = our defaults of 279d942 (before the lrs and decays of the acceptance size)
     "plain2026": on_2025(*SCHEDULE_2026, "init2026", "bos"),  # the defaults without the parts the plain export lacks
     "all2026": on_2025(*PARTS_2026),  # every part we have
 }

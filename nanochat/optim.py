@@ -243,16 +243,22 @@ def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95, final=None, num_
     return momentum
 
 
-# Muon's cautious weight decay by depth: (depth, decay). d8, d12, d20: what karpathy/nanochat measured best (its
-# dev/LOG.md, fresh data at large batches). d6: 0.80, measured here on pydocs at 16,384 tokens a step, where 2M tokens
-# are ~3 epochs: at 0.40 the model memorized the repeated text (bench/RESULTS.md, "Quality at the acceptance size").
-# Fewer parameters on fewer tokens want more decay, as in karpathy/nanochat's own scaling of it by the horizon.
+# Weight decay by depth, (depth, decay) points, for base_train's "-1 = by depth". Both were measured here on pydocs at
+# 16,384 tokens a step, where 2M tokens are ~3 epochs and a small model learns the repeated text by heart unless decayed
+# (bench/RESULTS.md, "Quality at the acceptance size"). Fewer parameters on fewer tokens want more decay, as in
+# karpathy/nanochat's own scaling of it by the horizon.
+# Muon's cautious decay of the block matrices: d6 0.80 measured here (0.40 memorized); d8, d12, d20 what
+# karpathy/nanochat measured best (its dev/LOG.md, fresh data at large batches).
 MATRIX_WEIGHT_DECAY_BY_DEPTH = ((6, 0.80), (8, 0.40), (12, 0.22), (20, 0.08))
+# AdamW's decay of the lookup tables and lm_head (in effect of wte and the value embeddings: lm_head's lr is 50x
+# smaller): 0.20 at d4 and d6, measured here (d4: 0 -> 1.3953 bpb, 0.03 -> 1.3848, 0.1 -> 1.3715, 0.2 -> 1.3685, 0.3
+# -> 1.3787; d6: 1.349 -> 1.310), kept to d8, the largest CPU size; none from d12, the GPU sizes that read fresh
+# data once (karpathy/nanochat: 0.001-0.01, no sweep).
+EMBEDDING_WEIGHT_DECAY_BY_DEPTH = ((8, 0.20), (12, 0.0))
 
 
-def matrix_weight_decay_for(depth):
-    """The decay those measurements give at `depth`: linear between them, the nearest one outside (d4: 0.80)."""
-    points = MATRIX_WEIGHT_DECAY_BY_DEPTH
+def decay_by_depth(points, depth):
+    """The decay `points` give at `depth`: linear between them, the nearest one outside."""
     if depth <= points[0][0]:
         return points[0][1]
     for (d0, w0), (d1, w1) in zip(points, points[1:]):

@@ -27,7 +27,8 @@ from nanochat.dataset import dataset_name
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import evaluate_bpb, smoothed_loss
-from nanochat.optim import lr_multiplier, matrix_weight_decay_for, muon_momentum, step_optimizers
+from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth, lr_multiplier,
+                            muon_momentum, step_optimizers)
 from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
@@ -63,9 +64,10 @@ embedding_lr = 0.2  # AdamW lr of the token embedding (the value embeddings get 
 unembedding_lr = 0.004  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 scalar_lr = 0.5  # AdamW lr of the layer scalars (x0; resid gets 1/100 of it), with --layer_scalars
-weight_decay = 0.0  # AdamW weight decay (embedding, lm_head)
+weight_decay = -1.0  # AdamW weight decay (embeddings, lm_head);
+# -1 = by depth (optim.EMBEDDING_WEIGHT_DECAY_BY_DEPTH): 0.20 up to d8 (measured here at d4 and d6), 0 from d12
 matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices (only where the step pulls toward 0);
-# -1 = by depth (optim.matrix_weight_decay_for): 0.80 up to d6 (measured here), karpathy/nanochat's 0.40 at d8, 0.22 at d12, 0.08 from d20
+# -1 = by depth (optim.MATRIX_WEIGHT_DECAY_BY_DEPTH): 0.80 up to d6 (measured here), karpathy/nanochat's 0.40 at d8, 0.22 at d12, 0.08 from d20
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 warmup_ratio = 0.0  # fraction of steps of linear lr warmup
 warmdown_ratio = 0.65  # fraction of steps of linear lr decay at the end
@@ -92,14 +94,15 @@ config = configure(globals())
 # What each value means, checked before any work (a bad value must not train for hours)
 check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
              positive_or_unset=["num_iterations", "target_flops", "eval_tokens", "core_metric_max_per_task"],
-             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "grad_clip"],
+             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac", "muon_momentum_peak", "muon_momentum_final"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "core_bundle": ("", "dclm", "offline"), "init_recipe": GPT.INIT_RECIPES})
-if not (matrix_weight_decay >= 0 or matrix_weight_decay == -1):
-    raise UserError(f"--matrix_weight_decay must be >= 0, or -1 for 'by depth', got {matrix_weight_decay!r}")
-if matrix_weight_decay == -1:
-    matrix_weight_decay = matrix_weight_decay_for(depth)
+for key, value in (("weight_decay", weight_decay), ("matrix_weight_decay", matrix_weight_decay)):
+    if not (value >= 0 or value == -1):
+        raise UserError(f"--{key} must be >= 0, or -1 for 'by depth', got {value!r}")
+weight_decay = decay_by_depth(EMBEDDING_WEIGHT_DECAY_BY_DEPTH, depth) if weight_decay == -1 else weight_decay
+matrix_weight_decay = decay_by_depth(MATRIX_WEIGHT_DECAY_BY_DEPTH, depth) if matrix_weight_decay == -1 else matrix_weight_decay
 if not (rope_base > 1 and qk_scale > 0):
     raise UserError(f"--rope_base must be > 1 and --qk_scale > 0, got {rope_base!r} and {qk_scale!r}")
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)

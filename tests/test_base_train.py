@@ -20,7 +20,8 @@ import torch
 
 from helpers import CORES, REPO_ROOT, TINY, assert_same_weights, base_train, metrics, run_script, start_script, stop_at, train_losses, wait_for_steps, weights, with_defaults
 from nanochat.losses import evaluate_bpb
-from nanochat.optim import lr_multiplier, matrix_weight_decay_for, muon_momentum
+from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth, lr_multiplier,
+                            muon_momentum)
 
 @pytest.mark.slow
 def test_trains_writes_a_checkpoint_and_resumes_exactly(trained_tokenizer, isolated_env, tmp_path, monkeypatch):
@@ -66,6 +67,7 @@ def test_help_and_one_line_errors(trained_tokenizer):
     for key in ("--depth", "--device_batch_size", "--total_batch_size", "--resume_from_step", "--compile"):
         assert key in result.stdout
     for bad, message in [("--matrix_weight_decay=-2", "--matrix_weight_decay must be >= 0, or -1 for 'by depth', got -2.0"),
+                         ("--weight_decay=-0.5", "--weight_decay must be >= 0, or -1 for 'by depth', got -0.5"),
                          ("--qk_scale=0", "--rope_base must be > 1 and --qk_scale > 0"), ("--init_recipe=2024", "--init_recipe must be one of")]:
         result = base_train(bad)
         assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
@@ -213,10 +215,13 @@ def test_lr_schedule_endpoints_and_boundaries():
     assert lr_multiplier(50, n, warmup_ratio=0.0, warmdown_ratio=0.0) == 1.0
 
 
-def test_matrix_weight_decay_by_depth():
-    # ours at d6, karpathy/nanochat's measured optima at d8, d12, d20; linear between, flat outside
-    assert [round(matrix_weight_decay_for(d), 4) for d in (1, 4, 6, 7, 8, 10, 12, 16, 20, 32)] == \
+def test_weight_decay_by_depth():
+    # Muon: ours at d6, karpathy/nanochat's measured optima at d8, d12, d20; linear between, flat outside
+    assert [round(decay_by_depth(MATRIX_WEIGHT_DECAY_BY_DEPTH, d), 4) for d in (1, 4, 6, 7, 8, 10, 12, 16, 20, 32)] == \
         [0.8, 0.8, 0.8, 0.6, 0.4, 0.31, 0.22, 0.15, 0.08, 0.08]
+    # AdamW: ours up to d8, none from d12
+    assert [round(decay_by_depth(EMBEDDING_WEIGHT_DECAY_BY_DEPTH, d), 4) for d in (4, 6, 8, 10, 12, 20)] == \
+        [0.2, 0.2, 0.2, 0.1, 0.0, 0.0]
 
 
 def test_muon_momentum_schedule():
