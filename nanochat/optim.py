@@ -244,9 +244,9 @@ def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95, final=None, num_
 
 
 # Weight decay by depth, (depth, decay) points, for base_train's "-1 = by depth". Both were measured here on pydocs at
-# 16,384 tokens a step, where 2M tokens are ~3 epochs and a small model learns the repeated text by heart unless decayed
-# (bench/RESULTS.md, "Quality at the acceptance size"). Fewer parameters on fewer tokens want more decay, as in
-# karpathy/nanochat's own scaling of it by the horizon.
+# 16,384 tokens a step, where 2M tokens are ~3 epochs and a small model learns the repeated text by heart unless
+# decayed (bench/RESULTS.md, "Quality at the acceptance size" and "AdamW's weight decay"). Fewer parameters on fewer
+# tokens want more decay, as in karpathy/nanochat's own scaling of it by the horizon.
 # Muon's cautious decay of the block matrices: d6 0.80 measured here (0.40 memorized); d8, d12, d20 what
 # karpathy/nanochat measured best (its dev/LOG.md, fresh data at large batches).
 MATRIX_WEIGHT_DECAY_BY_DEPTH = ((6, 0.80), (8, 0.40), (12, 0.22), (20, 0.08))
