@@ -23,8 +23,9 @@ def letter_token(tokenizer, letter):
 @torch.inference_mode()
 def score_categorical(model, tokenizer, task, indices, batch_size, device, progress=None, stop=None):
     """
-    Problems `indices` of a categorical task, `batch_size` prompts per forward of `model` (model(ids) -> logits (B, T,
-    vocab)); the answer is the allowed letter with the largest logit. Returns one (passed, letter chosen) per problem.
+    Problems `indices` of a categorical task, `batch_size` prompts per forward of `model` (model.last_logits(ids, last)
+    -> the logits (B, vocab) at position last[b] of each row: GPT.last_logits); the answer is the allowed letter with
+    the largest logit. Returns one (passed, letter chosen) per problem.
     A prompt longer than the training context is read whole; one longer than model.rotary_len fails (letter None).
     stop: asked before every batch: Interrupted on this rank (callers with collectives: common.interruptible).
     """
@@ -43,7 +44,7 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
             for row, k in enumerate(rows):
                 ids[row, :len(prompts[k])] = torch.tensor(prompts[k], dtype=torch.long)
             last = torch.tensor([len(prompts[k]) - 1 for k in rows], device=device)  # each row's last real position
-            logits = model(ids)[torch.arange(len(rows), device=device), last]  # (rows, vocab)
+            logits = model.last_logits(ids, last)  # (rows, vocab)
             for row, k in enumerate(rows):
                 letters = conversations[k]["letters"]
                 allowed = torch.tensor([letter_token(tokenizer, letter) for letter in letters], device=device)

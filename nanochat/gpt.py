@@ -261,6 +261,14 @@ class GPT(nn.Module):
         # "mean" over the targets that count; all masked (possible in chat data) gives 0, not 0/0 = NaN
         return per_token.sum() / (flat_targets != -1).sum().clamp(min=1)
 
+    def last_logits(self, idx, last):
+        """
+        Logits (B, vocab) in fp32 at one position of each row, last[b] of row b: forward(idx)[arange(B), last]
+        with the head applied to B positions instead of B*T (the head was half of categorical scoring's time).
+        """
+        x = self._final_hidden(idx)
+        return self._softcapped_logits(x[torch.arange(idx.size(0), device=idx.device), last])
+
     def _final_hidden(self, idx, kv_cache=None):
         """The transformer without its head: idx (B, T) -> the final normed hidden states (B, T, n_embd)."""
         B, T = idx.size()

@@ -1,11 +1,11 @@
 """
-Reinforcement learning on math word problems: the finetuned model samples several answers per problem (with
-the calculator tool), each answer is rewarded 1 if its final "#### <number>" is right, and a policy-gradient
-step makes the better-than-average answers more likely. Fully on-policy: every step samples with the current
-weights, trains once on those samples, and throws them away.
+Reinforcement learning on problems whose answers a program checks: the finetuned model samples several answers
+per problem (with the calculator tool), each answer is rewarded 1 if it is right (GSM8K: its final "#### <number>"),
+and a policy-gradient step makes the better-than-average answers more likely. Fully on-policy: every step samples
+with the current weights, trains once on those samples, and throws them away.
 
-    python -m scripts.chat_rl --mixture=offline                 # anywhere: the offline arithmetic problems
-    torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl  # GSM8K (downloaded once)
+    python -m scripts.chat_rl --mixture=offline                 # anywhere: offline spelling, arithmetic, identity problems
+    torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl  # GSM8K math word problems (downloaded once)
 
 Written like the other training scripts (what happens around the loop is nanochat/stage.py's); one step of
 the loop samples, rewards, computes the advantages, runs the policy-gradient micro-steps, then the optimizer.
@@ -40,7 +40,7 @@ device_type = ""  # cuda | cpu | mps; empty = autodetect
 source = "sft"  # which model to start from: sft | mid
 model_tag = ""  # which model of that stage (needed only if there are several); also names chatrl_checkpoints/<tag>
 step = -1  # which checkpoint step of the source model (-1 = the last)
-mixture = "real"  # real (GSM8K; downloads) | offline (the offline arithmetic word problems, no downloads)
+mixture = "real"  # real (GSM8K; downloads) | offline (spelling, arithmetic, identity: tasks/offline.py; no downloads)
 num_iterations = -1  # optimizer steps; -1 = one pass over the training problems
 prompts_per_step = 16  # problems per optimizer step, all ranks together
 num_samples = 16  # answers sampled per problem (the advantage compares them)
@@ -112,9 +112,9 @@ scale_initial_lrs(optimizers, init_lr_frac)
 if mixture == "real":
     from tasks.gsm8k import GSM8K
     train_task, test_task = GSM8K(subset="main", split="train"), GSM8K(subset="main", split="test")
-else:
-    from tasks.arithmetic import Arithmetic
-    train_task, test_task = Arithmetic(split="train"), Arithmetic(split="test")
+else:  # spelling, arithmetic and identity problems (why these: tasks/offline.py)
+    from tasks.offline import offline_rl_mixture
+    train_task, test_task = offline_rl_mixture("train"), offline_rl_mixture("test")
 if num_iterations < 0:
     num_iterations = max(1, len(train_task) // prompts_per_step)
 print0(f"Mixture {mixture}: {len(train_task):,} training problems, {len(test_task):,} test problems; {num_iterations} steps")
@@ -173,12 +173,14 @@ def evaluate_pass_at_k():
     try:
         with interruptible():
             for first in range(0, len(mine), problems_together):
-                conversations = [test_task[i] for i in mine[first:first + problems_together]]
+                chunk = mine[first:first + problems_together]
+                conversations = [test_task[i] for i in chunk]
                 with autocast_ctx:
                     answers = sample([tokenizer.render_for_completion(c) for c in conversations], seed * 1_000_003 + mine[first])
                 solved = []
-                for conversation, problem_answers in zip(conversations, answers):
-                    right = [bool(test_task.evaluate(conversation, answer_text(tokens))) for tokens, _ in problem_answers]
+                for i, conversation, problem_answers in zip(chunk, conversations, answers):
+                    task = test_task.task_of(i)
+                    right = [bool(task.evaluate(conversation, answer_text(tokens))) for tokens, _ in problem_answers]
                     for k in range(num_samples):
                         passes[k] += any(right[:k + 1])
                     solved.append(any(right))
@@ -218,7 +220,8 @@ while True:
     # ---- sample: this rank's problems of the step, num_samples answers each, rewarded. A stop request ends the
     # sampling (every rank together): the step is dropped, and the stage saves the weights of the steps before it.
     mine = list(range(ddp_rank, prompts_per_step, ddp_world_size))
-    conversations = [train_task[(step * prompts_per_step + j) % len(train_task)] for j in mine]
+    problems = [(step * prompts_per_step + j) % len(train_task) for j in mine]
+    conversations = [train_task[i] for i in problems]
     prompts = [tokenizer.render_for_completion(conversation) for conversation in conversations]
     try:
         with interruptible(), autocast_ctx:
@@ -228,8 +231,9 @@ while True:
         print0(f"step {step + 1:05d}/{num_iterations:05d} | stopped while sampling: a stop was requested; this step is dropped")
         continue
     rows, rewards_seen, lengths = [], [], []
-    for conversation, prompt, problem_answers in zip(conversations, prompts, answers):
-        rewards = [train_task.reward(conversation, answer_text(tokens)) for tokens, _ in problem_answers]
+    for i, conversation, prompt, problem_answers in zip(problems, conversations, prompts, answers):
+        task = train_task.task_of(i)  # a mixture's problem is scored by the task it comes from
+        rewards = [task.reward(conversation, answer_text(tokens)) for tokens, _ in problem_answers]
         advantages = group_advantages(rewards)
         for (tokens, mask), advantage in zip(problem_answers, advantages):
             rows.append((prompt + tokens, [0] * len(prompt) + mask, advantage))

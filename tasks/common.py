@@ -48,6 +48,10 @@ class Task:
         """Reward for reinforcement learning: by default 1.0 for a correct answer, else 0.0."""
         return float(self.evaluate(conversation, assistant_response))
 
+    def task_of(self, i):
+        """The task that scores answers to example i (evaluate, reward): this one (TaskMixture: the one it came from)."""
+        return self
+
     def _range(self):
         stop = self.num_examples() if self.stop is None else min(self.stop, self.num_examples())
         return range(self.start, stop, self.step)
@@ -81,6 +85,10 @@ class TaskMixture:
             raise IndexError(f"TaskMixture index {i} out of range (len {len(self.index)})")
         t, j = self.index[i]
         return self.tasks[t][j]
+
+    def task_of(self, i):
+        """The task example i comes from: it scores answers to it (evaluate, reward)."""
+        return self.tasks[self.index[i][0]]
 
 
 def check_choice(what, value, allowed):

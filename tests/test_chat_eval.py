@@ -132,6 +132,9 @@ class TokenCounter(torch.nn.Module):
     def forward(self, ids):
         return F.one_hot(ids, self.vocab_size).float().cumsum(dim=1)
 
+    def last_logits(self, ids, last):
+        return self(ids)[torch.arange(ids.size(0)), last]
+
 
 def test_categorical_picks_the_most_likely_allowed_letter(tok):
     # lines hold one letter each, so each is its own token (as in the prompts of render_mc)

@@ -98,6 +98,15 @@ def test_kv_cache_matches_full_forward():
     assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
 
 
+def test_last_logits_are_the_forwards_at_those_positions():
+    model = make_model()
+    randomize_zero_init(model)
+    model.eval()
+    idx, last = torch.randint(0, 256, (3, 20)), torch.tensor([19, 0, 7])
+    with torch.no_grad():
+        assert torch.allclose(model.last_logits(idx, last), model(idx)[torch.arange(3), last], atol=1e-5)
+
+
 def test_generate_greedy_matches_argmax():
     model = make_model()
     torch.nn.init.normal_(model.lm_head.weight, std=0.5)

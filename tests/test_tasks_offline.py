@@ -20,7 +20,7 @@ from tasks.arithmetic import Arithmetic, assistant_text, extract_answer
 from tasks.common import Task, TaskMixture, render_mc
 from tasks.customjson import CustomJSON
 from tasks.identity import Identity, identity_conversations, write_identity_jsonl
-from tasks.offline import offline_mixture, offline_tasks
+from tasks.offline import offline_mixture, offline_rl_mixture, offline_tasks
 from tasks.pydocs_chat import PydocsChat, PydocsMC, entries, masked_documentation, summary, trim_doc
 from tasks.spellingbee import SimpleSpelling, SpellingBee, _code_use, spell, words
 
@@ -81,6 +81,9 @@ def test_task_mixture():
     for bad in (-1, 40):
         with pytest.raises(IndexError):
             mixture[bad]
+    # task_of: which task scores example i (chat_rl rewards a mixture's answers with it); a Task scores its own
+    assert all(mixture.task_of(i) is (a if mixture[i]["messages"][0]["content"].startswith("a") else b) for i in range(40))
+    assert a.task_of(3) is a
 
 
 def test_render_mc():
@@ -285,13 +288,37 @@ def test_identity_jsonl_roundtrip(tmp_path):
 
 def test_offline_mixture():
     train, test = offline_mixture("train"), offline_mixture("test")
-    assert 2000 <= len(train) <= 8000 and 200 <= len(test) <= 1000
+    assert 2000 <= len(train) <= 8000 and 1000 <= len(test) <= 1500
+    assert len(offline_tasks("test")[4]) == len(PydocsMC("test"))  # every multiple-choice test question
     assert len(train) == sum(len(t) for t in offline_tasks("train"))
     assert [dump(test[i]) for i in range(0, len(test), 37)] == [dump(offline_mixture("test")[i]) for i in range(0, len(test), 37)]
     kinds = {type(t).__name__ for t in offline_tasks("test")}
     assert kinds == {"SpellingBee", "SimpleSpelling", "Arithmetic", "PydocsChat", "PydocsMC", "Identity"}
     with pytest.raises(UserError):
         offline_mixture("val")
+
+
+def test_offline_rl_mixture():
+    """RL's offline problems: the checkable tasks a small model solves at times; train problems that midtraining,
+    SFT and the test split do not hold (a few generated ones repeat); each scored by its own task, which accepts the
+    reference answer and rejects another."""
+    key = lambda conversation: json.dumps(conversation["messages"], sort_keys=True)
+    train, test = offline_rl_mixture("train"), offline_rl_mixture("test")
+    assert {type(t).__name__ for t in train.tasks} == {type(t).__name__ for t in test.tasks} == {"SpellingBee", "Arithmetic", "Identity"}
+    assert [(type(t).__name__, len(t)) for t in test.tasks] == [(type(t).__name__, len(t)) for t in offline_tasks("test")
+                                                                  if type(t).__name__ in ("SpellingBee", "Arithmetic", "Identity")]
+    earlier = {key(task[i]) for draw in (0, 1) for task in offline_tasks("train", draw) for i in range(len(task))}
+    tested = {key(task[i]) for task in offline_tasks("test") for i in range(len(task))}
+    drawn = [key(train[i]) for i in range(len(train))]
+    assert sum(d in earlier for d in drawn) <= 0.1 * len(drawn) and not set(drawn) & tested
+    for mixture in (train, test):
+        for i in range(0, len(mixture), 17):
+            conversation, task = mixture[i], mixture.task_of(i)
+            reference = assistant_text(conversation["messages"][-1])
+            assert task.reward(conversation, reference) == 1.0, (type(task).__name__, reference)
+            assert task.reward(conversation, "I do not know.") == 0.0
+    with pytest.raises(UserError):
+        offline_rl_mixture("val")
 
 
 def test_sft_draw_reads_other_training_examples():
