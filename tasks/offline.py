@@ -73,7 +73,7 @@ def offline_rl_mixture(split, seed=42):
         tasks = [SpellingBee(split="train", size=700, seed=2), Arithmetic(split="train", size=800, seed=2),
                  Identity(split="train", size=200, seed=2)]
     elif split == "test":
-        tasks = [SpellingBee(split="test", size=100), Arithmetic(split="test", size=120), Identity(split="test", size=50)]
+        tasks = [task for task in offline_tasks("test") if isinstance(task, (SpellingBee, Arithmetic, Identity))]
     else:
         raise UserError(f"offline_rl_mixture: split must be train or test, got {split!r}")
     return TaskMixture(tasks, seed=seed)
