@@ -10,10 +10,13 @@ each, and all scored by one bits-per-byte computation (bench/quality_eval.py).
     python bench/quality.py --variants=2025,ve,bos,pick_bos --anchors=     # the ablations: parts of 2026 on the 2025 recipe
     python bench/quality.py --variant=lr2:--matrix_lr=0.04,--embedding_lr=0.3 --seeds=3 --out=/tmp/q.json
     python bench/quality.py --first_seed=1 --seeds=1 --anchors=088 --out=/tmp/q1.json  # seed 43 alone (a run takes ~20 min)
+    python bench/quality.py --device_type=cuda --eval_device=cuda --jobs=3 --depth=8   # on one GPU (H100: ~3 min)
 
 Prints a table (variant, val bpb mean +- half the range over seeds and each seed's, training tokens/s, parameters,
 training wall time per run, compute dtype) with the machine (CPU model, its bf16 flags), and writes every run's
-numbers to --out (JSON, rewritten after each run). Everything a run needs lies under --work, one base dir per
+numbers to --out (JSON, rewritten after each run). --jobs=N trains N runs at a time (on a GPU, which these small
+models leave mostly idle; on a 2-core CPU they would only slow each other down); a failed run is reported and the
+others go on, and the benchmark exits non-zero at the end. Everything a run needs lies under --work, one base dir per
 codebase, so a rerun reuses the corpus and the tokenizers (models are always retrained).
 
 How each codebase is trained (sizes from --depth, --seq_len, --tokens_per_step, --tokens; steps = tokens //
@@ -56,7 +59,9 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -100,6 +105,8 @@ def on_2025(*parts):
 SCHEDULE_2026 = ("warmdown65", "lr2026", "momentum2026", "cautious_wd")
 VARIANTS = {
     "baseline": [],  # our defaults as they are
+    "sched2026": ["--warmdown_ratio=0.65", "--final_lr_frac=0.05", "--muon_momentum_peak=0.97",
+                  "--muon_momentum_final=0.90"],  # our defaults with HEAD's schedule (our defaults before the H100 runs)
     "2025": on_2025(),  # the recipe before issue 24
     **{name: on_2025(name) for name in PARTS_2026},
     "recipe2026": on_2025(*SCHEDULE_2026),  # the optimizer and schedule parts together
@@ -121,12 +128,14 @@ ANCHORS = {  # name: (label, data directory under their base dir, a string only 
 DEFAULT_PATHS = {"088": "/tmp/nanochat-088726a", "head": "/tmp/nanochat-head"}
 
 # Run in their environment as `python -c LAUNCHER <seed offset> <module> <args...>`, cwd = their checkout (so '' on
-# sys.path is their code): their compute_init calls torch.manual_seed(42), which becomes 42 + offset.
+# sys.path is their code): their compute_init calls torch.manual_seed(42) (and on CUDA torch.cuda.manual_seed(42)),
+# which become 42 + offset.
 LAUNCHER = r"""
 import runpy, sys, torch
 offset, module = int(sys.argv[1]), sys.argv[2]
-set_seed = torch.manual_seed
+set_seed, set_cuda_seed = torch.manual_seed, torch.cuda.manual_seed
 torch.manual_seed = lambda seed: set_seed(seed + offset)
+torch.cuda.manual_seed = lambda seed: set_cuda_seed(seed + offset)  # on CUDA they draw the init from the GPU's generator
 sys.argv = [module] + sys.argv[3:]
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
@@ -274,34 +283,37 @@ def train_args(cb, variant, overrides, seed, has_seed, s):
     """The training command (after the interpreter) of one run, and how the log shows it."""
     depth, T, B, tps, n = s["depth"], s["seq_len"], s["device_batch_size"], s["tokens_per_step"], s["steps"]
     if cb.name == "ours":
-        args = ["-m", "scripts.base_train", "--device_type=cpu", f"--depth={depth}", f"--max_seq_len={T}",
+        args = ["-m", "scripts.base_train", f"--device_type={s['device_type']}", f"--depth={depth}", f"--max_seq_len={T}",
                 f"--device_batch_size={B}", f"--total_batch_size={tps}", f"--num_iterations={n}", "--eval_every=-1",
                 f"--eval_tokens={B * T}", "--core_metric_every=-1", "--sample_every=-1", "--run=dummy",
                 f"--model_tag=q-{variant}-s{seed}", "--overwrite=True"] + ([f"--init_seed={42 + seed}"] if has_seed else []) + overrides
         return args, None
     if cb.name == "088":  # its configurator: --key=value; eval_every=n evaluates one batch at steps 0 and n
-        rest = ["--device_type=cpu", f"--depth={depth}", f"--max_seq_len={T}", f"--device_batch_size={B}",
+        rest = [f"--device_type={s['device_type']}", f"--depth={depth}", f"--max_seq_len={T}", f"--device_batch_size={B}",
                 f"--total_batch_size={tps}", f"--num_iterations={n}", f"--eval_every={n}", f"--eval_tokens={B * T}",
                 "--core_metric_every=-1", f"--sample_every={n}", "--run=dummy", f"--model_tag=s{seed}"]
     else:  # HEAD: argparse with dashes; as runs/runcpu.sh, with evaluation and samples off
-        rest = ["--device-type=cpu", f"--depth={depth}", "--head-dim=64", "--window-pattern=L", f"--max-seq-len={T}",
+        rest = [f"--device-type={s['device_type']}", f"--depth={depth}", "--head-dim=64", "--window-pattern=L", f"--max-seq-len={T}",
                 f"--device-batch-size={B}", f"--total-batch-size={tps}", f"--num-iterations={n}", "--eval-every=-1",
                 f"--eval-tokens={B * T}", "--core-metric-every=-1", "--sample-every=-1", "--run=dummy", f"--model-tag=s{seed}"]
     return ["-c", LAUNCHER, str(seed), "scripts.base_train", *rest], f"-c LAUNCHER {seed} scripts.base_train {shlex.join(rest)}"
 
 
-def parse_log(cb, out):
+def parse_log(cb, out, device_type):
     """(median tokens/s over the steps after the first few, compute dtype) from a training log."""
     rates = [int(r.replace(",", "")) for r in re.findall(r"tok/sec: ([\d,]+)", out)]
     steady = rates[min(5, len(rates) // 2):]  # the first steps hold compilation and warm-up
+    tok_s = statistics.median(steady) if steady else None
     if cb.name == "ours":
         m = re.search(r"^Compute dtype: (\w+)", out, re.M)
     elif cb.name == "head":
         m = re.search(r"^COMPUTE_DTYPE: torch\.(\w+)", out, re.M)
     else:
         m = None
-    dtype = m[1] if m else ("float32" if cb.name == "088" else "?")
-    return (statistics.median(steady) if steady else None), dtype
+    if m:
+        return tok_s, m[1]
+    # 088726a prints none: it autocasts to bf16 on CUDA and nowhere else
+    return tok_s, ("bfloat16 (autocast)" if device_type == "cuda" else "float32") if cb.name == "088" else "?"
 
 
 def one_run(cb, variant, overrides, seed, has_seed, s, eval_set, work):
@@ -310,9 +322,9 @@ def one_run(cb, variant, overrides, seed, has_seed, s, eval_set, work):
     print(f"  {variant} seed {seed}: training ({cb.label}) ...", flush=True)
     wall, out = cb.run(args, f"{work}/logs/{cb.name}_{variant}_s{seed}_train.log", f"base_train ({variant}, seed {seed})",
                        shown=shown)
-    tok_s, dtype = parse_log(cb, out)
+    tok_s, dtype = parse_log(cb, out, s["device_type"])
     _, ev = cb.run([EVAL_SCRIPT, f"--model_tag={tag}", f"--val_shard={eval_set['val_shard']}", f"--docs={eval_set['docs']}",
-                    f"--seq_len={s['seq_len']}"], f"{work}/logs/{cb.name}_{variant}_s{seed}_eval.log",
+                    f"--seq_len={s['seq_len']}", f"--device={s['eval_device']}"], f"{work}/logs/{cb.name}_{variant}_s{seed}_eval.log",
                    f"evaluation ({variant}, seed {seed})", dtype="float32")
     result = json.loads(ev.strip().splitlines()[-1])
     print(f"  {variant} seed {seed}: val bpb {result['bpb']:.4f}, {tok_s or 0:,.0f} tok/s, train wall {wall:.0f} s "
@@ -369,6 +381,10 @@ def main():
     parser.add_argument("--ref088", default=DEFAULT_PATHS["088"], help="checkout of karpathy/nanochat at 088726a")
     parser.add_argument("--refhead", default=DEFAULT_PATHS["head"], help="checkout of karpathy/nanochat's newest commit")
     parser.add_argument("--ref_python", default="/tmp/refvenv/bin/python", help="python of the anchors' environment")
+    parser.add_argument("--device_type", default="cpu", choices=["cpu", "cuda"], help="where every codebase trains")
+    parser.add_argument("--eval_device", default="cpu", choices=["cpu", "cuda"], help="where the fp32 scoring runs (the same for all)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (a GPU holds several of these small models; "
+                        "their tokens/s then share it and compare only within one invocation)")
     parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"], help="NANOCHAT_DTYPE of ours and HEAD (empty: each decides)")
     parser.add_argument("--work", default="/tmp/nanochat_quality", help="work directory: corpus, tokenizers, checkpoints, logs")
     parser.add_argument("--out", default="", help="JSON of every run (default <work>/quality.json)")
@@ -376,6 +392,9 @@ def main():
     args = parser.parse_args()
 
     s = {k: getattr(args, k) if getattr(args, k) is not None else (DRY if args.dry else FULL)[k] for k in FULL}
+    s.update(device_type=args.device_type, eval_device=args.eval_device)
+    if args.jobs < 1:
+        fail(f"--jobs={args.jobs}: at least 1")
     if not args.dry and s["eval_tokens"] < EVAL_FLOOR:
         fail(f"--eval_tokens={s['eval_tokens']}: at least {EVAL_FLOOR:,} (only --dry may score fewer)")
     s["device_batch_size"] = B = min(args.device_batch_size, s["tokens_per_step"] // s["seq_len"])
@@ -394,7 +413,8 @@ def main():
     out_path = args.out or os.path.join(work, "quality.json")
     print(f"{'DRY RUN (plumbing check, not a quality result): ' if args.dry else ''}depth {s['depth']}, seq {s['seq_len']}, "
           f"{s['tokens_per_step']:,} tokens/step x {s['steps']} steps = {s['steps'] * s['tokens_per_step']:,} tokens, "
-          f"{s['seeds']} seed(s) from {42 + args.first_seed}, device batch {B}; work dir {work}\n{machine_line()}")
+          f"{s['seeds']} seed(s) from {42 + args.first_seed}, device batch {B}, training on {args.device_type}, "
+          f"{args.jobs} run(s) at a time; work dir {work}\n{machine_line()}")
 
     # prerequisites first, each a clear message: nothing trains for an hour and then finds a path missing
     ours = Codebase("ours", "ours", ROOT, sys.executable, os.path.join(work, "ours"), args.dtype)
@@ -418,16 +438,40 @@ def main():
                           for a in anchors]
 
     # seeds outermost: every codebase's runs spread over the same stretch of time (the machine's load varies)
-    runs, t0 = [], time.time()
-    for seed in range(args.first_seed, args.first_seed + s["seeds"]):
-        for cb in codebases:
-            for variant, overrides in (variants if cb.name == "ours" else [(cb.name, [])]):
-                if cb.name == "ours" and seed > 0 and not has_seed:
-                    continue
-                runs.append(one_run(cb, variant, overrides, seed, has_seed, s, eval_set, work))
-                with open(out_path, "w") as f:
+    plan = [(cb, variant, overrides, seed) for seed in range(args.first_seed, args.first_seed + s["seeds"])
+            for cb in codebases for variant, overrides in (variants if cb.name == "ours" else [(cb.name, [])])
+            if cb.name != "ours" or seed == 0 or has_seed]
+    done, failed, t0 = {}, [], time.time()
+
+    stopping = threading.Event()
+
+    def run_planned(i):
+        cb, variant, overrides, seed = plan[i]
+        if stopping.is_set():
+            return i, None
+        try:
+            return i, one_run(cb, variant, overrides, seed, has_seed, s, eval_set, work)
+        except SystemExit as e:  # fail(): one run's failure is reported; the other runs go on
+            print(f"  {variant} seed {seed}: FAILED: {e}", flush=True)
+            failed.append(f"{variant} seed {42 + seed}: {str(e).splitlines()[0]}")
+            return i, None
+
+    pool = ThreadPoolExecutor(max_workers=args.jobs)  # each run is a subprocess: the threads only wait for them
+    try:
+        for future in as_completed([pool.submit(run_planned, i) for i in range(len(plan))]):
+            i, run = future.result()
+            if run is not None:
+                done[i] = run
+                runs = [done[j] for j in sorted(done)]  # in plan order, however they finished
+                with open(out_path, "w") as f:  # after every run: a stopped benchmark keeps what it measured
                     json.dump(dict(settings=s, dry=args.dry, machine=machine_line(), eval_set=eval_set, seed_note=seed_note,
                                    runs=runs, summary=summarize(runs)), f, indent=1)
+    except KeyboardInterrupt:  # Ctrl-C reached the running trainings too (one process group): start no more
+        stopping.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        fail(f"interrupted: {len(done)} of {len(plan)} runs finished, in {out_path}")
+    pool.shutdown()
+    runs = [done[j] for j in sorted(done)]
 
     print(f"\n{'DRY RUN, plumbing check only: ' if args.dry else ''}{machine_line()}")
     print(f"depth {s['depth']}, seq {s['seq_len']}, {s['tokens_per_step']:,} tokens/step x {s['steps']} steps; val bpb over "
@@ -435,6 +479,8 @@ def main():
           f"our tokenizer); total {(time.time() - t0) / 60:.1f} min")
     print_table(summarize(runs), seed_note)
     print(f"\nwrote {out_path}")
+    if failed:
+        fail(f"{len(failed)} of {len(plan)} runs failed (their logs are under {work}/logs):\n" + "\n".join(failed))
 
 
 if __name__ == "__main__":

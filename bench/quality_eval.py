@@ -18,7 +18,8 @@ of a UTF-8 character as the 3 bytes of U+FFFD, and the three loaders pack rows d
 - each document alone: [BOS] + the model's tokenizer's ids, cut into windows of seq_len + 1 tokens that overlap
   by one (window k predicts targets k*seq_len+1 .. (k+1)*seq_len from the seq_len tokens before them, within the
   document), so every token after BOS is a target exactly once and no model sees another document;
-- nats: the summed cross-entropy of the model's logits (fp32, CPU) over every non-BOS target, in float64;
+- nats: the summed cross-entropy of the model's logits (fp32 weights and matmuls: on CUDA with TF32 off) over
+  every non-BOS target, in float64;
 - bpb = nats / ln 2 / bytes, bytes = sum of len(doc.encode("utf-8")) over the documents.
 Prints one JSON line. --check prints, without a model, the validation shard the codebase's own data code
 reads (bench/quality.py compares it with ours) and, with --docs_for_tokens=K, the number of first documents
@@ -71,7 +72,7 @@ def batches(rows, batch_tokens):
 
 
 @torch.no_grad()
-def summed_nats(model, rows, bos, batch_tokens):
+def summed_nats(model, rows, bos, batch_tokens, device):
     """Sum of the cross-entropy over every non-BOS target of rows [(inputs, targets)]; (nats, targets counted)."""
     nats, counted = 0.0, 0
     for chunk in batches(rows, batch_tokens):  # many short documents share one forward pass
@@ -82,10 +83,11 @@ def summed_nats(model, rows, bos, batch_tokens):
             x[j, :len(inp)] = torch.tensor(inp)
             y[j, :len(tgt)] = torch.tensor(tgt)
         y[y == bos] = -1
+        x, y = x.to(device), y.to(device)
         logits = model(x).float()
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1, reduction="none")
         nats += loss.double().sum().item()
-        counted += int((y != -1).sum())
+        counted += int((y != -1).sum().item())
     return nats, counted
 
 
@@ -95,6 +97,7 @@ def main():
     parser.add_argument("--docs", type=int, default=0, help="evaluate the first this many documents (0: all)")
     parser.add_argument("--seq_len", type=int, default=512, help="tokens of context per window")
     parser.add_argument("--model_tag", default="", help="base_checkpoints/<model_tag> under $NANOCHAT_BASE_DIR")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run the model (fp32 either way)")
     parser.add_argument("--batch_tokens", type=int, default=4096, help="token positions per forward pass (padding included)")
     parser.add_argument("--check", action="store_true", help="no model: print the codebase's val shard (and --docs_for_tokens)")
     parser.add_argument("--docs_for_tokens", type=int, default=0, help="with --check: documents needed for this many targets")
@@ -118,13 +121,16 @@ def main():
     from nanochat.checkpoint_manager import load_model
     t0 = time.time()
     torch.manual_seed(0)
-    model, tokenizer, meta = load_model("base", torch.device("cpu"), phase="eval", model_tag=args.model_tag)
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 on a GPU too
+    model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag)
+    torch.set_float32_matmul_precision("highest")  # in case the codebase's loader lowered it
     for p in model.parameters():  # fp32 weights whatever the training dtype; buffers stay as the code made them
         p.data = p.data.float()  # (088726a asserts its rotary tables are bf16)
     bos = tokenizer.get_bos_token_id()
     texts = documents(args.val_shard, args.docs or None)
     rows = [w for text in texts for w in windows(tokenizer.encode(text, prepend=bos), args.seq_len)]
-    nats, targets = summed_nats(model, rows, bos, args.batch_tokens)
+    nats, targets = summed_nats(model, rows, bos, args.batch_tokens, device)
     num_bytes = sum(len(text.encode("utf-8")) for text in texts)
     print(json.dumps(dict(bpb=nats / math.log(2) / num_bytes, nats=nats, targets=targets, bytes=num_bytes, docs=len(texts),
                           windows=len(rows), params=sum(p.numel() for p in model.parameters()),
