@@ -105,8 +105,8 @@ def on_2025(*parts):
 SCHEDULE_2026 = ("warmdown65", "lr2026", "momentum2026", "cautious_wd")
 VARIANTS = {
     "baseline": [],  # our defaults as they are
-    "sched2026": ["--warmdown_ratio=0.65", "--final_lr_frac=0.05", "--muon_momentum_peak=0.97",
-                  "--muon_momentum_final=0.90"],  # our defaults with HEAD's schedule (our defaults before the H100 runs)
+    "sched2025": ["--warmdown_ratio=0.2", "--final_lr_frac=0", "--muon_momentum_peak=0.95",
+                  "--muon_momentum_final=0.95"],  # our defaults with 088726a's schedule (better at d6-d8 over ~3 epochs)
     "2025": on_2025(),  # the recipe before issue 24
     **{name: on_2025(name) for name in PARTS_2026},
     "recipe2026": on_2025(*SCHEDULE_2026),  # the optimizer and schedule parts together
