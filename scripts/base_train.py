@@ -70,6 +70,10 @@ matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices
 # -1 = by depth (optim.MATRIX_WEIGHT_DECAY_BY_DEPTH): 0.80 up to d6 (measured here), karpathy/nanochat's 0.40 at d8, 0.22 at d12, 0.08 from d20
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 warmup_ratio = 0.0  # fraction of steps of linear lr warmup
+# The schedule is karpathy/nanochat HEAD's: its sweeps' optimum at d12-d26 over one pass of fresh text, and here the
+# better one for the CPU speedrun (under one epoch of pydocs). Over several epochs of a small corpus 088726a's
+# (--warmdown_ratio=0.2 --final_lr_frac=0 --muon_momentum_peak=0.95 --muon_momentum_final=0.95) scored 0.5-0.9%
+# better at d6 and d8 (bench/RESULTS.md, "The acceptance comparison on one H100").
 warmdown_ratio = 0.65  # fraction of steps of linear lr decay at the end
 final_lr_frac = 0.05  # lr multiplier at the very end of the warmdown
 muon_momentum_peak = 0.97  # Muon's momentum after its warm-up from 0.85 over the first 300 steps
