@@ -87,7 +87,7 @@ def summed_nats(model, rows, bos, batch_tokens, device):
         logits = model(x).float()
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1, reduction="none")
         nats += loss.double().sum().item()
-        counted += int((y != -1).sum().item())
+        counted += int((y != -1).sum())
     return nats, counted
 
 
@@ -122,9 +122,9 @@ def main():
     t0 = time.time()
     torch.manual_seed(0)
     device = torch.device(args.device)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 on a GPU too
     model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag)
-    torch.set_float32_matmul_precision("highest")  # in case the codebase's loader lowered it
+    torch.set_float32_matmul_precision("highest")  # fp32 means fp32 on a GPU too (no TF32), whatever the loader set
+    torch.backends.cudnn.allow_tf32 = False
     for p in model.parameters():  # fp32 weights whatever the training dtype; buffers stay as the code made them
         p.data = p.data.float()  # (088726a asserts its rotary tables are bf16)
     bos = tokenizer.get_bos_token_id()
