@@ -31,14 +31,17 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
     """
     pad = tokenizer.encode_special("<|assistant_end|>")  # any id does: nothing real comes after it
     limit = getattr(model, "rotary_len", None) or float("inf")
-    outcomes = []
-    for start in range(0, len(indices), batch_size):
+    conversations = [task[i] for i in indices]
+    prompts = [tokenizer.render_for_completion(c) for c in conversations]  # each ends with <|assistant_start|>
+    # Batches of prompts of similar length (shortest first): a batch is padded to its longest prompt, and in
+    # the task's own order a third of PydocsMC's tokens were padding. The outcomes keep the order of `indices`.
+    order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
+    outcomes = [(False, None)] * len(prompts)  # a prompt longer than the rotary table keeps (False, None)
+    for start in range(0, len(order), batch_size):
         if stop is not None and stop():
             raise Interrupted
-        conversations = [task[i] for i in indices[start:start + batch_size]]
-        prompts = [tokenizer.render_for_completion(c) for c in conversations]  # each ends with <|assistant_start|>
-        batch = [(False, None)] * len(prompts)
-        rows = [k for k, p in enumerate(prompts) if len(p) <= limit]
+        batch = order[start:start + batch_size]
+        rows = [k for k in batch if len(prompts[k]) <= limit]
         if rows:
             ids = torch.full((len(rows), max(len(prompts[k]) for k in rows)), pad, dtype=torch.long, device=device)
             for row, k in enumerate(rows):
@@ -49,10 +52,9 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
                 letters = conversations[k]["letters"]
                 allowed = torch.tensor([letter_token(tokenizer, letter) for letter in letters], device=device)
                 choice = letters[int(logits[row, allowed].argmax())]
-                batch[k] = (bool(task.evaluate(conversations[k], choice)), choice)
-        outcomes += batch
+                outcomes[k] = (bool(task.evaluate(conversations[k], choice)), choice)
         if progress:
-            progress.update([passed for passed, _ in batch])
+            progress.update([outcomes[k][0] for k in batch])
     return outcomes
 
 

@@ -46,6 +46,11 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
 
 def softcapped_cross_entropy(x, weight, targets, cap):
     """Per-row cross-entropy (rows,) of cap * tanh(x @ weight^T / cap) against targets (rows,), 0 where -1."""
+    keep = (targets >= 0).nonzero().squeeze(1)
+    if keep.numel() < targets.numel():
+        # the head only where there is a target: in chat data (the assistant's tokens) about half of the rows
+        loss = softcapped_cross_entropy(x.index_select(0, keep), weight, targets.index_select(0, keep), cap)
+        return loss.new_zeros(targets.shape).index_copy(0, keep, loss)
     u = torch.addmm(x.new_zeros(()), x, weight.t(), beta=0, alpha=1 / cap)  # z / cap in the matmul itself
     return _SoftcappedCrossEntropy.apply(u, targets, cap)
 

@@ -247,14 +247,25 @@ while True:
         batches.append((x, y, torch.stack([a for _, _, a in chunk])))
     # The loss is normalised by the sampled tokens of the whole step (all ranks): counted first, one all_reduce
     _, step_tokens = count_step_targets([(x, y) for x, y, _ in batches], ddp_rank, ddp_world_size)
+    # A micro-batch whose advantages are all 0 (every answer to its problem got the same reward: one the model
+    # always or never solves) adds exactly 0 to the gradient: its forward and backward are skipped, which changes
+    # nothing (often half of a step's answers). If a rank skipped them all, its gradients are zeros, as computed.
+    skipped, learned = 0, 0
     for x, y, advantages in batches:
+        if not advantages.any():
+            skipped += 1
+            continue
+        learned += x.size(0)
         with autocast_ctx:
             loss, _ = policy_gradient_loss(pg_model, x, y, advantages, step_tokens, ddp_world_size)
         loss.backward()
+    if skipped == len(batches):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
     grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
-    reward_sum, answers, length_sum = sum_over_ranks(sum(rewards_seen), len(rewards_seen), sum(lengths))
+    reward_sum, answers, length_sum, learned = sum_over_ranks(sum(rewards_seen), len(rewards_seen), sum(lengths), learned)
     mean_reward, mean_length = reward_sum / answers, length_sum / answers
     stop_now, = stage.stop_after_step()  # a signal to any rank stops all of them after this step
     dt = device_time(device) - t0
@@ -262,7 +273,7 @@ while True:
     loop.mean_rewards.append(mean_reward)
 
     print0(f"step {step:05d}/{num_iterations:05d} | mean reward: {mean_reward:.4f} | mean answer length: {mean_length:.1f} "
-           f"| sampled tokens: {step_tokens:,.0f} | lrm: {lrm:.2f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
+           f"| sampled tokens: {step_tokens:,.0f} | answers learned from: {learned:.0f}/{answers:.0f} | lrm: {lrm:.2f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
     stage.log(step, reward=mean_reward, answer_length=mean_length, targets=step_tokens, lrm=lrm, muon_momentum=momentum,
               grad_norm=grad_norm, dt=dt)
 

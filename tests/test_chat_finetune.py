@@ -86,6 +86,11 @@ def test_advantages_and_policy_gradient_loss_by_hand():
     assert loss.item() == pytest.approx(0.5 / 3) and logp_sum.item() == pytest.approx(-9.0)
     loss.backward()
     assert model.w.grad.item() == pytest.approx(0.5 / 3)  # d/dw of (0.5 * 5 - 0.5 * 4) w / 3
+    # all advantages 0 (every answer got the same reward): exactly zero gradient, so chat_rl skips such micro-batches
+    model = ToyModel()
+    loss, _ = policy_gradient_loss(model, x, y, group_advantages([1.0, 1.0]), tokens, 1)
+    loss.backward()
+    assert model.w.grad.item() == 0.0
 
 
 def test_a_few_policy_gradient_steps_raise_the_reward_on_a_trivial_task(trained_tokenizer):
@@ -175,6 +180,9 @@ def test_chat_rl_end_to_end_on_two_ranks(rl_base):
     out = result.stdout
     assert "Problems / step: 2 (1 per rank) x 4 sampled answers = 8 answers" in out
     assert "step 00003/00003 | mean reward:" in out and "pass@4:" in out
+    # the tiny model earns no reward, so each rank skips every micro-batch (advantages all 0) and steps on zero
+    # gradients: every collective of the optimizers still has its gradients
+    assert "answers learned from: 0/8" in out
     ckpt = rl_base / "chatrl_checkpoints" / "d1"
     meta = json.loads((ckpt / "meta_000003.json").read_text())
     assert meta["world_size"] == 2 and set(meta["pass_at_k"]) == {"1", "2", "3", "4"}

@@ -207,6 +207,29 @@ def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol)
         loss.sum().backward()
 
 
+def test_cpu_loss_applies_the_head_to_the_rows_with_a_target_only():
+    """The rows with a target give the same losses and gradients whether the ignored rows are there or not (the head
+    runs on the targeted rows alone); with every row ignored, the loss and the gradients are zeros."""
+    torch.manual_seed(0)
+    x, head = torch.randn(40, 32, requires_grad=True), (torch.randn(300, 32) * 0.6).requires_grad_()
+    targets = torch.randint(0, 300, (40,))
+    kept = torch.arange(40) % 3 != 0
+    loss = softcapped_cross_entropy(x, head, torch.where(kept, targets, -1), GPT.SOFTCAP)
+    loss.sum().backward()
+    x_alone = x.detach()[kept].requires_grad_()
+    head_alone = head.detach().clone().requires_grad_()
+    alone = softcapped_cross_entropy(x_alone, head_alone, targets[kept], GPT.SOFTCAP)
+    alone.sum().backward()
+    torch.testing.assert_close(loss[kept], alone, rtol=1e-6, atol=1e-6)
+    assert torch.all(loss[~kept] == 0) and torch.all(x.grad[~kept] == 0)
+    torch.testing.assert_close(x.grad[kept], x_alone.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(head.grad, head_alone.grad, rtol=1e-5, atol=1e-6)
+    x.grad, head.grad = None, None
+    nothing = softcapped_cross_entropy(x, head, torch.full((40,), -1), GPT.SOFTCAP)
+    nothing.sum().backward()
+    assert torch.all(nothing == 0) and torch.all(x.grad == 0) and torch.all(head.grad == 0)
+
+
 # ------------------------------------------------------------------------------------------
 # the 2026 recipe's model parts (GPTConfig rope_base, qk_scale, layer_scalars, value_embeds; init_weights recipe)
 
