@@ -31,30 +31,35 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
     """
     pad = tokenizer.encode_special("<|assistant_end|>")  # any id does: nothing real comes after it
     limit = getattr(model, "rotary_len", None) or float("inf")
-    conversations = [task[i] for i in indices]
-    prompts = [tokenizer.render_for_completion(c) for c in conversations]  # each ends with <|assistant_start|>
-    # Batches of prompts of similar length (shortest first): a batch is padded to its longest prompt, and in
-    # the task's own order a third of PydocsMC's tokens were padding. The outcomes keep the order of `indices`.
-    order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
-    outcomes = [(False, None)] * len(prompts)  # a prompt longer than the rotary table keeps (False, None)
-    for start in range(0, len(order), batch_size):
-        if stop is not None and stop():
-            raise Interrupted
-        batch = order[start:start + batch_size]
-        rows = [k for k in batch if len(prompts[k]) <= limit]
-        if rows:
-            ids = torch.full((len(rows), max(len(prompts[k]) for k in rows)), pad, dtype=torch.long, device=device)
-            for row, k in enumerate(rows):
-                ids[row, :len(prompts[k])] = torch.tensor(prompts[k], dtype=torch.long)
-            last = torch.tensor([len(prompts[k]) - 1 for k in rows], device=device)  # each row's last real position
-            logits = model.last_logits(ids, last)  # (rows, vocab)
-            for row, k in enumerate(rows):
-                letters = conversations[k]["letters"]
-                allowed = torch.tensor([letter_token(tokenizer, letter) for letter in letters], device=device)
-                choice = letters[int(logits[row, allowed].argmax())]
-                outcomes[k] = (bool(task.evaluate(conversations[k], choice)), choice)
-        if progress:
-            progress.update([outcomes[k][0] for k in batch])
+    # Batches of prompts of similar length: a batch is padded to its longest prompt, and in the task's own order a
+    # third of PydocsMC's tokens were padding. Sorted within windows of 16 batches (nearly all of the gain), so a
+    # big task (MMLU: 14k questions) starts at once and stops within a window's rendering; outcomes keep the order.
+    outcomes = []
+    window = 16 * batch_size
+    for first in range(0, len(indices), window):
+        conversations = [task[i] for i in indices[first:first + window]]
+        prompts = [tokenizer.render_for_completion(c) for c in conversations]  # each ends with <|assistant_start|>
+        order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
+        scored = [(False, None)] * len(prompts)  # a prompt longer than the rotary table keeps (False, None)
+        for start in range(0, len(order), batch_size):
+            if stop is not None and stop():
+                raise Interrupted
+            batch = order[start:start + batch_size]
+            rows = [k for k in batch if len(prompts[k]) <= limit]
+            if rows:
+                ids = torch.full((len(rows), max(len(prompts[k]) for k in rows)), pad, dtype=torch.long, device=device)
+                for row, k in enumerate(rows):
+                    ids[row, :len(prompts[k])] = torch.tensor(prompts[k], dtype=torch.long)
+                last = torch.tensor([len(prompts[k]) - 1 for k in rows], device=device)  # each row's last position
+                logits = model.last_logits(ids, last)  # (rows, vocab)
+                for row, k in enumerate(rows):
+                    letters = conversations[k]["letters"]
+                    allowed = torch.tensor([letter_token(tokenizer, letter) for letter in letters], device=device)
+                    choice = letters[int(logits[row, allowed].argmax())]
+                    scored[k] = (bool(task.evaluate(conversations[k], choice)), choice)
+            if progress:
+                progress.update([scored[k][0] for k in batch])
+        outcomes += scored
     return outcomes
 
 
