@@ -208,12 +208,14 @@ def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol)
 
 
 def test_cpu_loss_applies_the_head_to_the_rows_with_a_target_only():
-    """The rows with a target give the same losses and gradients whether the ignored rows are there or not (the head
-    runs on the targeted rows alone); with every row ignored, the loss and the gradients are zeros."""
+    """The rows with a target give the same losses and gradients whether the ignored rows are there or not; the
+    ignored rows hold NaN, which the head run on every row would spread to their losses (NaN * 0 is NaN) and to the
+    head's gradient. With every row ignored, the loss and the gradients are zeros."""
     torch.manual_seed(0)
-    x, head = torch.randn(40, 32, requires_grad=True), (torch.randn(300, 32) * 0.6).requires_grad_()
-    targets = torch.randint(0, 300, (40,))
     kept = torch.arange(40) % 3 != 0
+    x = torch.randn(40, 32).masked_fill(~kept[:, None], float("nan")).requires_grad_()
+    head = (torch.randn(300, 32) * 0.6).requires_grad_()
+    targets = torch.randint(0, 300, (40,))
     loss = softcapped_cross_entropy(x, head, torch.where(kept, targets, -1), GPT.SOFTCAP)
     loss.sum().backward()
     x_alone = x.detach()[kept].requires_grad_()
@@ -225,7 +227,7 @@ def test_cpu_loss_applies_the_head_to_the_rows_with_a_target_only():
     torch.testing.assert_close(x.grad[kept], x_alone.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(head.grad, head_alone.grad, rtol=1e-5, atol=1e-6)
     x.grad, head.grad = None, None
-    nothing = softcapped_cross_entropy(x, head, torch.full((40,), -1), GPT.SOFTCAP)
+    nothing = softcapped_cross_entropy(x, head, torch.full((40,), -1), GPT.SOFTCAP)  # NaN rows too: none is read
     nothing.sum().backward()
     assert torch.all(nothing == 0) and torch.all(x.grad == 0) and torch.all(head.grad == 0)
 
