@@ -89,10 +89,18 @@ class StopRequest:
         signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        print(f"[rank {self.rank}] got {signal.Signals(signum).name}: stopping (a training step finishes, an evaluation or "
-              f"sampling stops now), then saving a checkpoint (send it again to quit at once)", flush=True)
+        # Python runs a handler between two bytecodes of the main thread, possibly in the middle of a print: a
+        # print here would re-enter the busy stdout buffer ("RuntimeError: reentrant call"), and the run would die
+        # with a traceback. So the handler only records the request and says so with one os.write, a system call
+        # that touches no Python buffer (on stderr, which a log shows unbuffered).
         self.requested = True
         signal.signal(signum, signal.SIG_DFL)
+        message = (f"[rank {self.rank}] got {signal.Signals(signum).name}: stopping (a training step finishes, an "
+                   f"evaluation or sampling stops now), then saving a checkpoint (send it again to quit at once)\n")
+        try:
+            os.write(2, message.encode())
+        except OSError:  # stderr closed or full: the request is recorded all the same
+            pass
 
     def __call__(self):
         """True once a stop was requested of this run, here or (under torchrun) on another rank."""

@@ -18,8 +18,8 @@ shows how full it is.
 import contextlib
 import io
 import random
+import signal
 import sys
-
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autodetect_device_type, compute_init, setup_default_logging
@@ -91,24 +91,36 @@ def fit_to_context(messages):
 
 
 def stream_reply(prompt_ids, budget):
-    """Generate the reply, printing it as it comes; Ctrl-C stops it. Returns (its text, tokens generated)."""
+    """
+    Generate the reply, printing it as it comes; Ctrl-C stops it at the next token (a second Ctrl-C quits). Returns
+    (its text, tokens generated). Ctrl-C's handler only records the press: a KeyboardInterrupt raised at any bytecode
+    could land inside a print or the streamer's half-decoded bytes.
+    """
     streamer = TextStreamer(tokenizer)
-    pieces, n_tokens = [], 0
+    pieces, n_tokens, pressed = [], 0, []
     reply_seed = seed if seed >= 0 else random.randrange(2**31)
     generation = engine.generate(prompt_ids, max_tokens=budget, temperature=temperature, top_k=top_k, seed=reply_seed)
     _, autocast = autocast_context(device_type)  # the compute dtype: decided by what the device does
+
+    def on_ctrl_c(signum, frame):
+        pressed.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second press: KeyboardInterrupt, the program ends
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         with autocast:  # around the whole iteration: each step runs inside the loop
             for token_column, _ in generation:
+                if pressed:
+                    print(" [stopped]", end="", flush=True)
+                    break
                 token = token_column[0]
                 n_tokens += 1
                 if token in engine.end_tokens:  # the model ended its turn
                     break
                 pieces.append(streamer.put(token))
                 print(pieces[-1], end="", flush=True)
-    except KeyboardInterrupt:
-        print(" [stopped]", end="", flush=True)
     finally:
+        signal.signal(signal.SIGINT, previous)
         generation.close()  # nothing more is computed
     pieces.append(streamer.end())
     print(pieces[-1], flush=True)

@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from helpers import computed_as_in_scripts, run_script, start_script
+import os
+
+from helpers import REPO_ROOT, computed_as_in_scripts, run_script, start_script
 
 SAMPLING = ["--temperature=1.0", "--top_k=50"]
 
@@ -143,6 +145,25 @@ def test_ctrl_c_at_the_prompt_stays_and_ctrl_d_exits(checkpoint_base):
     reader.join(timeout=10)
     out = b"".join(chunks).decode("utf-8")
     assert out.count("Assistant: ") == 1 and "[context: " in out
+
+
+@pytest.mark.slow
+def test_ctrl_c_inside_a_reply_stops_it_and_the_chat_goes_on(checkpoint_base, engine):
+    # the SIGINT arrives inside the write of the reply's first piece (tests/signal_in_write.py: deterministic); a
+    # KeyboardInterrupt raised there would have left the print half done, or escaped the reply
+    hello = [{"role": "user", "content": "Hello"}]
+    seed = next(s for s in range(200) if len(expected_turn(engine, hello, 20, s)[0].split()) >= 3)  # a reply of words
+    text, _ = expected_turn(engine, hello, 20, seed)
+    result = run_script(os.path.join(REPO_ROOT, "tests", "signal_in_write.py"), "--next", "Assistant: ", "SIGINT",
+                        "scripts.chat_cli", "--source=base", "--device_type=cpu", "--max_tokens=20", f"--seed={seed}",
+                        *SAMPLING, env={"NANOCHAT_BASE_DIR": checkpoint_base}, input="Hello\nHello\n")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "sent SIGINT inside the write" in result.stderr
+    turns = result.stdout.split("Assistant: ")[1:]
+    assert len(turns) == 2 and " [stopped]" in turns[0] and "[context: " in turns[0], result.stdout
+    stopped = turns[0].split(" [stopped]")[0]
+    assert stopped and text.startswith(stopped) and stopped != text, (stopped, text)  # the reply's first piece only
+    assert " [stopped]" not in turns[1]  # the next reply runs as usual: the reply's handler is gone with it
 
 
 @pytest.mark.parametrize("source, stage", [("sft", "python -m scripts.chat_sft"), ("base", "python -m scripts.base_train")])
