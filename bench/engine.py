@@ -45,7 +45,7 @@ from nanochat.common import print0
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
 from nanochat.engine import Engine, KVCache
-from nanochat.gpt import GPT, config_from_depth
+from nanochat.gpt import GPT, config_from_depth, weights_of
 from nanochat.hardware import autocast_dtype
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
@@ -176,8 +176,7 @@ def decode_step_rate(weights, steps=128):
     return steps / (time.perf_counter() - t0)
 
 
-as_stored = ([tuple(lin.weight for lin in (b.attn.c_q, b.attn.c_k, b.attn.c_v, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
-              for b in model.transformer.h], model.lm_head.weight)
+as_stored = weights_of(model)  # the parameters themselves, (out, in) as nn.Linear stores them
 Bs = [int(b) for b in batch_sizes.split(",")]
 layout_check = device.type == "cpu" and dtype == torch.float32  # decode_weights() copies only on CPU
 if layout_check:

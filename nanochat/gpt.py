@@ -1,12 +1,18 @@
 """
 The GPT model: a decoder-only transformer (rotary, QK norm, GQA, ReLU², untied head, soft-capped logits).
 
-Training: forward(idx, targets) -> loss; decoding: prefill, decode_weights and decode_step (the Engine's loop);
-size: config_from_depth. The architecture and its choices, initialisation, memory and FLOPs: docs/model.md.
+The architecture is written once, in this file's first part (between the two ARCHITECTURE lines, torch only): the
+config, the parameters (build_parameters), one block's arithmetic (block) and the transformer around it
+(hidden_states). Training (GPT.forward), decoding (GPT.decode_step, the Engine's loop) and the transformers export
+(nanochat/modeling_nanochat_gpt.py, which export_model writes with this part's text in place of its import) all run
+it; they differ only in where keys and values go (`attend`) and in the weights' copies. The rest: GPT (init,
+loss, FLOPs, optimizers, decoding), config_from_depth. The choices, initialisation, memory and FLOPs: docs/model.md.
 """
 
 import math
-from dataclasses import asdict, dataclass
+from collections import namedtuple
+from dataclasses import asdict, dataclass, fields
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -16,6 +22,10 @@ from torch.utils.checkpoint import checkpoint
 from nanochat.common import UserError, is_distributed, print0
 from nanochat.hardware import autocast_dtype
 from nanochat.losses import softcapped_cross_entropy
+
+# ============================= ARCHITECTURE (export_model copies from here to its end) =============================
+# Only torch, torch.nn as nn, torch.nn.functional as F, namedtuple, dataclass, asdict, fields and partial: the exported
+# modeling file imports those and nothing of nanochat (tests/test_export_remote.py checks it).
 
 
 @dataclass
@@ -27,8 +37,8 @@ class GPTConfig:
     n_kv_head: int = 10  # key/value heads (GQA when < n_head; must divide n_head)
     n_embd: int = 1280
     # The 2026 recipe's parts (karpathy/nanochat HEAD; measured in bench/RESULTS.md). The defaults are the 2025
-    # architecture, which transformers' NanoChatForCausalLM holds; qk_scale, layer_scalars and value_embeds make a
-    # checkpoint that exports only with its own modeling file (export_model --layout=remote: nanochat/hf_remote.py).
+    # architecture, which transformers' NanoChatForCausalLM holds; a field added here at a non-default value exports
+    # with our own modeling file (export_model --layout=remote), which runs this part of this file.
     rope_base: float = 10000.0  # rotary base: 10k (2025) or 100k (2026): slower-turning low channels
     qk_scale: float = 1.0  # q and k multiplied by this after their RMSNorm (2026: 1.2, attention logits x1.44)
     layer_scalars: bool = False  # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0: the normed embedding)
@@ -38,20 +48,17 @@ class GPTConfig:
         return asdict(self)
 
 
-def config_from_depth(depth, vocab_size=65536, sequence_len=2048, **parts):
-    """
-    The GPTConfig of a model `depth` layers deep: width 64 * depth, heads ceil(width / 128) (128 wide where the
-    width divides; else heads = depth, 64 wide), kv heads = heads. Depth 20: 1280 wide, 10 heads (docs/model.md).
-    `parts`: the other GPTConfig fields (rope_base, qk_scale, layer_scalars, value_embeds).
-    """
-    if not isinstance(depth, int) or depth < 1:
-        raise UserError(f"depth must be a positive integer, got {depth!r}")
-    n_embd = 64 * depth
-    n_head = max(1, math.ceil(n_embd / 128))
-    if n_embd % n_head != 0:
-        n_head = depth
-    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth,
-                     n_head=n_head, n_kv_head=n_head, n_embd=n_embd, **parts)
+SOFTCAP = 15.0  # logits = SOFTCAP * tanh(logits / SOFTCAP): in (-15, 15), smooth (docs/model.md)
+VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block's input (as HEAD does)
+
+
+def check_shapes(config):
+    """ValueError unless the config's sizes fit together."""
+    if config.n_embd % config.n_head or config.n_head % config.n_kv_head or (config.n_embd // config.n_head) % 2:
+        raise ValueError(f"n_embd {config.n_embd} must divide into n_head {config.n_head} heads of even width (rotary "
+                         f"pairs), and n_head by n_kv_head {config.n_kv_head}")
+    if config.value_embeds and config.n_embd < VE_GATE_CHANNELS:
+        raise ValueError(f"value embeddings need n_embd >= {VE_GATE_CHANNELS}, got {config.n_embd}")
 
 
 def has_value_embeds(config, layer_idx):
@@ -59,17 +66,82 @@ def has_value_embeds(config, layer_idx):
     return config.value_embeds and layer_idx % 2 == (config.n_layer - 1) % 2
 
 
+class CausalSelfAttention(nn.Module):
+    """The attention's parameters (its arithmetic: block()). ve_gate only in layers with a value embedding."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        head_dim, kv_width = config.n_embd // config.n_head, config.n_kv_head * (config.n_embd // config.n_head)
+        self.c_q = nn.Linear(config.n_embd, config.n_head * head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, kv_width, bias=False)
+        self.c_v = nn.Linear(config.n_embd, kv_width, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, config.n_kv_head, bias=False) if has_value_embeds(config, layer_idx) else None
+
+
+class MLP(nn.Module):
+    """The MLP's parameters (its arithmetic: block()): 4 x n_embd wide."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+
+def build_parameters(model, config):
+    """
+    Every parameter of a GPT of `config`, made as attributes of `model` (our GPT, or the exported transformers model),
+    under the names the checkpoints use: transformer.wte, transformer.h.<i>.attn/mlp..., lm_head, the layer scalars,
+    value_embeds.<i> (an empty ModuleDict without value embeddings: no state_dict keys).
+    """
+    check_shapes(config)
+    model.transformer = nn.ModuleDict(dict(
+        wte=nn.Embedding(config.vocab_size, config.n_embd),
+        h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+    ))
+    model.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+    if config.layer_scalars:  # the identity until initialised: x = 1 * x + 0 * x0
+        model.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+        model.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+    kv_width = config.n_kv_head * (config.n_embd // config.n_head)
+    model.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv_width)
+                                        for i in range(config.n_layer) if has_value_embeds(config, i)})
+
+
+# The tensors hidden_states() and the head read: the parameters themselves (weights_of), or copies of them. Per layer
+# its matrices (out, in) as nn.Linear keeps them; ve_gate and ve_table None in a layer without a value embedding.
+LayerWeights = namedtuple("LayerWeights", "c_q c_k c_v attn_proj c_fc mlp_proj ve_gate ve_table")
+Weights = namedtuple("Weights", "wte layers lm_head resid_lambdas x0_lambdas")  # layers: [LayerWeights]
+
+
+def weights_of(model, prep=lambda w: w):
+    """The Weights of a model made by build_parameters; `prep` maps each matrix (default: the parameter itself)."""
+    layers = []
+    for i, block in enumerate(model.transformer.h):
+        attn, mlp = block.attn, block.mlp
+        ve = (prep(attn.ve_gate.weight), model.value_embeds[str(i)].weight) if attn.ve_gate is not None else (None, None)
+        layers.append(LayerWeights(*(prep(lin.weight) for lin in (attn.c_q, attn.c_k, attn.c_v, attn.c_proj, mlp.c_fc, mlp.c_proj)), *ve))
+    return Weights(model.transformer.wte.weight, layers, prep(model.lm_head.weight),
+                   getattr(model, "resid_lambdas", None), getattr(model, "x0_lambdas", None))
+
+
 def norm(x):
-    """Parameter-free RMSNorm over the last dimension."""
+    """Parameter-free RMSNorm over the last dimension (F.rms_norm's default eps: float32's machine epsilon)."""
     return F.rms_norm(x, (x.size(-1),))
 
 
-VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block's input (as HEAD does)
-
-
-def value_gate(w_gate, x):
-    """(..., n_kv_head, 1): 3 * sigmoid(w_gate @ x[..., :12]); starts near 1.5 (w_gate ~ U(0, 0.02)), can reach 0 or 3."""
-    return 3 * torch.sigmoid(F.linear(x[..., :VE_GATE_CHANNELS], w_gate)).unsqueeze(-1)
+def rotary(positions, head_dim, base):
+    """cos, sin (..., T, 1, head_dim/2) fp32 at `positions` (..., T): channel pair i turns base^(-2i/head_dim) rad a position."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    return angles.cos()[..., None, :], angles.sin()[..., None, :]
 
 
 def apply_rotary_emb(x, cos, sin):
@@ -79,71 +151,88 @@ def apply_rotary_emb(x, cos, sin):
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config, layer_idx):
-        super().__init__()
-        if config.n_embd % config.n_head != 0 or config.n_head % config.n_kv_head != 0:
-            raise ValueError(f"n_embd {config.n_embd} must divide by n_head {config.n_head}, which must divide by n_kv_head {config.n_kv_head}")
-        self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
-        self.head_dim = config.n_embd // config.n_head
-        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
-        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
-        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.qk_scale = config.qk_scale
-        # value embedding gate: per kv head, from the first VE_GATE_CHANNELS channels of the block's input, in (0, 3)
-        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.n_kv_head, bias=False) if has_value_embeds(config, layer_idx) else None
-
-    def forward(self, x, cos_sin, kv_cache, ve=None):
-        B, T, _ = x.size()
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        if ve is not None:  # the token's own value embedding, mixed in per head (ResFormer-style)
-            v = v + value_gate(self.ve_gate.weight, x) * ve.view(B, T, self.n_kv_head, self.head_dim)
-        cos, sin = cos_sin
-        q, k = norm(apply_rotary_emb(q, cos, sin)), norm(apply_rotary_emb(k, cos, sin))
-        if self.qk_scale != 1.0:
-            q, k = q * self.qk_scale, k * self.qk_scale
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        if kv_cache is not None:
-            k, v = kv_cache.insert_kv(self.layer_idx, k, v)
-        Tq, Tk = q.size(2), k.size(2)
-        gqa = self.n_head != self.n_kv_head
-        if Tq == Tk:
-            # training, or the first (prefill) call with a cache: plain causal attention
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif Tq == 1:
-            # one new token attends to everything cached before it
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=gqa)
-        else:
-            # a chunk of new tokens after a cached prefix: all of the prefix, causal within the chunk
-            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        y = y.transpose(1, 2).contiguous().view(B, T, -1)
-        return self.c_proj(y)
+def value_gate(w_gate, x):
+    """(..., n_kv_head, 1): 3 * sigmoid(w_gate @ x[..., :12]); starts near 1.5 (w_gate ~ U(0, 0.02)), can reach 0 or 3."""
+    return 3 * torch.sigmoid(F.linear(x[..., :VE_GATE_CHANNELS], w_gate)).unsqueeze(-1)
 
 
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+def attention(q, k, v, key_mask=None):
+    """
+    q (B, H, Tq, D) attends over k, v (B, Hkv, Tk, D), whose first Tk - Tq positions are a cached prefix: causal
+    when there is none (training, a prefill), all of it for one new token, all of the prefix and causal within a
+    chunk of new tokens. key_mask (B, 1, 1, Tk) bool: False on keys a row must not see (padding before its prompt).
+    """
+    Tq, Tk = q.size(2), k.size(2)
+    gqa = q.size(1) != k.size(1)
+    if Tq == Tk and key_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if Tq == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, enable_gqa=gqa)
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if key_mask is None else mask & key_mask, enable_gqa=gqa)
 
-    def forward(self, x):
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+def block(x, w, ve, cos_sin, attend, config):
+    """
+    One transformer block: x (B, T, n_embd) -> x + attention(norm(x)), then + MLP(norm(.)). `w`: the layer's
+    LayerWeights; `ve` (B, T, kv width) its value embedding or None; `attend(q, k, v)` (B, heads, T, D) -> (B, H, T, D):
+    where the keys and values go (nowhere, a KV cache, transformers' cache), then attention().
+    """
+    B, T, _ = x.size()
+    H, Hkv, D = config.n_head, config.n_kv_head, config.n_embd // config.n_head
+    h = norm(x)
+    q = F.linear(h, w.c_q).view(B, T, H, D)
+    k = F.linear(h, w.c_k).view(B, T, Hkv, D)
+    v = F.linear(h, w.c_v).view(B, T, Hkv, D)
+    if ve is not None:  # the token's own value embedding, mixed in per head (ResFormer-style)
+        v = v + value_gate(w.ve_gate, h) * ve.view(B, T, Hkv, D)
+    cos, sin = cos_sin
+    q, k = norm(apply_rotary_emb(q, cos, sin)), norm(apply_rotary_emb(k, cos, sin))  # QK norm after rotary
+    if config.qk_scale != 1.0:
+        q, k = q * config.qk_scale, k * config.qk_scale
+    y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, D)
+    x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), w.attn_proj)
+    return x + F.linear(F.relu(F.linear(norm(x), w.c_fc)).square(), w.mlp_proj)  # ReLU² MLP
 
 
-class Block(nn.Module):
-    def __init__(self, config, layer_idx):
-        super().__init__()
-        self.attn = CausalSelfAttention(config, layer_idx)
-        self.mlp = MLP(config)
+def hidden_states(w, idx, cos_sin, attend, config):
+    """
+    The transformer without its head: token ids idx (B, T) -> the final normed hidden states (B, T, n_embd), computed
+    in cos_sin's dtype (the compute dtype: under autocast the residual stream too, docs/model.md). `w`: Weights;
+    `attend(layer, q, k, v)`: see block().
+    """
+    dtype = cos_sin[0].dtype
+    x = x0 = norm(F.embedding(idx, w.wte).to(dtype))
+    for i, layer in enumerate(w.layers):
+        if config.layer_scalars:
+            x = w.resid_lambdas[i].to(dtype) * x + w.x0_lambdas[i].to(dtype) * x0
+        ve = F.embedding(idx, layer.ve_table).to(dtype) if layer.ve_table is not None else None
+        x = block(x, layer, ve, cos_sin, partial(attend, i), config)
+    return norm(x)
 
-    def forward(self, x, cos_sin, kv_cache, ve=None):
-        x = x + self.attn(norm(x), cos_sin, kv_cache, ve)
-        return x + self.mlp(norm(x))
+
+def softcapped(logits):
+    """The head's logits, soft-capped, in fp32."""
+    return SOFTCAP * torch.tanh(logits.float() / SOFTCAP)
+
+# ================================================ ARCHITECTURE END ================================================
+
+
+def config_from_depth(depth, vocab_size=65536, sequence_len=2048, **parts):
+    """
+    The GPTConfig of a model `depth` layers deep: width 64 * depth; heads ceil(width / 128), each width / heads wide
+    (128 at even depths, less at some odd ones: 96 at depth 3, 112 at 7, 120 at 15), unless they do not divide the
+    width: then heads = depth, 64 wide (depths 5, 9, 11, 13); kv heads = heads. Depth 20: 1280 wide, 10 heads
+    (docs/model.md). `parts`: the other GPTConfig fields (rope_base, qk_scale, layer_scalars, value_embeds).
+    """
+    if not isinstance(depth, int) or depth < 1:
+        raise UserError(f"depth must be a positive integer, got {depth!r}")
+    n_embd = 64 * depth
+    n_head = max(1, math.ceil(n_embd / 128))
+    if n_embd % n_head != 0:
+        n_head = depth
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth,
+                     n_head=n_head, n_kv_head=n_head, n_embd=n_embd, **parts)
 
 
 class GPT(nn.Module):
@@ -156,28 +245,14 @@ class GPT(nn.Module):
         model.init_weights()
     """
 
-    SOFTCAP = 15.0
+    SOFTCAP = SOFTCAP  # as an attribute too: GPT.SOFTCAP
     LOGITS_CHUNK_ELEMENTS = 2**27  # above this many logits (512 MiB in fp32) the loss is computed in chunks
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
-        if config.layer_scalars:
-            self.resid_lambdas = nn.Parameter(torch.empty(config.n_layer))
-            self.x0_lambdas = nn.Parameter(torch.empty(config.n_layer))
-        if config.value_embeds and config.n_embd < VE_GATE_CHANNELS:
-            raise ValueError(f"value embeddings need n_embd >= {VE_GATE_CHANNELS}, got {config.n_embd}")
-        # empty without value embeddings (an empty ModuleDict has no state_dict keys: the checkpoint format is unchanged)
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_kv_head * head_dim)
-                                           for i in range(config.n_layer) if has_value_embeds(config, i)})
-        if head_dim % 2 != 0:
-            raise ValueError(f"head dim {head_dim} must be even for rotary embeddings")
         self.rotary_len = config.sequence_len * 10
         self.register_buffer("cos", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
@@ -192,7 +267,8 @@ class GPT(nn.Module):
         the identity (why: docs/model.md). recipe "2025": wte N(0, 1); c_q, c_k, c_v, c_fc uniform with std
         1/sqrt(fan_in) * min(1, sqrt(fan_out/fan_in)); lm_head zero, so the initial loss is exactly ln(vocab_size).
         recipe "2026" (karpathy/nanochat HEAD): wte N(0, 0.8); c_q, c_k, c_v uniform with std 1/sqrt(n_embd), c_fc 0.4x
-        that; lm_head N(0, 0.001). Either way value embeddings as c_v, their gates U(0, 0.02), and the layer scalars
+        that; lm_head N(0, 0.001). Either way value embeddings uniform with std 1/sqrt(n_embd) (2026's c_v init, whatever
+        the recipe), their gates U(0, 0.02), and the layer scalars
         resid 1.15 -> 1.05, x0 0.20 -> 0.05 over the depth (HEAD's values: a little extra residual, a little embedding).
         """
         if recipe not in self.INIT_RECIPES:
@@ -227,13 +303,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_rotary(self):
         """(Re)compute the rotary tables (base config.rope_base); call after to_empty() when loading a checkpoint."""
-        head_dim = self.config.n_embd // self.config.n_head
-        device = self.lm_head.weight.device
-        inv_freq = 1.0 / (self.config.rope_base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-        t = torch.arange(self.rotary_len, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq)
-        self.cos.copy_(freqs.cos()[None, :, None, :])
-        self.sin.copy_(freqs.sin()[None, :, None, :])
+        positions = torch.arange(self.rotary_len, device=self.lm_head.weight.device)[None]
+        cos, sin = rotary(positions, self.config.n_embd // self.config.n_head, self.config.rope_base)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         """
@@ -275,22 +348,17 @@ class GPT(nn.Module):
         t0 = kv_cache.get_pos() if kv_cache is not None else 0
         if t0 + T > self.rotary_len:
             raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
-        x = self.transformer.wte(idx)
         # under autocast the residual stream (and the rotary tables) in the compute dtype too: docs/model.md
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x = x.to(dtype)
+        dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else self.lm_head.weight.dtype
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
-        x = x0 = norm(x)
-        for i, block in enumerate(self.transformer.h):
-            if self.config.layer_scalars:
-                x = self.resid_lambdas[i].to(dtype) * x + self.x0_lambdas[i].to(dtype) * x0
-            ve = self.value_embeds[str(i)](idx).to(dtype) if block.attn.ve_gate is not None else None
-            x = block(x, cos_sin, kv_cache, ve)
-        return norm(x)
+        if kv_cache is None:  # training: nothing kept
+            attend = lambda i, q, k, v: attention(q, k, v)
+        else:  # the new keys and values into the cache, then attend over all of it
+            attend = lambda i, q, k, v: attention(q, *kv_cache.insert_kv(i, k, v))
+        return hidden_states(weights_of(self), idx, cos_sin, attend, self.config)
 
     def _softcapped_logits(self, x):
-        logits = self.lm_head(x).float()
-        return self.SOFTCAP * torch.tanh(logits / self.SOFTCAP)
+        return softcapped(self.lm_head(x))
 
     def _per_token_loss(self, x, targets):
         if x.device.type == "cpu":  # the same loss in fewer passes over the logits (nanochat/losses.py says why)
@@ -386,68 +454,43 @@ class GPT(nn.Module):
     @torch.no_grad()
     def decode_weights(self, dtype=None):
         """
-        The tensors decode_step reads: ([(c_q, c_k, c_v, attn.c_proj, c_fc, mlp.c_proj, ve_gate, value embedding) per
-        layer, the last two None in layers without one], lm_head), each matrix (out, in) as nn.Linear keeps it. On CUDA
-        the parameters themselves; on CPU copies in `dtype` (default the weights') stored column-major, which streams
-        faster (docs/model.md); value embedding tables are looked up, not multiplied: kept as they are. Copies are
-        stale once the weights change.
+        The Weights decode_step reads. On CUDA the parameters themselves; on CPU copies of the matrices in `dtype`
+        (default the weights') stored column-major, which streams faster (docs/model.md); the lookup tables (wte, value
+        embeddings) are looked up, not multiplied: kept as they are. Copies are stale once the weights change.
         """
         if self.lm_head.weight.device.type == "cpu":
-            prep = lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t()
-        else:
-            prep = lambda w: w
-        layers = []
-        for i, block in enumerate(self.transformer.h):
-            lins = (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
-            ve = (prep(block.attn.ve_gate.weight), self.value_embeds[str(i)].weight) if block.attn.ve_gate is not None else (None, None)
-            layers.append(tuple(prep(lin.weight) for lin in lins) + ve)
-        return layers, prep(self.lm_head.weight)
+            return weights_of(self, lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t())
+        return weights_of(self)
 
     @torch.no_grad()
     def decode_step(self, idx, kv_cache, weights, positions=None, key_mask=None):
         """
-        One decoding step, forward(idx[:, None], kv_cache)[:, -1] for one token without nn.Module calls: idx (B,) the
-        newest token of each row, kv_cache everything before it, `weights` from decode_weights(); returns the logits
-        (B, vocab) fp32 and advances the cache one position. Right-aligned rows of different prompt lengths: `positions`
-        (B,) each row's own position, `key_mask` (B, 1, 1, >= pos + 1) bool, False on the padding before its prompt.
+        One decoding step, forward(idx[:, None], kv_cache)[:, -1] for one token, the same block() without nn.Module
+        calls: idx (B,) the newest token of each row, kv_cache everything before it, `weights` from decode_weights();
+        returns the logits (B, vocab) fp32 and advances the cache one position. Right-aligned rows of different prompt
+        lengths: `positions` (B,) each row's own position, `key_mask` (B, 1, 1, >= pos + 1) bool, False on the padding
+        before its prompt.
         """
-        B, pos = idx.size(0), kv_cache.pos
+        pos = kv_cache.pos
         if pos + 1 > self.rotary_len:
             raise ValueError(f"sequence of {pos + 1} tokens exceeds the rotary table ({self.rotary_len})")
         kv_cache.reserve(pos + 1)
-        cfg = self.config
-        H, Hkv = cfg.n_head, cfg.n_kv_head
-        D = cfg.n_embd // H
-        x = F.embedding(idx, self.transformer.wte.weight)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x = x0 = norm(x.to(dtype))  # (B, n_embd)
+        dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else weights.wte.dtype
         if positions is None:  # every row at the cache's position
             cos, sin = self.cos[:, pos:pos + 1].to(dtype), self.sin[:, pos:pos + 1].to(dtype)
         else:  # (B, 1, 1, D/2): each row at its own position
             cos, sin = self.cos[0, positions][:, None].to(dtype), self.sin[0, positions][:, None].to(dtype)
         mask = None if key_mask is None else key_mask[..., :pos + 1]
-        layers, lm_head = weights
-        for i, (w_q, w_k, w_v, w_o, w_fc, w_proj, w_gate, ve_table) in enumerate(layers):
-            if cfg.layer_scalars:
-                x = self.resid_lambdas[i].to(dtype) * x + self.x0_lambdas[i].to(dtype) * x0
-            h = norm(x)
-            q = norm(apply_rotary_emb(F.linear(h, w_q).view(B, 1, H, D), cos, sin))
-            k = norm(apply_rotary_emb(F.linear(h, w_k).view(B, 1, Hkv, D), cos, sin))
-            if cfg.qk_scale != 1.0:
-                q, k = q * cfg.qk_scale, k * cfg.qk_scale
-            v = F.linear(h, w_v).view(B, Hkv, D)
-            if ve_table is not None:
-                v = v + value_gate(w_gate, h) * F.embedding(idx, ve_table).to(dtype).view(B, Hkv, D)
+
+        def attend(i, q, k, v):  # this position's keys and values into the cache, then attend over all of it
             k_cache, v_cache = kv_cache.k_layers[i], kv_cache.v_layers[i]  # (B, Hkv, capacity, D)
-            k_cache[:, :, pos] = k.view(B, Hkv, D)
-            v_cache[:, :, pos] = v
-            y = F.scaled_dot_product_attention(q.view(B, H, 1, D), k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
-                                               attn_mask=mask, enable_gqa=H != Hkv)
-            x = x + F.linear(y.view(B, H * D), w_o)
-            x = x + F.linear(F.relu(F.linear(norm(x), w_fc)).square(), w_proj)
+            k_cache[:, :, pos] = k[:, :, 0]
+            v_cache[:, :, pos] = v[:, :, 0]
+            return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask)
+
+        x = hidden_states(weights, idx[:, None], (cos, sin), attend, self.config)
         kv_cache.advance()
-        logits = F.linear(norm(x), lm_head).float()
-        return self.SOFTCAP * torch.tanh(logits / self.SOFTCAP)
+        return softcapped(F.linear(x[:, -1], weights.lm_head))
 
     # ------------------------------------------------------------------------------------------
     # sampling

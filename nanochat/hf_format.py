@@ -1,24 +1,9 @@
 """
-Converts models to and from the Hugging Face `NanoChat` format (transformers >= 5.0), for export_model/import_model.
-
-Pure data mapping, no transformers import: exporting needs none of the Hugging Face libraries. Also safetensors
-read and written without the `safetensors` package, and directories written all or nothing.
-
-The model maps one to one, unless it has a 2026 part other than rope_base (those: hf_remote.py's layout). HF
-NanoChat is this architecture (parameter-free RMSNorm after the embedding, before attention and MLP and before the
-head; rotary with our pairing and direction, any base; QK norm after rotary; ReLU^2 MLP of width 4 x n_embd; untied
-head; logits soft-capped at 15), so the weights only change names (weight_names()): no transposes, no permutations. Three config values must be written, not left at HF's defaults: the RMSNorm epsilon
-(F.rms_norm with eps=None uses float32's machine epsilon, HF defaults to 1e-6), intermediate_size (HF default 8192)
-and the special token ids (HF defaults 0/1 are byte tokens here).
-
-The tokenizer becomes a `tokenizers` BPE (tokenizer.json): the vocabulary is our mergeable ranks (ids = ranks),
-each token's bytes written through GPT-2's byte-to-unicode table; the merge list is rebuilt from the ranks (every
-split of a token into two tokens, in the order of the merged token's rank), the pre-tokenizer is our split
-pattern, then the 9 special tokens with our ids, and a post-processor that puts <|bos|> first, as our
-encode(text, prepend="<|bos|>") does. Two differences remain, both from how `tokenizers` works: it matches
-special-token strings inside text (ours never does: "<|bos|>" typed by a user is 7 characters for us), which is
-also how the chat template's special tokens become ids; and two assistant text parts in a row are tokenized as
-one string by the template (we encode each part on its own).
+Converts models to and from the Hugging Face `NanoChat` format (transformers >= 5.0), for export_model/import_model:
+config.json (transformers' NanoChat, or our own modeling file: the remote layout), the weights' names, tokenizer.json
+and the chat template, safetensors files read and written without the `safetensors` package, and directories written
+all or nothing. Pure data mapping, no transformers import: exporting needs none of the Hugging Face libraries. How
+each part maps, and the two differences that remain in the tokenizer: docs/export.md.
 """
 
 import contextlib
@@ -28,34 +13,35 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import fields
 
 import torch
 
 from nanochat.common import UserError
+from nanochat.gpt import GPT, SOFTCAP, GPTConfig
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 RMS_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm(x, shape) uses for fp32/bf16/fp16 inputs
-ROPE_THETA = 10000.0  # HF's default rotary base, and GPTConfig's (rope_base, which the format holds as rope_theta)
-SOFTCAP = 15.0  # GPT.SOFTCAP
-MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")  # GPTConfig's fields of 2025
-PARTS_OFF = {"qk_scale": 1.0, "layer_scalars": False, "value_embeds": False}  # 2026 parts: held only off (--layout=remote: on)
+GPT_FIELDS = {field.name: field for field in fields(GPTConfig)}  # rope_base's default: HF's default rope_theta too
+# GPTConfig's fields for transformers' NanoChat: the sizes it holds as they are (those of 2025), the rotary base it
+# holds as rope_theta, and the rest (the 2026 parts, and any field added since), which it holds only at GPTConfig's
+# defaults: a model with another value of one exports with our own modeling file, the remote layout below.
+MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
+HF_ONLY_AT_DEFAULT = {name: f.default for name, f in GPT_FIELDS.items() if name not in MODEL_CONFIG_KEYS + ("rope_base",)}
 
 # -----------------------------------------------------------------------------
 # Weights
 
 
+LAYER_WEIGHTS = [("attn.c_q", "self_attn.q_proj"), ("attn.c_k", "self_attn.k_proj"), ("attn.c_v", "self_attn.v_proj"),
+                 ("attn.c_proj", "self_attn.o_proj"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")]  # (ours, HF)
+
+
 def weight_names(n_layer):
     """[(our name, HF name)] of every weight of an n_layer model."""
-    names = [("transformer.wte.weight", "model.embed_tokens.weight")]
-    for i in range(n_layer):
-        ours, hf = f"transformer.h.{i}.", f"model.layers.{i}."
-        names += [(ours + "attn.c_q.weight", hf + "self_attn.q_proj.weight"),
-                  (ours + "attn.c_k.weight", hf + "self_attn.k_proj.weight"),
-                  (ours + "attn.c_v.weight", hf + "self_attn.v_proj.weight"),
-                  (ours + "attn.c_proj.weight", hf + "self_attn.o_proj.weight"),
-                  (ours + "mlp.c_fc.weight", hf + "mlp.fc1.weight"),
-                  (ours + "mlp.c_proj.weight", hf + "mlp.fc2.weight")]
-    return names + [("lm_head.weight", "lm_head.weight")]
+    return ([("transformer.wte.weight", "model.embed_tokens.weight")]
+            + [(f"transformer.h.{i}.{ours}.weight", f"model.layers.{i}.{hf}.weight") for i in range(n_layer) for ours, hf in LAYER_WEIGHTS]
+            + [("lm_head.weight", "lm_head.weight")])
 
 
 def check_weight_names(names, n_layer, hf, where, expected=None):
@@ -86,30 +72,19 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
     naming it. layout "mlx": mlx-lm's nanochat model reads the rotary base from a top-level rope_theta.
     """
     lacking = settings_without_equivalent(model_config)
-    if lacking:  # the 2026 parts are computed by our own modeling file (hf_remote.py); anything else by nothing
-        fix = "export it with --layout=remote (transformers, trust_remote_code=True)" if lacking.keys() <= PARTS_OFF.keys() else "this model cannot be exported"
+    if lacking:  # GPTConfig's fields are computed by our own modeling file (the remote layout); anything else by nothing
+        fix = "export it with --layout=remote (transformers, trust_remote_code=True)" if lacking.keys() <= HF_ONLY_AT_DEFAULT.keys() else "this model cannot be exported"
         raise UserError(f"the model's setting {', '.join(f'{k}={v!r}' for k, v in lacking.items())} has no equivalent in the Hugging Face NanoChat format (nor mlx-lm's): {fix}")
     c = model_config
     special = tokenizer.get_special_tokens()
     config = {
-        "architectures": ["NanoChatForCausalLM"],
-        "model_type": "nanochat",
-        "vocab_size": c["vocab_size"],
-        "hidden_size": c["n_embd"],
-        "intermediate_size": 4 * c["n_embd"],
-        "num_hidden_layers": c["n_layer"],
-        "num_attention_heads": c["n_head"],
-        "num_key_value_heads": c["n_kv_head"],
+        "architectures": ["NanoChatForCausalLM"], "model_type": "nanochat",
+        "vocab_size": c["vocab_size"], "hidden_size": c["n_embd"], "intermediate_size": 4 * c["n_embd"],
+        "num_hidden_layers": c["n_layer"], "num_attention_heads": c["n_head"], "num_key_value_heads": c["n_kv_head"],
         "max_position_embeddings": c["sequence_len"],
-        "hidden_act": "relu2",
-        "attention_dropout": 0.0,
-        "attention_bias": False,
-        "rms_norm_eps": RMS_NORM_EPS,
+        "hidden_act": "relu2", "attention_dropout": 0.0, "attention_bias": False, "rms_norm_eps": RMS_NORM_EPS,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(c["rope_base"])},
-        "final_logit_softcapping": SOFTCAP,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "use_cache": True,
+        "final_logit_softcapping": SOFTCAP, "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
         "bos_token_id": special["<|bos|>"],
         "eos_token_id": [special["<|assistant_end|>"], special["<|bos|>"]],  # our Engine stops on either
         # no pad id: HF makes it the embedding's padding_idx, whose row a finetune would then never update
@@ -123,7 +98,8 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
 
 def settings_without_equivalent(model_config):
     """{setting: value} of model_config that the NanoChat format (transformers' and mlx-lm's) cannot hold."""
-    return {k: v for k, v in model_config.items() if k not in MODEL_CONFIG_KEYS + ("rope_base",) and not (k in PARTS_OFF and PARTS_OFF[k] == v)}
+    return {k: v for k, v in model_config.items()
+            if k not in MODEL_CONFIG_KEYS + ("rope_base",) and not (k in HF_ONLY_AT_DEFAULT and HF_ONLY_AT_DEFAULT[k] == v)}
 
 
 def model_config_from_hf(config, where):
@@ -138,7 +114,7 @@ def model_config_from_hf(config, where):
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{where} lacks a usable {e}: not a NanoChat config") from None
     rope = config.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", config.get("rope_theta", ROPE_THETA))
+    theta = rope.get("rope_theta", config.get("rope_theta", GPT_FIELDS["rope_base"].default))
     checks = [  # (key, value in the file, what our GPT computes)
         ("hidden_act", config.get("hidden_act", "relu2"), "relu2"),
         ("intermediate_size", config.get("intermediate_size", 8192), 4 * hidden),
@@ -161,7 +137,81 @@ def model_config_from_hf(config, where):
 
 
 # -----------------------------------------------------------------------------
-# tokenizer.json, tokenizer_config.json, generation_config.json
+# The remote-code layout: config.json names our own modeling file (modeling_source), which transformers runs with
+# trust_remote_code=True; nanochat's weight names, GPTConfig's fields as they are (docs/export.md)
+
+MODELING_FILE = "modeling_nanochat_gpt.py"  # its name in nanochat/ and in an exported directory
+REMOTE_MODEL_TYPE = "nanochat_gpt"
+REMOTE_CLASSES = ("NanoChatGPTConfig", "NanoChatGPTForCausalLM")
+
+
+def architecture_source():
+    """The text of gpt.py's architecture part: its "# ==== ARCHITECTURE (" line to its "ARCHITECTURE END" line."""
+    gpt = open(os.path.join(os.path.dirname(__file__), "gpt.py"), encoding="utf-8").read().splitlines(keepends=True)
+    marks = [[i for i, line in enumerate(gpt) if line.startswith("# ====") and mark in line] for mark in ("ARCHITECTURE (", "ARCHITECTURE END")]
+    if [len(found) for found in marks] != [1, 1]:
+        raise RuntimeError("gpt.py's ARCHITECTURE lines are not there once each")
+    return "".join(gpt[marks[0][0]:marks[1][0] + 1])
+
+
+def modeling_source():
+    """The modeling file as an export holds it: nanochat/modeling_nanochat_gpt.py with its one `from nanochat.gpt import`
+    line replaced by architecture_source(): the architecture is written once, and the exported file runs without nanochat."""
+    modeling = open(os.path.join(os.path.dirname(__file__), MODELING_FILE), encoding="utf-8").read().splitlines(keepends=True)
+    imports = [i for i, line in enumerate(modeling) if line.startswith("from nanochat.gpt import ")]
+    if len(imports) != 1:
+        raise RuntimeError(f"{MODELING_FILE} must import nanochat.gpt in one line")
+    return "".join(modeling[:imports[0]]) + architecture_source() + "".join(modeling[imports[0] + 1:])
+
+
+def remote_config(model_config, tokenizer, dtype):
+    """config.json of the remote-code layout for our model_config (GPTConfig.to_dict())."""
+    stem = MODELING_FILE.removesuffix(".py")
+    return {
+        "architectures": [REMOTE_CLASSES[1]], "model_type": REMOTE_MODEL_TYPE,
+        "auto_map": {"AutoConfig": f"{stem}.{REMOTE_CLASSES[0]}", "AutoModelForCausalLM": f"{stem}.{REMOTE_CLASSES[1]}"},
+        **model_config,
+        "rms_norm_eps": None,  # F.rms_norm's default, as GPT's norm
+        "final_logit_softcapping": SOFTCAP, "tie_word_embeddings": False, "use_cache": True,
+        **generation_config(tokenizer),
+        "pad_token_id": None,  # as in the plain layout: the pad id lives in generation_config.json
+        "dtype": dtype,
+    }
+
+
+def model_config_from_remote(config, where):
+    """Our model_config from a remote-code layout's config.json (a field it lacks: GPTConfig's default); what our GPT
+    cannot reproduce is a UserError."""
+    missing = [key for key in MODEL_CONFIG_KEYS if key not in config]
+    if missing:
+        raise UserError(f"{where} lacks {', '.join(missing)}: not a config.json of export_model --layout=remote")
+    model_config = {name: config.get(name, f.default) for name, f in GPT_FIELDS.items()}
+    kinds = {int: int, float: (int, float), bool: bool}  # JSON writes 100000.0 as it likes
+    wrong = [f"{k}={v!r}" for k, v in model_config.items()
+             if isinstance(v, bool) != (GPT_FIELDS[k].type is bool) or not isinstance(v, kinds[GPT_FIELDS[k].type])]
+    if wrong:
+        raise UserError(f"{where} has {', '.join(wrong)}: not a nanochat GPT's setting, cannot import it")
+    for key, value, ours in [("final_logit_softcapping", config.get("final_logit_softcapping"), SOFTCAP),
+                             ("tie_word_embeddings", config.get("tie_word_embeddings", False), False)]:
+        if value != ours:
+            raise UserError(f"{where} has {key}={value!r}; nanochat's GPT computes {key}={ours!r}: cannot import it")
+    eps = config.get("rms_norm_eps")
+    if eps is not None and not (isinstance(eps, (int, float)) and 0 <= eps <= 1e-5):
+        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_NORM_EPS:.3g}: cannot import it")
+    return model_config
+
+
+def gpt_weight_names(model_config):
+    """The names in the state dict of a GPT of model_config (built on the meta device: no memory, no init)."""
+    try:
+        with torch.device("meta"):
+            return list(GPT(GPTConfig(**model_config)).state_dict())
+    except ValueError as e:  # shapes that do not fit together
+        raise UserError(f"the model config {model_config} is not a nanochat GPT's: {e}") from None
+
+
+# -----------------------------------------------------------------------------
+# tokenizer.json, tokenizer_config.json, generation_config.json (the chat template: chat_template.jinja)
 
 
 def bytes_to_unicode():
@@ -190,14 +240,12 @@ def bpe_merges(mergeable_ranks):
 
 
 def tokenizer_json(tokenizer):
-    """The `tokenizers` library's tokenizer.json (a dict) equivalent to `tokenizer` (see the module docstring)."""
+    """The `tokenizers` library's tokenizer.json (a dict) equivalent to `tokenizer` (how: docs/export.md)."""
     alphabet = bytes_to_unicode()
     text = lambda token: "".join(alphabet[b] for b in token)
     bos = "<|bos|>"
     return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
+        "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": True} for name, i in tokenizer.get_special_tokens().items()],
         "normalizer": None,
@@ -258,13 +306,10 @@ def tokenizer_from_json(data, where):
 def tokenizer_config(sequence_len):
     """tokenizer_config.json: the generic fast tokenizer class (no custom code) and the special tokens' roles."""
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|bos|>",
-        "eos_token": "<|assistant_end|>",
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|assistant_end|>",
         "pad_token": "<|bos|>",  # batched generation needs one; attention masks hide it
         "add_bos_token": True,  # informative: transformers takes <|bos|> from tokenizer.json's post-processor
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": sequence_len,
+        "clean_up_tokenization_spaces": False, "model_max_length": sequence_len,
         "model_input_names": ["input_ids", "attention_mask"],
     }
 
@@ -276,62 +321,15 @@ def generation_config(tokenizer):
             "pad_token_id": special["<|bos|>"]}
 
 
-# The chat template: Tokenizer.render_conversation in Jinja (merged system message, strict user/assistant
-# alternation, assistant parts text / python / python_output); with add_generation_prompt, render_for_completion
-# (a final assistant message is dropped, <|assistant_start|> appended). No whitespace between pieces.
-CHAT_TEMPLATE = """\
-{%- if not messages -%}
-    {{- raise_exception('the conversation has no messages') -}}
-{%- endif -%}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages|length < 2 or messages[1]['role'] != 'user' -%}
-        {{- raise_exception('the system message must be followed by a user message') -}}
-    {%- endif -%}
-    {%- set messages = [{'role': 'user', 'content': messages[0]['content'] + '\\n\\n' + messages[1]['content']}] + messages[2:] -%}
-{%- endif -%}
-{{- '<|bos|>' -}}
-{%- for message in messages -%}
-    {%- if message['role'] != ('user' if loop.index0 % 2 == 0 else 'assistant') -%}
-        {{- raise_exception('roles must alternate user/assistant starting with user (after an optional system message)') -}}
-    {%- endif -%}
-    {%- if add_generation_prompt and loop.last and message['role'] == 'assistant' -%}
-        {#- the reply to sample replaces a final assistant message -#}
-    {%- elif message['role'] == 'user' -%}
-        {{- '<|user_start|>' + message['content'] + '<|user_end|>' -}}
-    {%- else -%}
-        {{- '<|assistant_start|>' -}}
-        {%- if message['content'] is string -%}
-            {{- message['content'] -}}
-        {%- else -%}
-            {%- for part in message['content'] -%}
-                {%- if part['type'] == 'text' -%}
-                    {{- part['text'] -}}
-                {%- elif part['type'] == 'python' -%}
-                    {{- '<|python_start|>' + part['text'] + '<|python_end|>' -}}
-                {%- elif part['type'] == 'python_output' -%}
-                    {{- '<|output_start|>' + part['text'] + '<|output_end|>' -}}
-                {%- else -%}
-                    {{- raise_exception('assistant parts are text, python or python_output') -}}
-                {%- endif -%}
-            {%- endfor -%}
-        {%- endif -%}
-        {{- '<|assistant_end|>' -}}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|assistant_start|>' -}}
-{%- endif -%}
-"""
+# The chat template: Tokenizer.render_conversation in Jinja, with add_generation_prompt render_for_completion (docs/export.md)
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja"), encoding="utf-8") as _f:
+    CHAT_TEMPLATE = _f.read()
 
 
 # -----------------------------------------------------------------------------
-# Files for exchanging models with other tools: safetensors read and written without the `safetensors` package,
-# and directories written all or nothing (staged_directory).
-#
-# safetensors layout: an 8-byte little-endian header length, a JSON header {name: {"dtype", "shape",
-# "data_offsets": [begin, end]}, "__metadata__": {...}} (offsets count from the first byte after the header), then
-# the tensors' raw little-endian bytes, row-major. A large model may be split into several such files, listed by
-# model.safetensors.index.json ({"weight_map": {name: file}}).
+# safetensors: an 8-byte little-endian header length, a JSON header {name: {"dtype", "shape", "data_offsets"}}, the
+# tensors' raw bytes; a large model in several files listed by model.safetensors.index.json (docs/export.md). Then
+# directories written all or nothing (staged_directory).
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -407,10 +405,6 @@ def load_safetensors_dir(directory):
     return tensors
 
 
-# -----------------------------------------------------------------------------
-# Directories written all or nothing
-
-
 def check_free(target, overwrite, flag):
     """`target` may be written: absent, an empty directory, or (with overwrite) any directory. Else a UserError."""
     if os.path.exists(target) and not os.path.isdir(target):
@@ -422,9 +416,8 @@ def check_free(target, overwrite, flag):
 @contextlib.contextmanager
 def staged_directory(target, overwrite, flag):
     """
-    Yields a new temporary directory beside `target` to fill; when the block ends without an error it takes
-    target's place by renames: readers never see a half-written directory (when replacing one, there is an instant
-    with none).
+    Yields a new temporary directory beside `target` to fill; when the block ends without an error it takes target's
+    place by renames: readers never see a half-written directory (when replacing one, there is an instant with none).
     On any error it is removed and target is left as it was. A full disk or a read-only place is a UserError.
     """
     target = os.path.abspath(target)

@@ -383,9 +383,10 @@ def model_card(meta, lineage, model, tokenizer, dtype, layout):
         *(evaluation_lines() or [f"{NOT_RECORDED} (no report card in this machine's run report)"]),
         "",
     ]
+    trust = ", trust_remote_code=True" if layout == "remote" else ""  # the tokenizer too: it reads config.json's class
     code = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "path = \"path/to/this/directory\"",
-            "tokenizer = AutoTokenizer.from_pretrained(path)",
-            f"model = AutoModelForCausalLM.from_pretrained(path{', trust_remote_code=True' if layout == 'remote' else ''})",
+            f"tokenizer = AutoTokenizer.from_pretrained(path{trust})",
+            f"model = AutoModelForCausalLM.from_pretrained(path{trust})",
             "messages = [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}]",
             "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)",
             "output = model.generate(**inputs, max_new_tokens=128)",

@@ -10,26 +10,24 @@ generation_config.json and README.md (the model card: size, training, report car
 The directory is written under a temporary name and renamed when complete: an interrupted export leaves no
 half-written --out. The layouts (--layout; the default "auto" picks hf or remote by the model):
   - hf: transformers' (>= 5.0) own NanoChat model, no custom code; vLLM runs it through its Transformers backend
-    (nanochat/hf_format.py says how each part maps). For the 2025 architecture, with any rope_base.
+    (docs/export.md says how each part maps). For the 2025 architecture, with any rope_base.
   - mlx: the same with nanochat's weight names, which mlx-lm's nanochat model expects (and transformers cannot load).
   - remote: for models with qk_scale, layer scalars or value embeddings, which neither of those models has: our own
-    modeling file (nanochat/modeling_nanochat_gpt.py) beside the weights, for transformers with trust_remote_code=True.
-    vLLM and mlx-lm cannot run it (nanochat/hf_remote.py).
+    modeling file (nanochat/modeling_nanochat_gpt.py, with nanochat/gpt.py's architecture written into it) beside the
+    weights, for transformers with trust_remote_code=True. vLLM and mlx-lm cannot run it.
 """
 
 import json
 import os
-import shutil
 
 import torch
 
 from nanochat.checkpoint_manager import SOURCES, lineage, load_model
 from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
-from nanochat.hf_format import (CHAT_TEMPLATE, check_free, generation_config, hf_config, rename_weights,
-                                save_safetensors, settings_without_equivalent, staged_directory, tokenizer_config,
-                                tokenizer_json)
-from nanochat.hf_remote import MODELING_FILE, MODELING_SOURCE, remote_config
+from nanochat.hf_format import (CHAT_TEMPLATE, MODELING_FILE, check_free, generation_config, hf_config, modeling_source,
+                                remote_config, rename_weights, save_safetensors, settings_without_equivalent,
+                                staged_directory, tokenizer_config, tokenizer_json)
 from nanochat.report import model_card
 
 source = "sft"  # which checkpoints: base | mid | sft | rl
@@ -68,8 +66,9 @@ with staged_directory(out, overwrite, "--out") as tmp:
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             f.write(content)
     save_safetensors(state, os.path.join(tmp, "model.safetensors"))
-    if layout == "remote":
-        shutil.copyfile(MODELING_SOURCE, os.path.join(tmp, MODELING_FILE))
+    if layout == "remote":  # our modeling file, with gpt.py's architecture written into it
+        with open(os.path.join(tmp, MODELING_FILE), "w", encoding="utf-8") as f:
+            f.write(modeling_source())
 
 out = os.path.abspath(out)
 print0(f"Exported {source} model {meta['model_tag']} step {meta['step']} ({model.num_params():,} parameters, {dtype}, "
@@ -79,6 +78,6 @@ if layout == "hf":
            f"vLLM: vllm serve {out}")
 elif layout == "remote":
     print0(f"Next: transformers: AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True) and "
-           f"AutoTokenizer.from_pretrained({out!r}) (vLLM and mlx-lm cannot run this layout)")
+           f"AutoTokenizer.from_pretrained({out!r}, trust_remote_code=True) (vLLM and mlx-lm cannot run this layout)")
 else:
     print0(f"Next: mlx_lm.generate --model {out} --prompt \"Hello\"")

@@ -24,9 +24,9 @@ from nanochat.checkpoint_manager import (SOURCES, TOKENIZER_SUBDIR, check_model_
                                          model_from_state, save_checkpoint)
 from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
-from nanochat.hf_format import (check_weight_names, load_safetensors_dir, model_config_from_hf, rename_weights,
-                                staged_directory, tokenizer_from_json)
-from nanochat.hf_remote import MODEL_TYPE as REMOTE_MODEL_TYPE, gpt_weight_names, model_config_from_remote
+from nanochat.hf_format import (REMOTE_MODEL_TYPE, check_weight_names, gpt_weight_names, load_safetensors_dir,
+                                model_config_from_hf, model_config_from_remote, rename_weights, staged_directory,
+                                tokenizer_from_json)
 from nanochat.reference_format import find_steps, read_checkpoint
 
 path = ""  # the directory to import (required)

@@ -8,7 +8,6 @@ The checkpoints are untrained (init_weights, then random values where init puts 
 the head), saved as a training stage saves them, with the session's small tokenizer.
 """
 
-import filecmp
 import json
 import shutil
 
@@ -20,7 +19,7 @@ from nanochat.checkpoint_manager import checkpoint_dir_for, load_model, save_che
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.hf_remote import MODELING_FILE, MODELING_SOURCE
+from nanochat.hf_format import MODELING_FILE, modeling_source
 from nanochat.tokenizer import get_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -89,7 +88,7 @@ def remote_model(exports, tmp_path_factory):
 
 def test_2026_model_exports_with_its_modeling_file(exports, remote_model):
     directory = exports("r26")
-    assert filecmp.cmp(directory / MODELING_FILE, MODELING_SOURCE, shallow=False)  # copied verbatim
+    assert (directory / MODELING_FILE).read_text() == modeling_source()  # gpt.py's architecture written into it
     config = json.loads((directory / "config.json").read_text())
     stem = MODELING_FILE.removesuffix(".py")
     assert config["auto_map"] == {"AutoConfig": f"{stem}.NanoChatGPTConfig", "AutoModelForCausalLM": f"{stem}.NanoChatGPTForCausalLM"}
@@ -113,7 +112,8 @@ def test_remote_model_matches_our_logits_and_greedy_tokens(recipe_base, remote_m
         one = remote_model(ids[:, 47:48], cache=chunk.cache, use_cache=True)
     assert (torch.cat([first.logits, chunk.logits, one.logits], 1) - logits[:, :48]).abs().max().item() <= 1e-5
     lengths = []  # the tokens each forward reads: with the cache, the prompt once and then one at a time
-    hook = remote_model.transformer.wte.register_forward_pre_hook(lambda _, args: lengths.append(args[0].size(1)))
+    hook = remote_model.register_forward_pre_hook(
+        lambda _, args, kwargs: lengths.append((args[0] if args else kwargs["input_ids"]).size(1)), with_kwargs=True)
     try:
         for prompt in (tokenizer.encode("The function", prepend="<|bos|>"),
                        tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+2?"}]})):

@@ -324,3 +324,46 @@ def test_rotary_tables_follow_the_configured_base():
         head_dim = 16
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         torch.testing.assert_close(model.cos[0, 7, 0], torch.cos(7 * inv_freq))
+
+
+# -----------------------------------------------------------------------------
+# The architecture written once: what the export carries is gpt.py's own code
+
+
+def off_its_default(field):
+    """A value of a GPTConfig field other than its default (a field of a new kind: teach this test a value for it)."""
+    if field.type is bool:
+        return not field.default
+    if field.type is float:
+        return field.default * 1.2
+    raise AssertionError(f"GPTConfig.{field.name} ({field.type}): add a value other than its default here")
+
+
+def test_the_architecture_part_alone_computes_gpts_logits_with_every_field_off_its_default():
+    # gpt.py's architecture part, run on its own with only the imports the exported modeling file has, on the weights
+    # of a GPT whose every non-size field is off its default: exactly GPT's logits. So the export (which carries this
+    # text, not a copy written by hand) computes what training computes, for every field GPTConfig has.
+    from dataclasses import fields
+
+    from nanochat.hf_format import MODEL_CONFIG_KEYS, architecture_source, modeling_source
+    parts = {f.name: off_its_default(f) for f in fields(GPTConfig) if f.name not in MODEL_CONFIG_KEYS}
+    model = make_model(n_layer=3, n_head=4, n_kv_head=2, **parts)
+    model.init_weights(recipe="2026")
+    randomize_zero_init(model)
+    architecture = {}
+    exec(compile("import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\nfrom collections import namedtuple\n"
+                 "from dataclasses import asdict, dataclass, fields\nfrom functools import partial\n" + architecture_source(),
+                 "the architecture part", "exec"), architecture)
+    config = architecture["GPTConfig"](**model.config.to_dict())
+    alone = torch.nn.Module()
+    architecture["build_parameters"](alone, config)
+    alone.load_state_dict(model.state_dict())  # the same names, every one of them
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        cos_sin = architecture["rotary"](torch.arange(32)[None], 16, config.rope_base)
+        attend = lambda i, q, k, v: architecture["attention"](q, k, v)
+        x = architecture["hidden_states"](architecture["weights_of"](alone), idx, cos_sin, attend, config)
+        torch.testing.assert_close(architecture["softcapped"](alone.lm_head(x)), model(idx), rtol=0, atol=0)
+    exported = modeling_source()  # the modeling file as exported: that text in place of its import, nothing of nanochat
+    assert architecture_source() in exported
+    assert not [line for line in exported.splitlines() if line.startswith(("from nanochat", "import nanochat"))]
