@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from nanochat.calculator import use_calculator
+from nanochat.execution import use_calculator
 from nanochat.common import UserError
 
 # -----------------------------------------------------------------------------

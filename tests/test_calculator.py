@@ -1,5 +1,5 @@
 """
-The calculator tool (nanochat/calculator.py): what it evaluates and refuses (at once, whatever the expression asks
+The calculator tool (nanochat/execution.py, use_calculator): what it evaluates and refuses (at once, whatever the expression asks
 for), and the Engine forcing its output into a generation, on bigram models that call it.
 """
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from helpers import bigram_model, engine_stream
-from nanochat.calculator import use_calculator
+from nanochat.execution import use_calculator
 from nanochat.engine import Engine
 from nanochat.tokenizer import Tokenizer
 
