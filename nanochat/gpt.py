@@ -66,33 +66,18 @@ def has_value_embeds(config, layer_idx):
     return config.value_embeds and layer_idx % 2 == (config.n_layer - 1) % 2
 
 
-class CausalSelfAttention(nn.Module):
-    """The attention's parameters (its arithmetic: block()). ve_gate only in layers with a value embedding."""
-
-    def __init__(self, config, layer_idx):
-        super().__init__()
-        head_dim, kv_width = config.n_embd // config.n_head, config.n_kv_head * (config.n_embd // config.n_head)
-        self.c_q = nn.Linear(config.n_embd, config.n_head * head_dim, bias=False)
-        self.c_k = nn.Linear(config.n_embd, kv_width, bias=False)
-        self.c_v = nn.Linear(config.n_embd, kv_width, bias=False)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, config.n_kv_head, bias=False) if has_value_embeds(config, layer_idx) else None
-
-
-class MLP(nn.Module):
-    """The MLP's parameters (its arithmetic: block()): 4 x n_embd wide."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
-
-
 class Block(nn.Module):
+    """One layer's parameters, each matrix (out, in) (their arithmetic: block()): attn.c_q, c_k, c_v, c_proj (and
+    ve_gate, in a layer with a value embedding), mlp.c_fc, c_proj (4 x n_embd wide)."""
+
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.attn = CausalSelfAttention(config, layer_idx)
-        self.mlp = MLP(config)
+        C, Q, KV = config.n_embd, config.n_embd, config.n_kv_head * (config.n_embd // config.n_head)
+        linear = lambda fan_in, fan_out: nn.Linear(fan_in, fan_out, bias=False)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        self.attn.c_q, self.attn.c_k, self.attn.c_v, self.attn.c_proj = linear(C, Q), linear(C, KV), linear(C, KV), linear(Q, C)
+        self.attn.ve_gate = linear(VE_GATE_CHANNELS, config.n_kv_head) if has_value_embeds(config, layer_idx) else None
+        self.mlp.c_fc, self.mlp.c_proj = linear(C, 4 * C), linear(4 * C, C)
 
 
 def build_parameters(model, config):
