@@ -1,15 +1,16 @@
 """
 Evaluate a chat model on chat tasks, and compute ChatCORE.
 
-    python -m scripts.chat_eval -i sft                            # the six ChatCORE tasks (downloaded once)
+    python -m scripts.chat_eval -i sft                            # the ChatCORE tasks (downloaded once)
     python -m scripts.chat_eval -i mid -a GSM8K --max_problems=200
     python -m scripts.chat_eval -i mid -a offline                 # the offline tasks' test splits: no download
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_eval -i sft
 
--i picks the model (--source: mid | sft | rl) and -a the tasks (--task_name): ARC-Easy, ARC-Challenge, MMLU,
-GSM8K, HumanEval, SpellingBee, or an offline task (SimpleSpelling, Arithmetic, PydocsChat, PydocsMC,
-Identity), several separated by commas, `all` (the six ChatCORE tasks) or `offline` (the offline tasks of
-tasks/offline.py, as sized there). Every other setting is --key=value; --help lists them.
+-i picks the model (--source: mid | sft | rl) and -a the tasks (--task_name): a ChatCORE task (ARC-Easy,
+ARC-Challenge, MMLU, GSM8K, HumanEval, SpellingBee), an offline task (SimpleSpelling, Arithmetic, PydocsChat,
+PydocsMC, Identity), several separated by commas, `all` (the ChatCORE tasks) or `offline` (the offline tasks'
+test split, as sized in tasks/registry.py). Which tasks are which, and their baselines: tasks/registry.py. Every
+other setting is --key=value; --help lists them.
 
 How a problem is scored (a task's accuracy = problems passed / problems):
 - categorical tasks (ARC, MMLU, PydocsMC: the answer is one of a few letters): no sampling. The prompts of a
@@ -22,12 +23,12 @@ How a problem is scored (a task's accuracy = problems passed / problems):
   the context, and the task's evaluate() checks each one (HumanEval runs the code). The problem passes if
   any sample passes: pass@k with k = num_samples. Problem i is sampled with seed + i.
 
-ChatCORE is the mean over the six ChatCORE tasks of the centered accuracy, (accuracy - baseline) / (1 -
-baseline), where the baseline is what guessing scores: 0.25 for ARC-Easy, ARC-Challenge and MMLU (four
+ChatCORE is the mean over the ChatCORE tasks of the centered accuracy, (accuracy - baseline) / (1 - baseline),
+where the baseline is what guessing scores (tasks/registry.py): 0.25 for ARC-Easy, ARC-Challenge and MMLU (four
 choices), 0 for GSM8K, HumanEval and SpellingBee. 0 is chance, 1 is perfect. "Offline ChatCORE" is the same
 mean over the offline tasks (baseline 1/number of choices for multiple choice, 0 for generative), to follow
 a small model trained on the offline mixture; it is a different score and never reported as ChatCORE.
-ChatCORE is computed when its six tasks ran (-a all), Offline ChatCORE with -a offline.
+ChatCORE is computed when all its tasks ran (-a all), Offline ChatCORE with -a offline.
 
 Greedy answers (temperature 0, the default) of `batch_size` problems are decoded together (one decoding step for
 all of them); sampled ones one problem at a time, so that problem i's samples depend on seed + i only.
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from nanochat.chat_scoring import Progress, score_categorical, score_generative
 from nanochat.common import UserError, duration, print0
+from tasks.registry import build_tasks, chatcore_baselines, find, placed
 
 # -----------------------------------------------------------------------------
 # Config (override as --key=value; -i and -a are short for --source and --task_name; --help lists them)
@@ -63,8 +65,6 @@ max_new_tokens = 512  # generative tasks: longest answer (fewer when the prompt 
 seed = 42  # generative tasks: problem i is sampled with seed + i, whatever the number of ranks
 progress_every = 5.0  # seconds between progress lines of a task (0 = after every batch or problem)
 
-CHATCORE_BASELINES = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0,
-                      "SpellingBee": 0.0}  # ChatCORE's tasks and the accuracy of guessing on each
 SHORT_FLAGS = {"-i": "source", "-a": "task_name"}
 
 
@@ -87,40 +87,23 @@ def expand_short_flags(argv):
 # The tasks
 
 
-def chatcore_task(name):
-    """The test split of one of the ChatCORE tasks (downloaded once, except SpellingBee, which is generated)."""
-    if name in ("ARC-Easy", "ARC-Challenge"):
-        from tasks.arc import ARC
-        return ARC(subset=name, split="test")
-    if name == "MMLU":
-        from tasks.mmlu import MMLU
-        return MMLU(subset="all", split="test")
-    if name == "GSM8K":
-        from tasks.gsm8k import GSM8K
-        return GSM8K(subset="main", split="test")
-    if name == "HumanEval":
-        from tasks.humaneval import HumanEval
-        return HumanEval()
-    from tasks.spellingbee import SpellingBee
-    return SpellingBee(split="test")
-
-
 def load_tasks(task_name):
-    """{name: task} for --task_name (see the module docstring); UserError for a name that is not a task."""
-    from tasks.offline import offline_tasks
+    """
+    {name: task} for --task_name (see the module docstring); UserError for a name that is not a task. A task named
+    alone is its ChatCORE test split when it is in ChatCORE (SpellingBee: 500 problems), else its offline one.
+    """
     if task_name == "offline":
-        return {type(task).__name__: task for task in offline_tasks("test")}
-    names = list(CHATCORE_BASELINES) if task_name == "all" else [n.strip() for n in task_name.split(",") if n.strip()]
-    offline = {}
-    if not names or any(name not in CHATCORE_BASELINES for name in names):  # built only when needed (a few seconds)
-        offline = {type(task).__name__: task for task in offline_tasks("test")}
-        unknown = [name for name in names if name not in CHATCORE_BASELINES and name not in offline]
-        if unknown or not names:
-            raise UserError(f"unknown task {', '.join(map(repr, unknown)) or repr(task_name)}: use "
-                            f"{', '.join(CHATCORE_BASELINES)} or {', '.join(n for n in offline if n not in CHATCORE_BASELINES)}, "
-                            f"several separated by commas, all or offline")
+        return dict(build_tasks("offline/test"))
+    chatcore, offline = chatcore_baselines(), [task.name for task in placed("offline/test")]
+    names = list(chatcore) if task_name == "all" else [n.strip() for n in task_name.split(",") if n.strip()]
+    unknown = [name for name in names if name not in chatcore and name not in offline]
+    if unknown or not names:
+        raise UserError(f"unknown task {', '.join(map(repr, unknown)) or repr(task_name)}: use "
+                        f"{', '.join(chatcore)} or {', '.join(n for n in offline if n not in chatcore)}, "
+                        f"several separated by commas, all or offline")
     # every name is checked before anything is downloaded
-    return {name: chatcore_task(name) if name in CHATCORE_BASELINES else offline[name] for name in names}
+    return {name: find(name).build(split="test") if name in chatcore else find(name).build_at("offline/test")
+            for name in names}
 
 
 # -----------------------------------------------------------------------------
@@ -139,15 +122,16 @@ def mean_centered(accuracies, baselines):
 
 def scores(results, offline):
     """
-    {score name: value}: ChatCORE when its six tasks ran, Offline ChatCORE when the offline tasks ran
+    {score name: value}: ChatCORE when all its tasks ran, Offline ChatCORE when the offline tasks ran
     (`offline`: this was `-a offline`), else nothing. `results`: {task: {"accuracy", "chance", ...}}.
     ChatCORE uses its fixed baselines, Offline ChatCORE the chance accuracy measured on each task.
     """
     accuracies = {name: r["accuracy"] for name, r in results.items()}
     if offline:
         return {"Offline ChatCORE": mean_centered(accuracies, {name: r["chance"] for name, r in results.items()})}
-    if set(CHATCORE_BASELINES) <= set(results):
-        return {"ChatCORE": mean_centered(accuracies, CHATCORE_BASELINES)}
+    chatcore = chatcore_baselines()
+    if set(chatcore) <= set(results):
+        return {"ChatCORE": mean_centered(accuracies, chatcore)}
     return {}
 
 
@@ -205,7 +189,7 @@ def main(argv=None):
         passed, total, too_long = int(counts[0]), int(counts[1]), int(counts[3])
         chance = counts[2].item() / max(total, 1)
         accuracy = passed / max(total, 1)
-        baseline = CHATCORE_BASELINES[name] if name in CHATCORE_BASELINES and not offline else chance
+        baseline = chance if offline else chatcore_baselines().get(name, chance)
         results[name] = {"type": task.eval_type, "passed": passed, "total": total, "accuracy": accuracy,
                          "chance": chance, "baseline": baseline}
         note = f"; {too_long} prompt(s) filled the context and failed" if too_long else ""
@@ -220,7 +204,7 @@ def main(argv=None):
     for score_name, value in final.items():
         print0(f"{score_name}: {value:.4f}")
     if not final:
-        print0("(ChatCORE needs all of its six tasks, -a all; Offline ChatCORE the offline tasks, -a offline)")
+        print0("(ChatCORE needs all of its tasks, -a all; Offline ChatCORE the offline tasks, -a offline)")
 
     get_report().log(section=f"Chat evaluation {source}", data=[
         {"model": f"{source} {meta['model_tag']} step {meta['step']}", "tasks": task_name, "max problems": max_problems,

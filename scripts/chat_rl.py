@@ -32,6 +32,7 @@ from nanochat.losses import count_step_targets, group_advantages, policy_gradien
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
+from tasks.registry import stage_mixture
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -40,7 +41,7 @@ device_type = ""  # cuda | cpu | mps; empty = autodetect
 source = "sft"  # which model to start from: sft | mid
 model_tag = ""  # which model of that stage (needed only if there are several); also names chatrl_checkpoints/<tag>
 step = -1  # which checkpoint step of the source model (-1 = the last)
-mixture = "real"  # real (GSM8K; downloads) | offline (spelling, arithmetic, identity: tasks/offline.py; no downloads)
+mixture = "real"  # real (GSM8K; downloads) | offline (spelling, arithmetic, identity; no downloads): tasks/registry.py
 num_iterations = -1  # optimizer steps; -1 = one pass over the training problems
 prompts_per_step = 16  # problems per optimizer step, all ranks together
 num_samples = 16  # answers sampled per problem (the advantage compares them)
@@ -108,13 +109,10 @@ optimizers = model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=
 scale_initial_lrs(optimizers, init_lr_frac)
 
 # -----------------------------------------------------------------------------
-# 6. Data: the problems, and their reward (task.reward: 1.0 for the right final answer, else 0.0)
-if mixture == "real":
-    from tasks.gsm8k import GSM8K
-    train_task, test_task = GSM8K(subset="main", split="train"), GSM8K(subset="main", split="test")
-else:  # spelling, arithmetic and identity problems (why these: tasks/offline.py)
-    from tasks.offline import offline_rl_mixture
-    train_task, test_task = offline_rl_mixture("train"), offline_rl_mixture("test")
+# 6. Data: the problems, and their reward (task.reward: 1.0 for the right final answer, else 0.0). Which problems:
+# tasks/registry.py ("rl/real/train": GSM8K; "rl/offline/train": spelling, arithmetic and identity, why these in
+# tasks/offline.py); the test problems are "rl/real/val", or the offline test split of those tasks.
+train_task, test_task = stage_mixture("rl", mixture, "train"), stage_mixture("rl", mixture, "val")
 if num_iterations < 0:
     num_iterations = max(1, len(train_task) // prompts_per_step)
 print0(f"Mixture {mixture}: {len(train_task):,} training problems, {len(test_task):,} test problems; {num_iterations} steps")

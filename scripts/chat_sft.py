@@ -17,14 +17,13 @@ max_seq_len + 1 tokens, and padded to the longest row of the micro-batch with ig
 the step (nanochat/losses.py), so a long answer weighs more than a short one, as in midtraining.
 """
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 from nanochat.chat_scoring import score_categorical
-from nanochat.common import UserError, gather_from_ranks, get_base_dir, interruptible, print0
+from nanochat.common import UserError, gather_from_ranks, interruptible, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader
 from nanochat.hardware import autocast_context, compile_model, device_time
@@ -33,6 +32,7 @@ from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step
 from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
+from tasks.registry import stage_mixture, stage_tasks
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -62,7 +62,7 @@ save_every = -1  # steps between checkpoints (<= 0: only the final one)
 resume_from_step = -1  # resume from this step's checkpoint in chatsft_checkpoints/<model_tag> (-1 = start from the source)
 overwrite = False  # a fresh run into a model_tag that holds SFT checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model (for rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
-mixture = "real"  # real (ARC, GSM8K, SmolTalk, identity, spelling; downloads) | offline (the offline tasks, no downloads)
+mixture = "real"  # real (ARC, GSM8K, SmolTalk, ...; downloads) | offline (the offline tasks, no downloads): tasks/registry.py
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
 dry_run = False  # run everything but write no checkpoint and no report
@@ -105,32 +105,13 @@ print0(f"Conversations / micro-batch (all {ddp_world_size} ranks): {device_batch
 print0(f"Examples per step {examples_per_step} => gradient accumulation steps: {grad_accum_steps}")
 
 # -----------------------------------------------------------------------------
-# 5. Data: a deterministic shuffled mixture of conversations. No silent fallback from one mixture to the other.
-if mixture == "real":
-    from tasks.arc import ARC
-    from tasks.common import TaskMixture
-    from tasks.customjson import CustomJSON
-    from tasks.gsm8k import GSM8K
-    from tasks.identity import write_identity_jsonl
-    from tasks.mmlu import MMLU
-    from tasks.smoltalk import SmolTalk
-    from tasks.spellingbee import SimpleSpelling, SpellingBee
-    identity_path = identity_file or write_identity_jsonl(os.path.join(get_base_dir(), "identity_conversations.jsonl"))
-    train_dataset = TaskMixture([
-        ARC(subset="ARC-Easy", split="train"),  # 2.3K multiple-choice science questions
-        ARC(subset="ARC-Challenge", split="train"),  # 1.1K harder ones
-        GSM8K(subset="main", split="train"),  # 8K math problems with calculator tool calls
-        SmolTalk(split="train", stop=10_000),  # 10K general conversations
-        CustomJSON(identity_path),  # who am I
-        SimpleSpelling(split="train", size=300), SpellingBee(split="train", size=300),  # spelling and letter counting
-    ])
-    val_dataset = SmolTalk(split="test")
-    metric_tasks = {"MMLU": MMLU(subset="all", split="test"), "ARC-Easy": ARC(subset="ARC-Easy", split="test")}
-else:
-    from tasks.offline import offline_mixture
-    from tasks.pydocs_chat import PydocsMC
-    train_dataset, val_dataset = offline_mixture("train", draw=1), offline_mixture("test")  # examples mid did not read
-    metric_tasks = {"PydocsMC": PydocsMC(split="test", step=8)}
+# 5. Data: a deterministic shuffled mixture of conversations, and the multiple-choice tasks whose accuracy is followed:
+# which tasks, how much of each, in tasks/registry.py ("sft/real/train", "sft/offline/train" (examples midtraining
+# did not read), "sft/real/metrics", ...; `python -m tasks.registry` lists them). No silent fallback from one
+# mixture to the other.
+train_dataset = stage_mixture("sft", mixture, "train", identity_file=identity_file)
+val_dataset = stage_mixture("sft", mixture, "val")
+metric_tasks = dict(stage_tasks("sft", mixture, "metrics"))  # {name: task}
 # One whole conversation per row, padded to the longest of the micro-batch (nanochat/dataloader.py)
 loader_args = dict(packed=False, rank=ddp_rank, world_size=ddp_world_size)
 train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,

@@ -14,12 +14,11 @@ pretraining the data of a step depends on the world size: 2 ranks x 1 micro-step
 conversations as 1 rank x 2 micro-steps. A resumed run must therefore use the same number of processes.
 """
 
-import os
 import sys
 
 import torch
 
-from nanochat.common import UserError, gather_from_ranks, get_base_dir, print0
+from nanochat.common import UserError, gather_from_ranks, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
@@ -28,6 +27,7 @@ from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step
 from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
+from tasks.registry import stage_mixture
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -54,7 +54,7 @@ save_every = -1  # steps between checkpoints (<= 0: only the final one)
 resume_from_step = -1  # resume from this step's checkpoint in mid_checkpoints/<model_tag> (-1 = start from the base model)
 overwrite = False  # a fresh run into a model_tag that holds midtraining checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
-mixture = "real"  # real (SmolTalk, MMLU, GSM8K, identity, spelling; downloads) | offline (synthetic, no downloads)
+mixture = "real"  # real (SmolTalk, MMLU, GSM8K, ...; downloads) | offline (synthetic, no downloads): tasks/registry.py
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
 train_on_all_tokens = False  # False: loss only on the tokens the chat mask marks (assistant); True: every token
@@ -96,27 +96,11 @@ print0(f"torch.compile: {use_compile}")
 grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, ddp_world_size, show=True)
 
 # -----------------------------------------------------------------------------
-# 5. Data: a deterministic shuffled mixture of chat tasks. No silent fallback from one mixture to the other.
-if mixture == "real":
-    from tasks.common import TaskMixture
-    from tasks.customjson import CustomJSON
-    from tasks.gsm8k import GSM8K
-    from tasks.identity import write_identity_jsonl
-    from tasks.mmlu import MMLU
-    from tasks.smoltalk import SmolTalk
-    from tasks.spellingbee import SimpleSpelling, SpellingBee
-    identity_path = identity_file or write_identity_jsonl(os.path.join(get_base_dir(), "identity_conversations.jsonl"))
-    train_dataset = TaskMixture([
-        SmolTalk(split="train"),  # general conversations
-        MMLU(subset="auxiliary_train", split="train"),  # multiple choice
-        GSM8K(subset="main", split="train"),  # math with calculator tool calls
-        CustomJSON(identity_path), CustomJSON(identity_path),  # who am I; listed twice = oversampled 2x
-        SimpleSpelling(split="train"), SpellingBee(split="train"),  # spelling and letter counting
-    ])
-    val_dataset = TaskMixture([SmolTalk(split="test"), MMLU(subset="all", split="test", stop=5200), GSM8K(subset="main", split="test", stop=420)])
-else:
-    from tasks.offline import offline_mixture
-    train_dataset, val_dataset = offline_mixture("train"), offline_mixture("test")
+# 5. Data: a deterministic shuffled mixture of chat tasks: which tasks, how much of each, in tasks/registry.py
+# ("mid/real/train", "mid/offline/train"; `python -m tasks.registry` lists them). No silent fallback from one
+# mixture to the other.
+train_dataset = stage_mixture("mid", mixture, "train", identity_file=identity_file)
+val_dataset = stage_mixture("mid", mixture, "val")
 # Conversations packed into rows: a conversation longer than a row continues in the next one (nanochat/dataloader.py)
 loader_args = dict(packed=True, rank=ddp_rank, world_size=ddp_world_size, train_on_all_tokens=train_on_all_tokens)
 train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,

@@ -1,6 +1,8 @@
 """
 The offline chat mixture: synthetic tasks that need no download, so midtraining and chat evaluation run
 anywhere (a laptop, CI, a machine without internet), and a small model is measured on things it can learn.
+Its tasks, their sizes and their order are declared in tasks/registry.py (the places "mid/offline/train",
+"sft/offline/train", "rl/offline/train" and "offline/test"); this module says why, and shows them.
 
     python -m scripts.mid_train --mixture=offline      uses offline_mixture("train") and offline_mixture("test")
     python -m tasks.offline                            prints the mixture's composition and a few examples
@@ -10,16 +12,20 @@ Sizes are chosen for a CPU-sized midtraining (speedrun.sh's CPU path: a depth-4 
 tokenizer) and 1,281 test conversations (~154k tokens) for CPython 3.11 (offline_tasks below).
 Every task and its split are deterministic and documented in its module; train and test never share a
 word (spelling), a problem (arithmetic), a documentation entry (pydocs) or a conversation (identity).
+
+SFT reads other examples of the same train splits than midtraining (offline_tasks' `draw`), and RL others again,
+of the tasks whose answers a program checks and that a speedrun-sized model gets right at times, so that its sampled
+answers differ in reward: SpellingBee, Arithmetic, Identity. SimpleSpelling and PydocsChat it never gets right at that
+size (every answer rewarded 0: nothing to learn, only sampling to pay for) and PydocsMC is scored by its logits, not
+an answer. On arithmetic alone, RL drifted the other tasks and lowered the speedrun's Offline ChatCORE
+(bench/RESULTS.md).
 """
 
 import argparse
 
 from nanochat.common import UserError
-from tasks.arithmetic import Arithmetic
 from tasks.common import TaskMixture, print_examples
-from tasks.identity import Identity
-from tasks.pydocs_chat import PydocsChat, PydocsMC
-from tasks.spellingbee import SimpleSpelling, SpellingBee
+from tasks.registry import build_tasks, stage_tasks
 
 
 def offline_tasks(split, draw=0):
@@ -32,27 +38,9 @@ def offline_tasks(split, draw=0):
     """
     if draw not in (0, 1):
         raise UserError(f"offline_tasks: draw must be 0 (midtraining's examples) or 1 (SFT's), got {draw!r}")
-    if split == "train":
-        identity = Identity(split="train", size=200, seed=draw)
-        return [
-            SpellingBee(split="train", size=700, seed=draw),  # count letters, with a python tool call
-            SimpleSpelling(split="train", size=500, seed=draw),  # spell a word letter by letter
-            Arithmetic(split="train", size=800, seed=draw),  # word problems with calculator calls, "#### answer"
-            PydocsChat(split="train", step=9, start=4 * draw),  # ~800 of the 7,188 training entries, all modules
-            PydocsMC(split="train", step=16, start=8 * draw),  # ~450 multiple-choice questions (1 trained token)
-            identity, identity,  # who am I; listed twice = oversampled 2x
-        ]
-    if split == "test":
-        return [
-            SpellingBee(split="test", size=100),
-            SimpleSpelling(split="test", size=60),
-            Arithmetic(split="test", size=120),
-            PydocsChat(split="test", step=5),  # ~160 of the 799 test entries
-            PydocsMC(split="test"),  # all 791: a small model answers them at chance, and 99 of them moved Offline
-            # ChatCORE by +-0.007 between two models of one pipeline, as much as a stage's gain (bench/RESULTS.md)
-            Identity(split="test", size=50),
-        ]
-    raise UserError(f"offline_mixture: split must be train or test, got {split!r}")
+    if split not in ("train", "test"):
+        raise UserError(f"offline_mixture: split must be train or test, got {split!r}")
+    return [task for _, task in build_tasks(f"{('mid', 'sft')[draw]}/offline/train" if split == "train" else "offline/test")]
 
 
 def offline_mixture(split, seed=42, draw=0):
@@ -61,22 +49,11 @@ def offline_mixture(split, seed=42, draw=0):
 
 
 def offline_rl_mixture(split, seed=42):
-    """
-    The problems of RL on the offline tasks (chat_rl --mixture=offline): those of the offline tasks whose answers a
-    program checks and that a speedrun-sized model gets right at times, so that its sampled answers differ in reward:
-    SpellingBee, Arithmetic, Identity. SimpleSpelling and PydocsChat it never gets right at that size (every answer
-    rewarded 0: nothing to learn, only sampling to pay for) and PydocsMC is scored by its logits, not an answer. The
-    train split draws examples other than midtraining's and SFT's (seed 2); the test split is offline_tasks("test")'s.
-    On arithmetic alone, RL drifted the other tasks and lowered the speedrun's Offline ChatCORE (bench/RESULTS.md).
-    """
-    if split == "train":
-        tasks = [SpellingBee(split="train", size=700, seed=2), Arithmetic(split="train", size=800, seed=2),
-                 Identity(split="train", size=200, seed=2)]
-    elif split == "test":
-        tasks = [task for task in offline_tasks("test") if isinstance(task, (SpellingBee, Arithmetic, Identity))]
-    else:
+    """The problems of RL on the offline tasks (chat_rl --mixture=offline; which, and why: the module docstring). The
+    train split draws examples other than midtraining's and SFT's (seed 2); the test split is offline_tasks("test")'s."""
+    if split not in ("train", "test"):
         raise UserError(f"offline_rl_mixture: split must be train or test, got {split!r}")
-    return TaskMixture(tasks, seed=seed)
+    return TaskMixture([task for _, task in stage_tasks("rl", "offline", "train" if split == "train" else "val")], seed=seed)
 
 
 def main(argv=None):

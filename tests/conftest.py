@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from helpers import CORES, TASK_FIXTURES, TASK_REPOS, TINY_MODELS, FileServer, build_once, run_script
+from helpers import CORES, TASK_FIXTURES, TINY_MODELS, FileServer, build_once, run_script
 
 
 def pytest_configure(config):
@@ -45,11 +45,15 @@ def file_server(tmp_path):
 
 @pytest.fixture
 def hub(file_server, monkeypatch):
-    """The task fixtures served at "{url}/datasets/{repo}/resolve/main/{path}", like the Hugging Face hub
-    (NANOCHAT_HF_URL points at it). Its `requests` count what the loaders downloaded."""
+    """The task fixtures of every hub repo of tasks/registry.py, served at "{url}/datasets/{repo}/resolve/main/{path}"
+    like the Hugging Face hub (NANOCHAT_HF_URL points at it). Its `requests` count what the loaders downloaded."""
     import shutil
-    for repo in TASK_REPOS:
-        shutil.copytree(os.path.join(TASK_FIXTURES, repo), os.path.join(file_server.root, "datasets", repo, "resolve", "main"))
+
+    from tasks.registry import hub_repos
+    for repo in hub_repos():
+        fixtures = os.path.join(TASK_FIXTURES, repo)
+        if os.path.isdir(fixtures):  # a repo without fixtures is not served: its downloads fail
+            shutil.copytree(fixtures, os.path.join(file_server.root, "datasets", repo, "resolve", "main"))
     monkeypatch.setenv("NANOCHAT_HF_URL", file_server.url)
     return file_server
 

@@ -116,8 +116,6 @@ def computed_as_in_scripts():
     (nanochat/hardware.py: bf16 autocast on a CPU with native bf16, else nothing). A test that predicts a script's
     numbers computes them in here: in bf16 a matmul's rounding depends on the thread count, in fp32 it does not.
     """
-    import torch
-
     from nanochat.hardware import autocast_context
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -214,9 +212,8 @@ def speedrun_env(**overrides):
                 PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **overrides)
 
 
-# The real task loaders' files (tests/fixtures/tasks/<owner>/<dataset>/...), in the published formats
-TASK_FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tasks")
-TASK_REPOS = ("HuggingFaceTB/smol-smoltalk", "cais/mmlu", "openai/gsm8k", "allenai/ai2_arc", "openai/openai_humaneval")
+# The files of the hub repos of tasks/registry.py (tasks/<owner>/<dataset>/...), in the published formats
+TASK_FIXTURES = os.path.join(REPO_ROOT, "tests", "fixtures", "tasks")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +376,6 @@ def document_ends(model, tokenizer, pydocs_dir, count, max_tokens=120):
     without <|bos|>.
     """
     import pyarrow.parquet as pq
-    import torch
     bos = tokenizer.get_bos_token_id()
     shard = sorted(n for n in os.listdir(pydocs_dir) if n.startswith("shard_"))[-1]
     found = []

@@ -22,10 +22,10 @@ from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import Tokenizer
-from scripts.chat_eval import (CHATCORE_BASELINES, expand_short_flags, load_tasks, mean_centered,
-                               score_categorical, score_generative, scores)
+from scripts.chat_eval import expand_short_flags, load_tasks, mean_centered, score_categorical, score_generative, scores
 from tasks.common import Task, render_mc
 from tasks.humaneval import HumanEval, build_program, extract_code
+from tasks.registry import chatcore_baselines
 
 @pytest.fixture(scope="module")
 def tok(small_tokenizer_dir):
@@ -279,7 +279,7 @@ def test_chatcore_arithmetic():
     assert mean_centered({"a": 1.0, "b": 0.25}, {"a": 0.25, "b": 0.25}) == pytest.approx(0.5)
     offline = {"PydocsMC": {"accuracy": 0.5, "chance": 0.25}, "Arithmetic": {"accuracy": 0.2, "chance": 0.0}}
     assert scores(offline, offline=True) == {"Offline ChatCORE": pytest.approx((1 / 3 + 0.2) / 2)}
-    assert set(CHATCORE_BASELINES) == {"ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"}
+    assert set(chatcore_baselines()) == {"ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"}
 
 
 def test_progress_line(capsys):
@@ -390,7 +390,7 @@ def test_chatcore_tasks_from_the_hub(mid_model, hub):
     result = chat_eval("-i", "mid", "--max_problems=2", "--max_new_tokens=16")  # -a all is the default
     assert result.returncode == 0, result.stderr
     lines = task_lines(result.stdout)
-    assert list(lines) == list(CHATCORE_BASELINES)
+    assert list(lines) == list(chatcore_baselines())
     assert lines["ARC-Challenge"].endswith("/1)") and lines["HumanEval"].endswith("/2)")  # the fixtures have 1 and 3
     assert re.search(r"^ChatCORE: -?[\d.]+$", result.stdout, re.MULTILINE)
     section = (mid_model / "report" / "chat-evaluation-mid.md").read_text()

@@ -16,9 +16,10 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import TASK_FIXTURES, TASK_REPOS, run_script
+from helpers import TASK_FIXTURES, run_script
 from nanochat.common import UserError
 from nanochat.tokenizer import Tokenizer
+from tasks import arc, gsm8k, mmlu, smoltalk
 from tasks.arc import ARC
 from tasks.common import render_mc
 from tasks.customjson import CustomJSON
@@ -26,7 +27,7 @@ from tasks.gsm8k import GSM8K, extract_answer, parse_answer
 from tasks.mmlu import MMLU
 from tasks.smoltalk import SmolTalk
 
-FIXTURES, REPOS = TASK_FIXTURES, TASK_REPOS  # smoltalk, mmlu, gsm8k, arc, humaneval
+FIXTURES, REPOS = TASK_FIXTURES, (smoltalk.REPO, mmlu.REPO, gsm8k.REPO, arc.REPO)
 IDENTITY = os.path.join(FIXTURES, "identity_conversations.jsonl")
 
 
