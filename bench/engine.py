@@ -1,5 +1,5 @@
 """
-Decoding benchmark: the Engine (nanochat/engine.py: KV cache, GPT.decode_step) against naive generation
+Decoding benchmark: the Engine (nanochat/engine.py: KV cache, engine.decode_step) against naive generation
 (GPT.generate, which re-runs the whole sequence at every step), on this machine.
 
     python bench/engine.py                                  # depth 4, vocab 8192, context 2048, CPU, 1 and 2 threads
@@ -15,7 +15,7 @@ For each thread count, prints:
   engine's end-to-end speedup over it (the same work: prompt in, `new_tokens` tokens out);
 and the peak memory (RSS) of the process after the engine runs and at the end. Medians of `repeats` runs.
 Also, greedy at batch 1 without the engine around it: decoding through GPT.forward with the KV cache (the generic
-path), and GPT.decode_step with the weight matrices as nn.Linear stores them (out, in) and with decode_weights()'
+path), and engine.decode_step with the weight matrices as nn.Linear stores them (out, in) and with decode_weights()'
 copies (on CPU stored (in, out)), to show what the lean step and the layout are each worth.
 Random weights (the speed does not depend on them) and a random prompt; the tokenizer (needed for its
 special tokens) is the pydocs one of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench
@@ -44,7 +44,7 @@ os.environ["NANOCHAT_DATASET"] = "pydocs"
 from nanochat.common import print0
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
-from nanochat.engine import Engine, KVCache
+from nanochat.engine import Engine, KVCache, decode_step, decode_weights
 from nanochat.gpt import GPT, config_from_depth, weights_of
 from nanochat.hardware import autocast_dtype
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
@@ -159,7 +159,7 @@ def run_naive(seed):
 
 @torch.inference_mode()
 def decode_step_rate(weights, steps=128):
-    """GPT.decode_step alone at batch 1 (greedy, no engine around it): tokens/s. weights=None: decode through
+    """engine.decode_step alone at batch 1 (greedy, no engine around it): tokens/s. weights=None: decode through
     GPT.forward with the KV cache instead (the generic cached path: nn.Modules, one (1, 1) token sequence)."""
     cfg = model.config
     cache = KVCache(1, cfg.n_kv_head, prompt_tokens + steps, cfg.n_embd // cfg.n_head, cfg.n_layer, device, model.lm_head.weight.dtype)
@@ -170,7 +170,7 @@ def decode_step_rate(weights, steps=128):
         if weights is None:
             token = model(token[:, None], kv_cache=cache)[:, -1].argmax(-1)
         else:
-            token = model.decode_step(token, cache, weights).argmax(-1)
+            token = decode_step(model, token, cache, weights).argmax(-1)
         token.tolist()  # as the engine does
     sync()
     return steps / (time.perf_counter() - t0)
@@ -181,7 +181,7 @@ Bs = [int(b) for b in batch_sizes.split(",")]
 layout_check = device.type == "cpu" and dtype == torch.float32  # decode_weights() copies only on CPU
 if layout_check:
     with torch.inference_mode():
-        copies = model.decode_weights()
+        copies = decode_weights(model)
 rows = []
 for n_threads in [int(t) for t in threads.split(",")]:
     if n_threads > 0:

@@ -6,7 +6,7 @@ ended, and its answer tokens came out far slower than the Engine decodes. This m
 - "one problem at a time": Engine.generate per problem, num_samples rows each (how chat_rl sampled before);
 - "problems together": Engine.generate_many over the step's problems, `sample_batch_size` answers at a time (how
   chat_rl samples now);
-- "decode ceiling": GPT.decode_step at num_samples rows for `ceiling_steps` steps, every row running (what
+- "decode ceiling": engine.decode_step at num_samples rows for `ceiling_steps` steps, every row running (what
   bench/engine.py measures): the rate at which the Engine decodes rows that have not ended.
 
 For each: answer tokens per second (the tokens chat_rl keeps: each answer up to and including its end token), the
@@ -25,7 +25,7 @@ from ab import machine_line  # bench/ab.py
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import print0
 from nanochat.configurator import check_config, configure
-from nanochat.engine import Engine
+from nanochat.engine import Engine, decode_step, decode_weights
 from nanochat.hardware import autocast_context, compute_dtype_line
 
 source = "mid"  # the chat model to sample from: mid | sft | rl
@@ -105,10 +105,10 @@ def ceiling(seed):
                     torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
     with torch.inference_mode():
         model.prefill(torch.tensor([prompt] * num_samples), cache)
-        weights = model.decode_weights(cache.k.dtype)
+        weights = decode_weights(model, cache.k.dtype)
         token = torch.full((num_samples,), prompt[-1])
         for _ in range(ceiling_steps):
-            token = model.decode_step(token, cache, weights).argmax(dim=-1)
+            token = decode_step(model, token, cache, weights).argmax(dim=-1)
     return num_samples * ceiling_steps, ceiling_steps
 
 

@@ -14,34 +14,11 @@ import operator
 from collections import deque
 
 import torch
+import torch.nn.functional as F
 
 from nanochat.execution import use_calculator
 from nanochat.common import UserError
-
-# -----------------------------------------------------------------------------
-# Sampling (also GPT.generate's, the naive reference)
-
-
-def sample_next_token(logits, rng, temperature=1.0, top_k=None):
-    """
-    Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng unused).
-    Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits only when top_k is
-    a positive int (None or 0: the whole vocabulary), by inverse transform sampling (docs/model.md). All randomness
-    comes from `rng` (a torch.Generator on the logits' device); the global RNG is not touched.
-    """
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    indices = None
-    if top_k and top_k < logits.size(-1):
-        logits, indices = torch.topk(logits, top_k, dim=-1)
-    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
-    total = cdf[:, -1:]  # 1 up to rounding
-    u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype) * total
-    # u < total: rounding could land u on it, past every token (a zero-probability token is never chosen)
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    choice = torch.searchsorted(cdf, u, right=True)  # the first token whose cumulative probability exceeds u
-    return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)
-
+from nanochat.gpt import attention, hidden_states, sample_next_token, softcapped, weights_of
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -52,7 +29,7 @@ class KVCache:
     Keys and values of the past positions, k and v of shape (n_layer, B, n_kv_head, capacity, head_dim); positions
     < pos are filled. At most `max_len` positions (ValueError past it); `capacity` are allocated (default max_len),
     doubled (up to max_len) when an insert needs more. GPT.forward calls insert_kv(layer, k, v) in every layer (pos
-    advances after the last); GPT.decode_step writes one position per layer via k_layers / v_layers, then advance().
+    advances after the last); decode_step writes one position per layer via k_layers / v_layers, then advance().
     """
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, n_layer, device, dtype, capacity=None):
@@ -117,6 +94,53 @@ class KVCache:
         self.reserve(end)
         self.k[:, rows, :, end - other.pos:end] = other.k[:, :, :, :other.pos]
         self.v[:, rows, :, end - other.pos:end] = other.v[:, :, :, :other.pos]
+
+
+# -----------------------------------------------------------------------------
+# One decoding step: gpt.py's blocks, their keys and values written into the cache
+
+
+@torch.no_grad()
+def decode_weights(model, dtype=None):
+    """
+    The gpt.Weights decode_step reads. On CUDA the parameters themselves; on CPU copies of the matrices in `dtype`
+    (default the weights') stored column-major, which streams faster (docs/model.md); the lookup tables (wte, value
+    embeddings) are looked up, not multiplied: kept as they are. Copies are stale once the weights change.
+    """
+    if model.lm_head.weight.device.type == "cpu":
+        return weights_of(model, lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t())
+    return weights_of(model)
+
+
+@torch.no_grad()
+def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
+    """
+    model(idx[:, None], kv_cache=kv_cache)[:, -1] for one new token per row, the same gpt.hidden_states without
+    nn.Module calls: idx (B,) the newest token of each row, kv_cache everything before it, `weights` from
+    decode_weights(); returns the logits (B, vocab) fp32 and advances the cache one position. Right-aligned rows of
+    different prompt lengths: `positions` (B,) each row's own position, `key_mask` (B, 1, 1, >= pos + 1) bool, False on
+    the padding before its prompt.
+    """
+    pos = kv_cache.pos
+    if pos + 1 > model.rotary_len:
+        raise ValueError(f"sequence of {pos + 1} tokens exceeds the rotary table ({model.rotary_len})")
+    kv_cache.reserve(pos + 1)
+    dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else weights.wte.dtype
+    if positions is None:  # every row at the cache's position
+        cos, sin = model.cos[:, pos:pos + 1].to(dtype), model.sin[:, pos:pos + 1].to(dtype)
+    else:  # (B, 1, 1, D/2): each row at its own position
+        cos, sin = model.cos[0, positions][:, None].to(dtype), model.sin[0, positions][:, None].to(dtype)
+    mask = None if key_mask is None else key_mask[..., :pos + 1]
+
+    def attend(i, q, k, v):  # this position's keys and values into the cache, then attend over all of it
+        k_cache, v_cache = kv_cache.k_layers[i], kv_cache.v_layers[i]  # (B, Hkv, capacity, D)
+        k_cache[:, :, pos] = k[:, :, 0]
+        v_cache[:, :, pos] = v[:, :, 0]
+        return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask)
+
+    x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
+    kv_cache.advance()
+    return softcapped(F.linear(x[:, -1], weights.lm_head))
 
 
 # -----------------------------------------------------------------------------
@@ -189,14 +213,14 @@ class Engine:
 
     def _decode_weights(self):
         """
-        model.decode_weights() in the dtype in use, made again only when that dtype or a parameter changed since
+        decode_weights(model) in the dtype in use, made again only when that dtype or a parameter changed since
         the last call (its identity, or its version counter, which torch bumps at every in-place change).
         """
         head = self.model.lm_head.weight
         dtype = torch.get_autocast_dtype(head.device.type) if torch.is_autocast_enabled(head.device.type) else head.dtype
         key = (dtype, *((id(p), p._version) for p in self.model.parameters()))
         if key != self._weights_key:
-            self._weights, self._weights_key = self.model.decode_weights(dtype), key
+            self._weights, self._weights_key = decode_weights(self.model, dtype), key
         return self._weights
 
     def _check_arguments(self, tokens, num_samples, max_tokens, temperature, top_k, seed):
@@ -312,7 +336,7 @@ class Engine:
             if weights is None:  # made after the first token is out, so they do not delay it
                 weights = self._decode_weights()
             positions = None if padding is None else cache.pos - padding
-            logits = model.decode_step(torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device), cache,
+            logits = decode_step(model, torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device), cache,
                                        weights, positions, key_mask)
 
     def _next_token(self, sample, sampled):

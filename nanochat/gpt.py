@@ -1,12 +1,11 @@
 """
 The GPT model: a decoder-only transformer (rotary, QK norm, GQA, ReLU², untied head, soft-capped logits).
 
-The architecture is written once, in this file's first part (between the two ARCHITECTURE lines, torch only): the
-config, the parameters (build_parameters), one block's arithmetic (block) and the transformer around it
-(hidden_states). Training (GPT.forward), decoding (GPT.decode_step, the Engine's loop) and the transformers export
-(nanochat/modeling_nanochat_gpt.py, which export_model writes with this part's text in place of its import) all run
-it; they differ only in where keys and values go (`attend`) and in the weights' copies. The rest: GPT (init,
-loss, FLOPs, optimizers, decoding), config_from_depth. The choices, initialisation, memory and FLOPs: docs/model.md.
+The architecture is written once, in the part between the two ARCHITECTURE lines (torch only): the config, the
+parameters, one block's arithmetic (block) and the transformer around it (hidden_states). Training (GPT.forward),
+decoding (engine.decode_step) and the transformers export (modeling_nanochat_gpt.py, written with this part's text in
+it) all run it; they differ only in where keys and values go (`attend`). Then GPT: init, loss, FLOPs, optimizers, naive
+sampling. The choices, initialisation, memory and FLOPs: docs/model.md.
 """
 
 import math
@@ -24,8 +23,7 @@ from nanochat.hardware import autocast_dtype
 from nanochat.losses import softcapped_cross_entropy
 
 # ============================= ARCHITECTURE (export_model copies from here to its end) =============================
-# Only torch, torch.nn as nn, torch.nn.functional as F, namedtuple, dataclass, asdict, fields and partial: the exported
-# modeling file imports those and nothing of nanochat (tests/test_export_remote.py checks it).
+# It uses torch, nn, F, namedtuple, dataclass, asdict, fields and partial alone (what the exported file imports)
 
 
 @dataclass
@@ -81,11 +79,8 @@ class Block(nn.Module):
 
 
 def build_parameters(model, config):
-    """
-    Every parameter of a GPT of `config`, made as attributes of `model` (our GPT, or the exported transformers model),
-    under the names the checkpoints use: transformer.wte, transformer.h.<i>.attn/mlp..., lm_head, the layer scalars,
-    value_embeds.<i> (an empty ModuleDict without value embeddings: no state_dict keys).
-    """
+    """Every parameter of a GPT of `config`, as attributes of `model` (our GPT, or the exported transformers model) under
+    the checkpoints' names: transformer.wte, transformer.h.<i>..., lm_head, the layer scalars, value_embeds.<i>."""
     check_shapes(config)
     model.transformer = nn.ModuleDict(dict(
         wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -221,16 +216,9 @@ def config_from_depth(depth, vocab_size=65536, sequence_len=2048, **parts):
 
 
 class GPT(nn.Module):
-    """
-    Build, then initialise explicitly (created on the meta device, materialised where it will live, initialised once):
+    """Built on the meta device, materialised where it will live, initialised once: `with torch.device("meta"): model =
+    GPT(config)`, then `model.to_empty(device=device)` and `model.init_weights()`."""
 
-        with torch.device("meta"):
-            model = GPT(config)
-        model.to_empty(device=device)
-        model.init_weights()
-    """
-
-    SOFTCAP = SOFTCAP  # as an attribute too: GPT.SOFTCAP
     LOGITS_CHUNK_ELEMENTS = 2**27  # above this many logits (512 MiB in fp32) the loss is computed in chunks
 
     def __init__(self, config):
@@ -252,9 +240,8 @@ class GPT(nn.Module):
         the identity (why: docs/model.md). recipe "2025": wte N(0, 1); c_q, c_k, c_v, c_fc uniform with std
         1/sqrt(fan_in) * min(1, sqrt(fan_out/fan_in)); lm_head zero, so the initial loss is exactly ln(vocab_size).
         recipe "2026" (karpathy/nanochat HEAD): wte N(0, 0.8); c_q, c_k, c_v uniform with std 1/sqrt(n_embd), c_fc 0.4x
-        that; lm_head N(0, 0.001). Either way value embeddings uniform with std 1/sqrt(n_embd) (2026's c_v init, whatever
-        the recipe), their gates U(0, 0.02), and the layer scalars
-        resid 1.15 -> 1.05, x0 0.20 -> 0.05 over the depth (HEAD's values: a little extra residual, a little embedding).
+        that; lm_head N(0, 0.001). Either way value embeddings uniform with std 1/sqrt(n_embd) (2026's c_v init), their
+        gates U(0, 0.02), the layer scalars resid 1.15 -> 1.05, x0 0.20 -> 0.05 over the depth (HEAD's values).
         """
         if recipe not in self.INIT_RECIPES:
             raise ValueError(f"init recipe must be one of {self.INIT_RECIPES}, got {recipe!r}")
@@ -295,14 +282,13 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         """
-        idx (B, T) token ids. With targets (B, T) (-1 = ignore): returns the cross-entropy loss,
-        `loss_reduction` "mean" (over non-ignored targets; 0, not NaN, if every target is ignored),
-        "sum", or "none" (per position, shape (B*T,), 0 at ignored targets). Without targets: returns
+        idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy loss, `loss_reduction` "mean" (over
+        counted targets; 0, not NaN, if none counts), "sum", or "none" ((B*T,), 0 at ignored targets). Without targets:
         logits (B, T, vocab) in fp32. With a kv_cache, idx holds only the new tokens.
         """
         x = self._final_hidden(idx, kv_cache)
         if targets is None:
-            return self._softcapped_logits(x)
+            return softcapped(self.lm_head(x))
         flat_x, flat_targets = x.view(-1, x.size(-1)), targets.reshape(-1)
         if flat_x.size(0) * self.config.vocab_size <= self.LOGITS_CHUNK_ELEMENTS:
             per_token = self._per_token_loss(flat_x, flat_targets)
@@ -325,7 +311,7 @@ class GPT(nn.Module):
         with the head applied to B positions instead of B*T (the head was half of categorical scoring's time).
         """
         x = self._final_hidden(idx)
-        return self._softcapped_logits(x[torch.arange(idx.size(0), device=idx.device), last])
+        return softcapped(self.lm_head(x[torch.arange(idx.size(0), device=idx.device), last]))
 
     def _final_hidden(self, idx, kv_cache=None):
         """The transformer without its head: idx (B, T) -> the final normed hidden states (B, T, n_embd)."""
@@ -336,22 +322,15 @@ class GPT(nn.Module):
         # under autocast the residual stream (and the rotary tables) in the compute dtype too: docs/model.md
         dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else self.lm_head.weight.dtype
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
-        if kv_cache is None:  # training: nothing kept
-            attend = lambda i, q, k, v: attention(q, k, v)
-        else:  # the new keys and values into the cache, then attend over all of it
+        attend = lambda i, q, k, v: attention(q, k, v)  # training: nothing kept
+        if kv_cache is not None:  # the new keys and values into the cache, then attention over all of it
             attend = lambda i, q, k, v: attention(q, *kv_cache.insert_kv(i, k, v))
         return hidden_states(weights_of(self), idx, cos_sin, attend, self.config)
 
-    def _softcapped_logits(self, x):
-        return softcapped(self.lm_head(x))
-
     def _per_token_loss(self, x, targets):
         if x.device.type == "cpu":  # the same loss in fewer passes over the logits (nanochat/losses.py says why)
-            return softcapped_cross_entropy(x, self.lm_head.weight, targets, self.SOFTCAP)
-        return F.cross_entropy(self._softcapped_logits(x), targets, ignore_index=-1, reduction="none")
-
-    # ------------------------------------------------------------------------------------------
-    # accounting
+            return softcapped_cross_entropy(x, self.lm_head.weight, targets, SOFTCAP)
+        return F.cross_entropy(softcapped(self.lm_head(x)), targets, ignore_index=-1, reduction="none")
 
     def num_params(self, value_embeds=True):
         """Number of parameters (the rotary buffers are not parameters); value_embeds=False leaves their tables out."""
@@ -360,9 +339,8 @@ class GPT(nn.Module):
 
     def estimate_flops(self):
         """
-        Training FLOPs per token, forward + backward, at T = sequence_len: 6 * (parameters except the lookup tables, wte
-        and value embeddings) + 12 * n_layer * n_head * head_dim * T for attention (the full T x T square). Derivation:
-        docs/model.md.
+        Training FLOPs per token, forward + backward, at T = sequence_len: 6 * (parameters except the lookup tables) +
+        12 * n_layer * n_head * head_dim * T for attention (the full T x T square). Derivation: docs/model.md.
         """
         cfg = self.config
         lookups = [self.transformer.wte.weight] + [t.weight for t in self.value_embeds.values()]
@@ -405,16 +383,14 @@ class GPT(nn.Module):
             raise RuntimeError("setup_optimizers: parameter groups do not partition the model's parameters")
 
         distributed = is_distributed()
-        adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
         adamw = (DistAdamW if distributed else AdamW)([dict(params=ps, lr=lr, **extra) for _, ps, lr, _, extra in adam_groups],
-                                                      **adamw_kwargs)
+                                                      betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
         # Newton-Schulz computes in the compute dtype, decided once for the run (nanochat/hardware.py)
         muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=matrix_weight_decay,
                                                    ns_dtype=autocast_dtype(self.lm_head.weight.device.type))
         optimizers = [adamw, muon]
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["initial_lr"] = group["lr"]
+        for group in (group for opt in optimizers for group in opt.param_groups):
+            group["initial_lr"] = group["lr"]
 
         n = lambda ps: sum(p.numel() for p in ps)
         print0(f"Optimizers ({'distributed, ZeRO-2 style' if distributed else 'single process'}):")
@@ -426,7 +402,7 @@ class GPT(nn.Module):
         return optimizers
 
     # ------------------------------------------------------------------------------------------
-    # decoding: one new token per row, with a KV cache (the Engine's inner loop)
+    # decoding with a KV cache: the prompt here; then one token at a time, engine.decode_step
 
     @torch.no_grad()
     def prefill(self, idx, kv_cache):
@@ -434,59 +410,14 @@ class GPT(nn.Module):
         Run the prompt idx (B, T) into kv_cache; the logits of its last position, (B, vocab) fp32. The same as
         forward(idx, kv_cache=kv_cache)[:, -1] without the head at the other positions.
         """
-        return self._softcapped_logits(self._final_hidden(idx, kv_cache)[:, -1])
-
-    @torch.no_grad()
-    def decode_weights(self, dtype=None):
-        """
-        The Weights decode_step reads. On CUDA the parameters themselves; on CPU copies of the matrices in `dtype`
-        (default the weights') stored column-major, which streams faster (docs/model.md); the lookup tables (wte, value
-        embeddings) are looked up, not multiplied: kept as they are. Copies are stale once the weights change.
-        """
-        if self.lm_head.weight.device.type == "cpu":
-            return weights_of(self, lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t())
-        return weights_of(self)
-
-    @torch.no_grad()
-    def decode_step(self, idx, kv_cache, weights, positions=None, key_mask=None):
-        """
-        One decoding step, forward(idx[:, None], kv_cache)[:, -1] for one token, the same block() without nn.Module
-        calls: idx (B,) the newest token of each row, kv_cache everything before it, `weights` from decode_weights();
-        returns the logits (B, vocab) fp32 and advances the cache one position. Right-aligned rows of different prompt
-        lengths: `positions` (B,) each row's own position, `key_mask` (B, 1, 1, >= pos + 1) bool, False on the padding
-        before its prompt.
-        """
-        pos = kv_cache.pos
-        if pos + 1 > self.rotary_len:
-            raise ValueError(f"sequence of {pos + 1} tokens exceeds the rotary table ({self.rotary_len})")
-        kv_cache.reserve(pos + 1)
-        dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else weights.wte.dtype
-        if positions is None:  # every row at the cache's position
-            cos, sin = self.cos[:, pos:pos + 1].to(dtype), self.sin[:, pos:pos + 1].to(dtype)
-        else:  # (B, 1, 1, D/2): each row at its own position
-            cos, sin = self.cos[0, positions][:, None].to(dtype), self.sin[0, positions][:, None].to(dtype)
-        mask = None if key_mask is None else key_mask[..., :pos + 1]
-
-        def attend(i, q, k, v):  # this position's keys and values into the cache, then attend over all of it
-            k_cache, v_cache = kv_cache.k_layers[i], kv_cache.v_layers[i]  # (B, Hkv, capacity, D)
-            k_cache[:, :, pos] = k[:, :, 0]
-            v_cache[:, :, pos] = v[:, :, 0]
-            return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask)
-
-        x = hidden_states(weights, idx[:, None], (cos, sin), attend, self.config)
-        kv_cache.advance()
-        return softcapped(F.linear(x[:, -1], weights.lm_head))
-
-    # ------------------------------------------------------------------------------------------
-    # sampling
+        return softcapped(self.lm_head(self._final_hidden(idx, kv_cache)[:, -1]))
 
     @torch.no_grad()
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
         """
-        Naive sampling that re-runs the whole sequence each step (no KV cache): yields one token id (int) at a time,
-        `max_tokens` of them. The quick samples of training, and the Engine's reference (same sample_next_token).
+        Naive sampling, the whole sequence again each step (no KV cache): yields `max_tokens` token ids (int), one at a
+        time. The quick samples of training, and the Engine's reference (the same sample_next_token).
         """
-        from nanochat.engine import sample_next_token  # the Engine's sampler (engine.py does not import this module)
         device = self.lm_head.weight.device
         rng = torch.Generator(device=device).manual_seed(seed)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
@@ -495,3 +426,24 @@ class GPT(nn.Module):
             next_id = sample_next_token(logits, rng, temperature, top_k)
             ids = torch.cat((ids, next_id[:, None]), dim=1)
             yield next_id.item()
+
+
+def sample_next_token(logits, rng, temperature=1.0, top_k=None):
+    """
+    Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng unused).
+    Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits only when top_k is
+    a positive int (None or 0: the whole vocabulary), by inverse transform sampling (docs/model.md). All randomness
+    comes from `rng` (a torch.Generator on the logits' device); the global RNG is not touched.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    indices = None
+    if top_k and top_k < logits.size(-1):
+        logits, indices = torch.topk(logits, top_k, dim=-1)
+    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
+    total = cdf[:, -1:]  # 1 up to rounding
+    u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype) * total
+    # u < total: rounding could land u on it, past every token (a zero-probability token is never chosen)
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    choice = torch.searchsorted(cdf, u, right=True)  # the first token whose cumulative probability exceeds u
+    return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)

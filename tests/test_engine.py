@@ -12,7 +12,8 @@ import torch
 
 from helpers import bigram_model, build_once, engine_stream
 from nanochat.common import UserError
-from nanochat.engine import Engine, KVCache, TextStreamer, sample_next_token
+from nanochat.engine import Engine, KVCache, TextStreamer, decode_step, decode_weights
+from nanochat.gpt import sample_next_token
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import Tokenizer
 
@@ -187,10 +188,10 @@ def test_decode_step_at_each_rows_own_position_equals_full_forward(tiny):
         cache.advance(14)
         padding = torch.tensor([5, 0])
         key_mask = torch.arange(40)[None, None, None, :] >= padding[:, None, None, None]
-        weights = model.decode_weights()
+        weights = decode_weights(model)
         for t in range(14, 35):
             step = torch.tensor([short[t - 5] if t - 5 < len(short) else 0, long[t]])
-            logits = model.decode_step(step, cache, weights, cache.pos - padding, key_mask)
+            logits = decode_step(model, step, cache, weights, cache.pos - padding, key_mask)
             if t - 5 < len(short):
                 torch.testing.assert_close(logits[0], full[0][t - 5], rtol=0, atol=1e-5)
             torch.testing.assert_close(logits[1], full[1][t], rtol=0, atol=1e-5)
@@ -207,13 +208,13 @@ def test_decode_step_equals_full_forward(tiny, batch):
         cache = KVCache(batch, cfg.n_kv_head, 40, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.float32, capacity=4)
         last = model.prefill(idx[:, :3], cache)
         torch.testing.assert_close(last, full[:, 2], rtol=0, atol=1e-5)
-        weights = model.decode_weights()
+        weights = decode_weights(model)
         for t in range(3, 40):
-            logits = model.decode_step(idx[:, t], cache, weights)
+            logits = decode_step(model, idx[:, t], cache, weights)
             torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-5)
     assert cache.get_pos() == 40 and cache.capacity == 40
     with pytest.raises(ValueError, match="KV cache full"):
-        model.decode_step(idx[:, 0], cache, weights)
+        decode_step(model, idx[:, 0], cache, weights)
 
 
 def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
@@ -235,9 +236,9 @@ def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
         cache = KVCache(1, cfg.n_kv_head, 20, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model.prefill(idx[:, :10], cache)
-            weights = model.decode_weights(torch.bfloat16)
+            weights = decode_weights(model, torch.bfloat16)
             for t in range(10, 20):
-                logits = model.decode_step(idx[:, t], cache, weights)
+                logits = decode_step(model, idx[:, t], cache, weights)
                 assert (logits - full[:, t]).abs().max() < 0.03 * full[:, t].abs().max()  # measured: < 0.005
 
 

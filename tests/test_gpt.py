@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.engine import KVCache
-from nanochat.gpt import GPT, GPTConfig, config_from_depth
+from nanochat.engine import KVCache, decode_step, decode_weights
+from nanochat.gpt import GPT, SOFTCAP, GPTConfig, config_from_depth
 from nanochat.losses import softcapped_cross_entropy
 
 
@@ -57,7 +57,7 @@ def test_logits_softcapped():
     torch.nn.init.normal_(model.lm_head.weight, std=100.0)
     logits = model(torch.randint(0, 256, (1, 8)))
     assert logits.dtype == torch.float32
-    assert logits.abs().max() <= GPT.SOFTCAP
+    assert logits.abs().max() <= SOFTCAP
 
 
 def randomize_zero_init(model):
@@ -192,17 +192,17 @@ def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol)
     upstream = torch.linspace(0.1, 2.0, 48)
     x64, head64 = x.detach().double().requires_grad_(), head.detach().double().requires_grad_()
     z = x64 @ head64.t()
-    expected = F.cross_entropy(GPT.SOFTCAP * torch.tanh(z / GPT.SOFTCAP), targets, ignore_index=-1, reduction="none")
+    expected = F.cross_entropy(SOFTCAP * torch.tanh(z / SOFTCAP), targets, ignore_index=-1, reduction="none")
     (expected * upstream.double()).sum().backward()
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        loss = softcapped_cross_entropy(x, head, targets, GPT.SOFTCAP)
+        loss = softcapped_cross_entropy(x, head, targets, SOFTCAP)
     assert loss.dtype == torch.float32 and torch.all(loss[5:11] == 0)
     torch.testing.assert_close(loss.double(), expected.detach(), rtol=loss_tol, atol=loss_tol)
     (loss * upstream).sum().backward()
     for got, want in ((x.grad, x64.grad), (head.grad, head64.grad)):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < grad_tol
     with pytest.raises(RuntimeError, match="twice"):
-        loss = softcapped_cross_entropy(x, head, targets, GPT.SOFTCAP)
+        loss = softcapped_cross_entropy(x, head, targets, SOFTCAP)
         loss.sum().backward(retain_graph=True)
         loss.sum().backward()
 
@@ -216,18 +216,18 @@ def test_cpu_loss_applies_the_head_to_the_rows_with_a_target_only():
     x = torch.randn(40, 32).masked_fill(~kept[:, None], float("nan")).requires_grad_()
     head = (torch.randn(300, 32) * 0.6).requires_grad_()
     targets = torch.randint(0, 300, (40,))
-    loss = softcapped_cross_entropy(x, head, torch.where(kept, targets, -1), GPT.SOFTCAP)
+    loss = softcapped_cross_entropy(x, head, torch.where(kept, targets, -1), SOFTCAP)
     loss.sum().backward()
     x_alone = x.detach()[kept].requires_grad_()
     head_alone = head.detach().clone().requires_grad_()
-    alone = softcapped_cross_entropy(x_alone, head_alone, targets[kept], GPT.SOFTCAP)
+    alone = softcapped_cross_entropy(x_alone, head_alone, targets[kept], SOFTCAP)
     alone.sum().backward()
     torch.testing.assert_close(loss[kept], alone, rtol=1e-6, atol=1e-6)
     assert torch.all(loss[~kept] == 0) and torch.all(x.grad[~kept] == 0)
     torch.testing.assert_close(x.grad[kept], x_alone.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(head.grad, head_alone.grad, rtol=1e-5, atol=1e-6)
     x.grad, head.grad = None, None
-    nothing = softcapped_cross_entropy(x, head, torch.full((40,), -1), GPT.SOFTCAP)  # NaN rows too: none is read
+    nothing = softcapped_cross_entropy(x, head, torch.full((40,), -1), SOFTCAP)  # NaN rows too: none is read
     nothing.sum().backward()
     assert torch.all(nothing == 0) and torch.all(x.grad == 0) and torch.all(head.grad == 0)
 
@@ -262,9 +262,9 @@ def test_2026_model_kv_cache_and_decode_step_match_the_full_forward():
         cache = KVCache(batch_size=2, n_kv_head=2, max_len=32, head_dim=16, n_layer=3, device="cpu", dtype=torch.float32)
         pieces = [model(idx[:, :8], kv_cache=cache), model(idx[:, 8:12], kv_cache=cache)]  # prefill, a chunk
         torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, :12], rtol=0, atol=1e-5)
-        weights = model.decode_weights()
+        weights = decode_weights(model)
         for t in range(12, 20):
-            torch.testing.assert_close(model.decode_step(idx[:, t], cache, weights), full[:, t], rtol=0, atol=1e-5)
+            torch.testing.assert_close(decode_step(model, idx[:, t], cache, weights), full[:, t], rtol=0, atol=1e-5)
 
 
 def test_2026_parts_change_the_function_and_reach_every_parameter():
