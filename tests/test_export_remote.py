@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from test_interop import one_line_error, run, run_inprocess
+from helpers import one_line_error, run_in_process, run_script
 from nanochat.checkpoint_manager import checkpoint_dir_for, load_model, save_checkpoint
 from nanochat.common import UserError
 from nanochat.engine import Engine
@@ -63,7 +63,7 @@ def exports(recipe_base, tmp_path_factory):
         if tag not in done:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("NANOCHAT_BASE_DIR", str(recipe_base))
-                run_inprocess("scripts.export_model", "--source=base", f"--model_tag={tag}", f"--out={out / tag}",
+                run_in_process("scripts.export_model", "--source=base", f"--model_tag={tag}", f"--out={out / tag}",
                               "--dtype=float32", monkeypatch=mp)
             done[tag] = out / tag
         return done[tag]
@@ -149,7 +149,7 @@ def test_rope_base_alone_exports_plain(recipe_base, exports):
 @pytest.mark.parametrize("tag", MODELS)
 def test_export_import_round_trip(recipe_base, exports, tag, monkeypatch):
     model, _, _ = ours(recipe_base, tag)
-    run_inprocess("scripts.import_model", f"--path={exports(tag)}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+    run_in_process("scripts.import_model", f"--path={exports(tag)}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
     back, _, _ = load_model("sft", "cpu", phase="eval", model_tag="back")
     assert back.config == model.config
     assert back.state_dict().keys() == model.state_dict().keys()
@@ -160,16 +160,16 @@ def test_export_import_round_trip(recipe_base, exports, tag, monkeypatch):
 def test_plain_layouts_refuse_the_2026_parts(recipe_base, tmp_path, monkeypatch):
     base = tmp_path / "base"
     shutil.copytree(recipe_base, base)
-    error = one_line_error(run("scripts.export_model", "--source=base", "--model_tag=r26", f"--out={tmp_path / 'out'}",
-                               "--layout=hf", base=base))
+    error = one_line_error(run_script("-m", "scripts.export_model", "--source=base", "--model_tag=r26",
+                                      f"--out={tmp_path / 'out'}", "--layout=hf", env={"NANOCHAT_BASE_DIR": base}))
     assert "qk_scale=1.2, layer_scalars=True, value_embeds=True has no equivalent" in error and "--layout=remote" in error
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     with pytest.raises(UserError, match=r"has no equivalent .*nor mlx-lm.s.*--layout=remote"):
-        run_inprocess("scripts.export_model", "--source=base", "--model_tag=r26", f"--out={tmp_path / 'out'}",
+        run_in_process("scripts.export_model", "--source=base", "--model_tag=r26", f"--out={tmp_path / 'out'}",
                       "--layout=mlx", monkeypatch=monkeypatch)
     assert not (tmp_path / "out").exists()
     bad = tmp_path / "bad"  # a remote-layout config.json our GPT cannot take
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "nanochat_gpt", "n_layer": 2}))
     with pytest.raises(UserError, match="lacks sequence_len, vocab_size, n_head"):
-        run_inprocess("scripts.import_model", f"--path={bad}", "--source=sft", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={bad}", "--source=sft", monkeypatch=monkeypatch)

@@ -12,14 +12,12 @@ own loader gives for it (make_fixture.py there): the import must give the same t
 import json
 import os
 import pickle
-import runpy
 import shutil
-import sys
 
 import pytest
 import torch
 
-from helpers import run_script
+from helpers import one_line_error, run_in_process, run_script
 from nanochat.common import UserError, file_sha256
 
 transformers = pytest.importorskip("transformers")
@@ -42,18 +40,6 @@ def run(module, *args, base, timeout=300):
     return run_script("-m", module, *args, env={"NANOCHAT_BASE_DIR": base, "NANOCHAT_DATASET": "pydocs"}, timeout=timeout)
 
 
-def run_inprocess(module, *args, monkeypatch):
-    """Run a script in this process (no interpreter start-up): its UserError propagates to the test."""
-    monkeypatch.setattr(sys, "argv", [module, *args])
-    runpy.run_module(module, run_name="__main__")
-
-
-def one_line_error(result):
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
-    return lines[0]
-
-
 @pytest.fixture
 def chat_base(tiny_model):
     """This test's copy of the session's tiny midtrained model, as its NANOCHAT_BASE_DIR."""
@@ -66,7 +52,7 @@ def exported(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "hf"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(tiny_models("mid2025")))
-        run_inprocess("scripts.export_model", "--source=mid", f"--out={out}", "--dtype=float32", monkeypatch=mp)
+        run_in_process("scripts.export_model", "--source=mid", f"--out={out}", "--dtype=float32", monkeypatch=mp)
     return out
 
 
@@ -167,9 +153,9 @@ def test_export_refusals(chat_base, tmp_path, monkeypatch):
     assert "is not empty" in error and "--overwrite" in error
     assert os.listdir(out) == ["keep.txt"]
     with pytest.raises(UserError, match="--out=DIR is required"):
-        run_inprocess("scripts.export_model", "--source=mid", monkeypatch=monkeypatch)
+        run_in_process("scripts.export_model", "--source=mid", monkeypatch=monkeypatch)
     with pytest.raises(UserError, match="chatsft_checkpoints"):
-        run_inprocess("scripts.export_model", "--source=sft", f"--out={tmp_path / 'x'}", monkeypatch=monkeypatch)
+        run_in_process("scripts.export_model", "--source=sft", f"--out={tmp_path / 'x'}", monkeypatch=monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nanochat_base", "out"]  # no --out, no temporary left
     # a setting the format cannot hold is named
     from nanochat.hf_format import hf_config
@@ -179,7 +165,7 @@ def test_export_refusals(chat_base, tmp_path, monkeypatch):
     # --overwrite replaces the directory, in bf16 by default; the model card shows the report card's scores
     from nanochat.report import get_report
     get_report().log(section="Chat evaluation mid", data=[{"model": "mid d1 step 10"}, {"ARC-Easy": 0.3125}])
-    run_inprocess("scripts.export_model", "--source=mid", f"--out={out}", "--overwrite", monkeypatch=monkeypatch)
+    run_in_process("scripts.export_model", "--source=mid", f"--out={out}", "--overwrite", monkeypatch=monkeypatch)
     assert "keep.txt" not in os.listdir(out) and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     card = (out / "README.md").read_text()
     assert "| ARC-E | - | 0.3125 | - | - |" in card and "- chat-evaluation-mid: mid d1 step 10" in card
@@ -187,7 +173,7 @@ def test_export_refusals(chat_base, tmp_path, monkeypatch):
 
 def test_mlx_layout_keeps_our_names(chat_base, tmp_path, monkeypatch):
     from nanochat.hf_format import load_safetensors
-    run_inprocess("scripts.export_model", "--source=mid", f"--out={tmp_path / 'mlx'}", "--layout=mlx", monkeypatch=monkeypatch)
+    run_in_process("scripts.export_model", "--source=mid", f"--out={tmp_path / 'mlx'}", "--layout=mlx", monkeypatch=monkeypatch)
     assert "transformer.wte.weight" in load_safetensors(tmp_path / "mlx" / "model.safetensors")
     assert json.loads((tmp_path / "mlx" / "config.json").read_text())["rope_theta"] == 10000.0
 
@@ -200,7 +186,7 @@ def test_export_import_round_trip(exported, ours, isolated_env, monkeypatch):
     """Into an empty base dir (no tokenizer there): the model comes back with its weights and its own tokenizer."""
     from nanochat.checkpoint_manager import load_model
     model, tokenizer, _ = ours
-    run_inprocess("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+    run_in_process("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
     back, back_tokenizer, meta = load_model("sft", "cpu", phase="eval", model_tag="back")
     assert back_tokenizer.fingerprint() == tokenizer.fingerprint() == meta["tokenizer"]["fingerprint"]
     assert back_tokenizer.directory == str(isolated_env / "chatsft_checkpoints" / "back" / "tokenizer")
@@ -208,7 +194,7 @@ def test_export_import_round_trip(exported, ours, isolated_env, monkeypatch):
         assert torch.equal(back.state_dict()[name], tensor), name
     assert meta["imported_from"]["format"] == "Hugging Face NanoChat"
     with pytest.raises(UserError, match="already holds a model"):
-        run_inprocess("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
 
 
 def test_import_save_pretrained_directory(exported, tmp_path, isolated_env, monkeypatch):
@@ -226,7 +212,7 @@ def test_import_save_pretrained_directory(exported, tmp_path, isolated_env, monk
     hf.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(exported / name, directory / name)
-    run_inprocess("scripts.import_model", f"--path={directory}", "--source=base", monkeypatch=monkeypatch)
+    run_in_process("scripts.import_model", f"--path={directory}", "--source=base", monkeypatch=monkeypatch)
     model, _, _ = load_model("base", "cpu", phase="eval", model_tag="saved")
     ids = torch.randint(0, vocab_size, (2, 32))
     assert max_logit_difference(model, hf, ids) <= 1e-4  # HF's default rms_norm_eps 1e-6 vs our 1.2e-7: within it
@@ -271,7 +257,7 @@ def test_import_reference_checkpoint(ours, tmp_path, isolated_env, monkeypatch):
     from nanochat.checkpoint_manager import load_model
     _, tokenizer, _ = ours
     reference = reference_checkpoint(tmp_path / "d2", tokenizer)
-    run_inprocess("scripts.import_model", f"--path={tmp_path / 'd2'}", "--source=sft", monkeypatch=monkeypatch)
+    run_in_process("scripts.import_model", f"--path={tmp_path / 'd2'}", "--source=sft", monkeypatch=monkeypatch)
     model, imported_tokenizer, meta = load_model("sft", "cpu", phase="eval", model_tag="d2")
     assert meta["step"] == 650 and meta["user_config"] == {"device_batch_size": 4}
     assert imported_tokenizer.fingerprint() == tokenizer.fingerprint()
@@ -289,30 +275,30 @@ def test_import_refusals(ours, tmp_path, isolated_env, monkeypatch):
     reference_checkpoint(tmp_path / "ref", tokenizer)
     os.remove(tmp_path / "ref" / "tokenizer.pkl")
     with pytest.raises(UserError, match="no tokenizer.pkl for the checkpoint"):
-        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
 
     class Evil:
         def __reduce__(self):
             return (os.system, ("echo pwned",))
     (tmp_path / "ref" / "tokenizer.pkl").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(UserError, match=r"asks to load posix.system: .* refused"):
-        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
     os.remove(tmp_path / "ref" / "meta_000650.json")
     with pytest.raises(UserError, match="not a complete karpathy/nanochat checkpoint"):
-        run_inprocess("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={tmp_path / 'ref'}", "--source=sft", monkeypatch=monkeypatch)
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "nanochat", "vocab_size": 521, "hidden_size": 64,
                                                     "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 1}))
     with pytest.raises(UserError, match="has config.json but no model.safetensors"):
-        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
     (hf_dir / "model.safetensors").write_bytes(b"\x00" * 4)
     with pytest.raises(UserError, match="has no tokenizer.json"):
-        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "nanochat", "hidden_act": "gelu", "vocab_size": 521,
                                                     "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1}))
     with pytest.raises(UserError, match="hidden_act='gelu'"):
-        run_inprocess("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
     assert not (isolated_env / "chatsft_checkpoints").exists() or not os.listdir(isolated_env / "chatsft_checkpoints")
 
 
@@ -353,7 +339,7 @@ def reference_logit_difference(model, outputs):
 def test_import_checkpoint_written_by_reference_code(reference_outputs, reference_dir, monkeypatch):
     from nanochat.checkpoint_manager import load_model
     assert torch.load(reference_dir / "model_000020.pt", weights_only=True)["lm_head.weight"].size(0) == 448  # padded 400
-    run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", "--model_tag=ref",
+    run_in_process("scripts.import_model", f"--path={reference_dir}", "--source=base", "--model_tag=ref",
                   monkeypatch=monkeypatch)
     model, tokenizer, meta = load_model("base", "cpu", phase="eval", model_tag="ref")  # fp32 weights, no autocast: fp32
     assert meta["imported_from"]["step"] == reference_outputs["step"] == 20
@@ -386,12 +372,12 @@ def test_reference_token_bytes_rule(reference_dir, monkeypatch):
     for other in (changed, written[:-1]):  # one entry changed; a tokenizer of another vocab
         torch.save(other, reference_dir / "token_bytes.pt")
         with pytest.raises(UserError, match=r"token_bytes.pt does not match .*/tokenizer.pkl: files of two different tokenizers"):
-            run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
+            run_in_process("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
     torch.save({"not": "a tensor"}, reference_dir / "token_bytes.pt")
     with pytest.raises(UserError, match=r"token_bytes.pt holds dict, not a tensor of bytes per token"):
-        run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
     torch.save(tokenizer.compute_token_bytes(), reference_dir / "token_bytes.pt")  # ours, as our tests' checkpoints have it
-    run_inprocess("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
+    run_in_process("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
 
 
 # -----------------------------------------------------------------------------
@@ -402,7 +388,7 @@ def test_finetune_an_imported_model_then_export(exported, chat_base, tmp_path, m
     """An imported model with no tokenizer in the base dir: SFT trains it with its own tokenizer, the SFT checkpoint
     carries it, and the export of the result matches the SFT model."""
     shutil.rmtree(chat_base / "tokenizer")
-    run_inprocess("scripts.import_model", f"--path={exported}", "--source=mid", "--model_tag=imported", monkeypatch=monkeypatch)
+    run_in_process("scripts.import_model", f"--path={exported}", "--source=mid", "--model_tag=imported", monkeypatch=monkeypatch)
     for args in (["scripts.chat_sft", "--model_tag=imported", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2",
                   "--examples_per_step=4", "--num_iterations=2", "--eval_every=-1", "--eval_tokens=512",
                   "--eval_metrics_max_problems=4"],

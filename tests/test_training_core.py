@@ -17,19 +17,9 @@ import time
 import pytest
 import torch
 
-from helpers import REPO_ROOT, TINY, TINY_SIZES, TINY_BASE, base_train, metrics, refusal_in_process, run_script, speedrun_env, start_script, train_losses, wait_for_steps, weights, with_defaults
+from helpers import REPO_ROOT, TINY, one_line_error, TINY_SIZES, TINY_BASE, base_train, metrics, refusal_in_process, run_script, speedrun_env, start_script, train_losses, wait_for_steps, weights, with_defaults
 
 from nanochat.common import UserError
-
-
-def one_line_error(result, *fragments):
-    """The process failed with exactly one line on stderr, `error: ...`, containing every fragment."""
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 def refused_in_process(module, args, *fragments):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import HELLO, engine_reply, free_port
+from web.served import HELLO, engine_reply, free_port
 
 
 @pytest.fixture(scope="session")

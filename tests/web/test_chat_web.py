@@ -17,7 +17,8 @@ import time
 import httpx
 import pytest
 
-from helpers import HELLO, engine_reply, free_port, run_script, start_script, wait_idle, wait_serving
+from helpers import run_script, start_script
+from web.served import HELLO, engine_reply, free_port, wait_idle, wait_serving
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 

@@ -22,7 +22,8 @@ import subprocess
 import pytest
 import torch
 
-from helpers import REPO_ROOT, document_ends, free_port, run_script, start_script, wait_serving
+from helpers import REPO_ROOT, run_script, start_script
+from web.served import document_ends, free_port, wait_serving
 
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install -e '.[dev]'")
 

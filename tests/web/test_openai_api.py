@@ -10,7 +10,7 @@ logprobs equal to the model's own forward pass after one <|bos|>, the token that
 import pytest
 import torch
 
-from helpers import HELLO, document_ends, engine_reply, wait_idle
+from web.served import HELLO, document_ends, engine_reply, wait_idle
 
 openai = pytest.importorskip("openai", reason="needs the openai pip package: pip install openai")
 
