@@ -13,42 +13,12 @@ each, and all scored by one bits-per-byte computation (bench/quality_eval.py).
     python bench/quality.py --device_type=cuda --eval_device=cuda --jobs=3 --depth=8   # on one GPU (H100: ~3 min)
 
 Prints a table (variant, val bpb mean +- half the range over seeds and each seed's, training tokens/s, parameters,
-training wall time per run, compute dtype) with the machine (CPU model, its bf16 flags), and writes every run's
-numbers to --out (JSON, rewritten after each run). --jobs=N trains N runs at a time (on a GPU, which these small
-models leave mostly idle; on a 2-core CPU they would only slow each other down); a failed run is reported and the
-others go on, and the benchmark exits non-zero at the end. Everything a run needs lies under --work, one base dir per
-codebase, so a rerun reuses the corpus and the tokenizers (models are always retrained).
+wall time per run, compute dtype) with the machine, and writes every run's numbers to --out (JSON, after each run).
+--jobs=N trains N runs at a time (on a GPU; on a 2-core CPU they would slow each other down); a failed run is reported,
+the others go on, and the exit is non-zero. --work holds one base dir per codebase (a rerun reuses corpus, tokenizers).
 
-How each codebase is trained (sizes from --depth, --seq_len, --tokens_per_step, --tokens; steps = tokens //
-tokens_per_step; device batch --device_batch_size rows, accumulation making up the rest):
-- ours: `python -m scripts.base_train` with its defaults plus the variant's --key=value overrides, on
-  NANOCHAT_DATASET=pydocs (`python -m nanochat.dataset`) and a tokenizer of `python -m scripts.tok_train
-  --vocab_size=8192`; no periodic evaluation, CORE or samples. Seed s of a run is `--init_seed=42+s` (the initial weights; the
-  data order stays data_seed 0, as the anchors' data order has no seed); a base_train without that setting runs each
-  variant once, and the table says why.
-- the anchors: their own scripts/tok_train.py (same vocab size) and scripts/base_train.py with their defaults
-  except depth, sequence length, batch sizes, number of iterations, evaluation and sampling (off, or one batch at
-  the end), CPU. HEAD runs as its runs/runcpu.sh runs it: --head-dim=64 --window-pattern=L (its learning rates scale
-  with the total batch size). Their data dir (088726a: <base>/base_data; HEAD: <base>/base_data_climbmix) holds
-  symlinks to our pydocs shards; each takes the last sorted file as its validation split, and the benchmark checks
-  through their own code that this is our validation shard. Both fix torch.manual_seed(42) in compute_init, so they
-  run through LAUNCHER below, which makes that call seed 42+s (their weight init draws from the global RNG; their
-  data order has no seed). Their compute dtype on CPU is float32 (088726a never autocasts off CUDA; HEAD reads
-  NANOCHAT_DTYPE, else float32); ours decides by the CPU (bf16 where native); --dtype sets ours and HEAD's alike.
-- scoring: bench/quality_eval.py, run in each codebase's environment with its own loader and tokenizer: the
-  first documents of the validation shard holding >= --eval_tokens tokens by our tokenizer, the same documents
-  for every model, each on its own from BOS, summed fp32 cross-entropy / ln 2 / UTF-8 bytes.
-
-The anchors need their code and an environment of their own (where our package is installed, our `nanochat` and
-`scripts` shadow theirs); rustbpe from PyPI stands in for the Rust crate of 088726a's checkout:
-
-    git clone https://github.com/karpathy/nanochat /tmp/nanochat-head
-    git clone https://github.com/karpathy/nanochat /tmp/nanochat-088726a && git -C /tmp/nanochat-088726a checkout 088726a
-    python3 -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install torch numpy rustbpe tiktoken tokenizers pyarrow \
-        wandb psutil requests filelock jinja2 pyyaml regex kernels
-    python bench/quality.py --ref088=/tmp/nanochat-088726a --refhead=/tmp/nanochat-head --ref_python=/tmp/refvenv/bin/python
-
-Their base_train torch.compiles the model on CPU too: that needs a C compiler (gcc) and costs ~1-2 min per run.
+How each codebase is trained and scored, and how to set up the anchors' checkouts and environment: bench/RESULTS.md,
+"bench/quality.py: how each codebase is trained and scored".
 """
 
 import argparse
@@ -73,9 +43,8 @@ FULL = dict(depth=6, seq_len=512, tokens_per_step=16384, tokens=2_000_000, eval_
 DRY = dict(depth=2, seq_len=128, tokens_per_step=4096, tokens=16384, eval_tokens=8192, seeds=2)
 EVAL_FLOOR = 65536  # tokens of validation text at least (real mode): fewer and seed noise swamps recipe effects
 
-# Named variants of our recipe: overrides of scripts.base_train (more with --variant=name:--key=v,--key2=w). The
-# ablations are each part of the 2026 recipe alone on the 2025 recipe (our defaults until issue 24), so they stay
-# the same experiment whatever the defaults are.
+# Named variants of our recipe: overrides of scripts.base_train (more with --variant=name:--key=v,--key2=w). An ablation
+# is one part of the 2026 recipe alone on the 2025 recipe (our defaults until issue 24): the same whatever the defaults.
 RECIPE_2025 = {"embedding_lr": "0.2", "unembedding_lr": "0.004", "warmdown_ratio": "0.2", "final_lr_frac": "0",
                "muon_momentum_peak": "0.95", "muon_momentum_final": "0.95", "matrix_weight_decay": "0", "weight_decay": "0",
                "qk_scale": "1.0", "value_embeds": "False", "layer_scalars": "False", "rope_base": "10000",
@@ -127,9 +96,8 @@ ANCHORS = {  # name: (label, data directory under their base dir, a string only 
 }
 DEFAULT_PATHS = {"088": "/tmp/nanochat-088726a", "head": "/tmp/nanochat-head"}
 
-# Run in their environment as `python -c LAUNCHER <seed offset> <module> <args...>`, cwd = their checkout (so '' on
-# sys.path is their code): their compute_init calls torch.manual_seed(42) (and on CUDA torch.cuda.manual_seed(42)),
-# which become 42 + offset.
+# Run in their environment as `python -c LAUNCHER <seed offset> <module> <args...>`, cwd = their checkout (their code
+# first on sys.path): their compute_init's torch.manual_seed(42) (and torch.cuda.manual_seed(42)) become 42 + offset.
 LAUNCHER = r"""
 import runpy, sys, torch
 offset, module = int(sys.argv[1]), sys.argv[2]
@@ -383,8 +351,7 @@ def main():
     parser.add_argument("--ref_python", default="/tmp/refvenv/bin/python", help="python of the anchors' environment")
     parser.add_argument("--device_type", default="cpu", choices=["cpu", "cuda"], help="where every codebase trains")
     parser.add_argument("--eval_device", default="cpu", choices=["cpu", "cuda"], help="where the fp32 scoring runs (the same for all)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (a GPU holds several of these small models; "
-                        "their tokens/s then share it and compare only within one invocation)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (tokens/s then compare within one invocation)")
     parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"], help="NANOCHAT_DTYPE of ours and HEAD (empty: each decides)")
     parser.add_argument("--work", default="/tmp/nanochat_quality", help="work directory: corpus, tokenizers, checkpoints, logs")
     parser.add_argument("--out", default="", help="JSON of every run (default <work>/quality.json)")
@@ -393,15 +360,13 @@ def main():
 
     s = {k: getattr(args, k) if getattr(args, k) is not None else (DRY if args.dry else FULL)[k] for k in FULL}
     s.update(device_type=args.device_type, eval_device=args.eval_device)
-    if args.jobs < 1:
-        fail(f"--jobs={args.jobs}: at least 1")
+    if args.jobs < 1 or args.first_seed < 0:
+        fail(f"--jobs={args.jobs} must be >= 1 and --first_seed={args.first_seed} >= 0")
     if not args.dry and s["eval_tokens"] < EVAL_FLOOR:
         fail(f"--eval_tokens={s['eval_tokens']}: at least {EVAL_FLOOR:,} (only --dry may score fewer)")
     s["device_batch_size"] = B = min(args.device_batch_size, s["tokens_per_step"] // s["seq_len"])
     if B < 1 or s["tokens_per_step"] % (B * s["seq_len"]):
         fail(f"--tokens_per_step={s['tokens_per_step']} must be a multiple of device_batch_size x seq_len = {max(B, 1)} x {s['seq_len']}")
-    if args.first_seed < 0:
-        fail(f"--first_seed={args.first_seed}: must be >= 0")
     s["steps"] = s["tokens"] // s["tokens_per_step"]
     if s["steps"] < 1:
         fail(f"--tokens={s['tokens']} is less than one step of {s['tokens_per_step']} tokens")
@@ -441,9 +406,7 @@ def main():
     plan = [(cb, variant, overrides, seed) for seed in range(args.first_seed, args.first_seed + s["seeds"])
             for cb in codebases for variant, overrides in (variants if cb.name == "ours" else [(cb.name, [])])
             if cb.name != "ours" or seed == 0 or has_seed]
-    done, failed, t0 = {}, [], time.time()
-
-    stopping = threading.Event()
+    done, failed, t0, stopping = {}, [], time.time(), threading.Event()
 
     def run_planned(i):
         cb, variant, overrides, seed = plan[i]
