@@ -34,16 +34,13 @@ from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
 # -----------------------------------------------------------------------------
-# 1. Config: every variable here can be overridden as --key=value (python -m scripts.base_train --help)
+# 1. Config: every variable here can be overridden as --key=value (python -m scripts.base_train --help). Why these
+# defaults, as measured: bench/RESULTS.md, "Moved from base_train's config block" and the sections it names.
 run = "dummy"  # wandb run name ("dummy" = no wandb)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
-# model
+# model (gpt.GPTConfig). With qk_scale != 1, layer_scalars or value_embeds it exports with remote code only (README)
 depth = 20  # the one size dial: width 64*depth, heads 128 wide; an odd depth gets others (7 -> 4 of 112: gpt.config_from_depth)
 max_seq_len = 2048  # tokens per row (context length)
-# the 2026 recipe's model parts (gpt.GPTConfig), each measured alone and together (bench/RESULTS.md, "The 2026 recipe").
-# qk_scale != 1, layer_scalars and value_embeds change the checkpoint format: such a model exports with its own
-# modeling file (transformers trust_remote_code=True; not vLLM or mlx-lm). For the plain NanoChat format, train with
-# --qk_scale=1 --value_embeds=False (README: "Use your model elsewhere").
 rope_base = 10000.0  # rotary base (HEAD: 100000; no gain measured at 512 tokens of context)
 qk_scale = 1.2  # scale of q and k after their RMSNorm (1 = the 2025 model)
 layer_scalars = False  # learned per-layer multipliers of the residual stream and of the embedding added back in (measured worse here)
@@ -56,24 +53,15 @@ target_param_data_ratio = 20.0  # Chinchilla-style tokens:params ratio (20 = com
 # batch
 device_batch_size = 32  # rows per forward/backward per rank (lower it if you run out of memory)
 total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-steps together
-# optimization
-# AdamW lrs: 088726a's 0.2 / 0.004. HEAD's 0.3 / 0.008 learn faster in the first epoch of pydocs but then learn the
-# repeated text by heart: at depth 6 over 2M tokens (~3 epochs) these, with Muon decay 0.80, score 2.8% better,
-# at depth 4 over 491k tokens 3.2% worse (bench/RESULTS.md, "Quality at the acceptance size")
+# optimization (nanochat/optim.py)
 embedding_lr = 0.2  # AdamW lr of the token embedding (the value embeddings get half)
 unembedding_lr = 0.004  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 scalar_lr = 0.5  # AdamW lr of the layer scalars (x0; resid gets 1/100 of it), with --layer_scalars
-weight_decay = -1.0  # AdamW weight decay (embeddings, lm_head);
-# -1 = by depth (optim.EMBEDDING_WEIGHT_DECAY_BY_DEPTH): 0.20 up to d8 (measured here at d4 and d6), 0 from d12
-matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices (only where the step pulls toward 0);
-# -1 = by depth (optim.MATRIX_WEIGHT_DECAY_BY_DEPTH): 0.80 up to d6 (measured here), karpathy/nanochat's 0.40 at d8, 0.22 at d12, 0.08 from d20
+weight_decay = -1.0  # AdamW weight decay of the embeddings and lm_head; -1 = by depth: 0.20 up to d8, 0 from d12, linear between
+matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices; -1 = by depth: 0.80 to d6, 0.40 at d8, 0.22 at d12, 0.08 from d20, linear between
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 warmup_ratio = 0.0  # fraction of steps of linear lr warmup
-# The schedule is karpathy/nanochat HEAD's: its sweeps' optimum at d12-d26 over one pass of fresh text, and here the
-# better one for the CPU speedrun (under one epoch of pydocs). Over several epochs of a small corpus 088726a's
-# (--warmdown_ratio=0.2 --final_lr_frac=0 --muon_momentum_peak=0.95 --muon_momentum_final=0.95) scored 0.5-0.9%
-# better at d6 and d8 (bench/RESULTS.md, "The acceptance comparison on one H100").
 warmdown_ratio = 0.65  # fraction of steps of linear lr decay at the end
 final_lr_frac = 0.05  # lr multiplier at the very end of the warmdown
 muon_momentum_peak = 0.97  # Muon's momentum after its warm-up from 0.85 over the first 300 steps
