@@ -253,12 +253,14 @@ while True:
         loss = loss / grad_accum_steps
         loss.backward()
         x, y = next(train_loader)  # fetch the next micro-batch while the device is still busy
-    lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
+    lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)  # warmup, 1, warmdown
+    # Muon's momentum: 0.85 -> peak over the first 300 steps, then -> final over the warmdown (why: nanochat/optim.py)
     momentum = muon_momentum(step, end=muon_momentum_peak, final=muon_momentum_final, num_iterations=num_iterations,
-                             warmdown_ratio=warmdown_ratio)  # 0.85 -> peak over the first 300 steps (why: nanochat/optim.py)
-    # Clip (the norm it returns is the one BEFORE clipping), this step's lr and momentum, and the update. Under
-    # torchrun the ranks' gradients are averaged there: in the clipping, which needs the norm of the averaged
-    # gradient, or else in opt.step() (reduce_scatter; nanochat/optim.py)
+                             warmdown_ratio=warmdown_ratio)
+    # Clip (the norm it returns is the one BEFORE clipping), this step's lr and momentum, the update, then the
+    # gradients zeroed for the next step (not between micro-steps: there they must add up). Under torchrun the
+    # ranks' gradients are averaged in there: in the clipping, which needs the norm of the averaged gradient, or
+    # else in opt.step() (reduce_scatter; nanochat/optim.py)
     grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
     rank_losses = per_rank(step_loss.item())  # every rank's loss, on every rank (losses are not summed: logged)
     stop_now, = stage.stop_after_step()  # a signal to any rank stops all of them after this step

@@ -262,8 +262,8 @@ while True:
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
-    momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # clip, update, zero the gradients: see base_train
     reward_sum, answers, length_sum, learned = sum_over_ranks(sum(rewards_seen), len(rewards_seen), sum(lengths), learned)
     mean_reward, mean_length = reward_sum / answers, length_sum / answers
     stop_now, = stage.stop_after_step()  # a signal to any rank stops all of them after this step
@@ -273,7 +273,7 @@ while True:
 
     print0(f"step {step:05d}/{num_iterations:05d} | mean reward: {mean_reward:.4f} | mean answer length: {mean_length:.1f} "
            f"| sampled tokens: {step_tokens:,.0f} | answers learned from: {learned:.0f}/{answers:.0f} | lrm: {lrm:.2f} "
-           f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
+           f"| muon momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
     stage.log(step, reward=mean_reward, answer_length=mean_length, targets=step_tokens, lrm=lrm, muon_momentum=momentum,
               grad_norm=grad_norm, dt=dt)
 

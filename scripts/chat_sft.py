@@ -227,8 +227,8 @@ while True:
     # How far the run is: in steps, or for a run of one epoch, in conversations of this rank's share read so far
     done, total = train_loader.progress(step, num_iterations)
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
-    momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # clip, update, zero the gradients: see base_train
     train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
     dt = device_time(device) - t0

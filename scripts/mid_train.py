@@ -199,9 +199,12 @@ while True:
     done, total = train_loader.progress(step, num_iterations)
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     # The optimizers are new (midtraining does not load the base run's optimizer state): Muon's momentum buffers
-    # start at zero, so its momentum gets the same 0.85 -> 0.95 warm-up over 300 steps as in pretraining.
+    # start at zero, so its momentum warms up again, 0.85 -> 0.95 over the first 300 steps, then stays 0.95
+    # (pretraining's defaults: 0.85 -> 0.97, then to 0.90 over its warmdown)
     momentum = muon_momentum(step)
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # the ranks' gradients averaged: see base_train
+    # clip, update, then zero the gradients for the next step (never between micro-steps: there they add up); the
+    # ranks' gradients are averaged in there (see base_train)
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
     train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
     dt = device_time(device) - t0
