@@ -1,8 +1,11 @@
 """
 Pretrain the base model: next-token prediction on the pretraining corpus.
 
-    # one GPU, a CPU, or a Mac: a few minutes, shows the whole flow
-    python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512 --num_iterations=20
+    # one GPU, a CPU, or a Mac: a few minutes, shows the whole flow. It needs a corpus and a tokenizer: the offline
+    # pydocs corpus and a small tokenizer (without NANOCHAT_DATASET=pydocs: FineWeb-Edu shards and the DCLM CORE bundle)
+    NANOCHAT_DATASET=pydocs python -m nanochat.dataset
+    NANOCHAT_DATASET=pydocs python -m scripts.tok_train --vocab_size=4096
+    NANOCHAT_DATASET=pydocs python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512 --num_iterations=20
     # one 8-GPU node (one process per GPU)
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train --depth=20
 

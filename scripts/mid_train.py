@@ -75,9 +75,10 @@ compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what t
 stage = Stage("mid", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 
 # -----------------------------------------------------------------------------
-# 3. The model: every rank loads the full model (the Dist optimizers shard only optimizer state). A fresh run
-# starts from the base model and keeps its tag; --resume_from_step continues this stage's own checkpoint. From
-# here on this run owns mid_checkpoints/<model_tag>.
+# 3. The model: every rank loads the full model (the Dist optimizers shard only their own work: the optimizer state,
+# the update's arithmetic and the averaging of the gradients, nanochat/optim.py). A fresh run starts from the base
+# model and keeps its tag; --resume_from_step continues this stage's own checkpoint. From here on this run owns
+# mid_checkpoints/<model_tag>.
 orig_model, tokenizer = stage.start(model_tag, source="base", source_step=step)  # uncompiled: saving, evaluation
 model, use_compile = compile_model(orig_model, compile, device_type)
 if stage.parent and device_batch_size > (stage.parent["device_batch_size"] or device_batch_size):

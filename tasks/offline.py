@@ -52,7 +52,7 @@ def offline_tasks(split, draw=0):
             # ChatCORE by +-0.007 between two models of one pipeline, as much as a stage's gain (bench/RESULTS.md)
             Identity(split="test", size=50),
         ]
-    raise UserError(f"offline_mixture: split must be train or test, got {split!r}")
+    raise UserError(f"offline_tasks: split must be train or test, got {split!r}")
 
 
 def offline_mixture(split, seed=42, draw=0):
