@@ -11,7 +11,9 @@ Pretrain the base model: next-token prediction on the pretraining corpus.
 
 Every process of a torchrun launch runs all of it; rank 0 (the "master process") alone prints, logs to wandb
 and writes the report. What happens around the training loop (start or resume, save, stop, finish) is the
-same in every training stage: nanochat/stage.py.
+same in every training stage: nanochat/stage.py. The script, in its numbered blocks: 1 config, 2 compute, 3
+tokenizer and model, 4 training horizon, 5 batch arithmetic, 6 checkpoint directory, optimizers and data, 7 the
+training loop (steps of micro-steps: docs/training_loop.md), 8 summary and report.
 """
 
 import math
@@ -188,9 +190,11 @@ x, y = next(train_loader)  # the first micro-batch; from now on the next one is 
 
 # -----------------------------------------------------------------------------
 # 7. The training loop. Outer loop: one optimizer step per iteration. Inner loop: grad_accum_steps
-# micro-steps of forward + backward whose gradients add up in .grad.
+# micro-steps of forward + backward whose gradients add up in .grad. The same loop bare: docs/training_loop.md.
 peak_flops, peak_source = get_peak_flops(device, compute_dtype)
 print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
+print0("Step lines: loss (EMA) = smoothed over ~10 steps | lrm = the lr schedule's multiplier (warmup, 1, warmdown) | "
+       "grad norm before clipping to grad_clip | mfu = model FLOP/s / peak FLOP/s (docs/training_loop.md)")
 start_step = stage.start_step
 val_bpb, core_metric, debiased_loss = None, {}, None  # debiased_loss: the logged train loss (EMA) of the last step
 mfus, first_step_time = [], None
@@ -280,6 +284,7 @@ while True:
         mfus.append(mfu)
     if first_step_time is None:  # start-up (imports included), data, compile and the first step
         first_step_time = time.time() - psutil.Process().create_time()
+    # The step line; what each field means: docs/training_loop.md, "The step line"
     print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) | loss (EMA): {debiased_loss:.6f} "
            f"| step loss (mean of {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
            f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "
