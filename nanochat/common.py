@@ -1,11 +1,11 @@
 """
 What every nanochat script needs first: output, files, downloads, processes and devices, ranks agreeing, stopping.
 
-Output (UserError, logging, print0); the base directory and files written all or nothing; the locked download;
-compute_init for plain and torchrun launches; the collectives by which ranks agree; Interrupted phases. Importing
-this module touches no RNG, no process group and no handler of the importing program's loggers: it only adds a
-NullHandler to the "nanochat" logger. configure() and compute_init() (scripts) run setup_default_logging(): then
-"nanochat" prints to stderr, not via the root logger, and a UserError ends the program in one line.
+Output (UserError, logging, print0, format_value); the base directory and files written all or nothing; the locked
+download; compute_init for plain and torchrun launches; the collectives by which ranks agree; Interrupted phases.
+Importing this module touches no RNG, no process group and no handler of the importing program's loggers: it only
+adds a NullHandler to the "nanochat" logger. configure() and compute_init() (scripts) run setup_default_logging():
+then "nanochat" prints to stderr, not via the root logger, and a UserError ends the program in one line.
 """
 
 import contextlib
@@ -104,6 +104,15 @@ def duration(seconds):
     if seconds < 3600:
         return f"{seconds:.0f}s" if seconds < 60 else f"{seconds / 60:.0f}m"
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def format_value(v):
+    """A number for people, in a log line or the report: 1.2346 (losses, bpb), 87.6, 12,345; anything else as it is."""
+    if v is None or (isinstance(v, float) and (v != v or abs(v) == float("inf"))):
+        return "n/a"  # None: e.g. no grad norm without clipping; never report a non-finite number as a result
+    if not isinstance(v, float):
+        return v
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.4f}"
 
 
 def print_banner():

@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import Interrupted, UserError, per_rank, print0
+from nanochat.common import Interrupted, UserError, format_value, per_rank, print0
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
@@ -34,7 +34,6 @@ from nanochat.hardware import autocast_context, compile_model, device_time, get_
 from nanochat.losses import evaluate_bpb, smoothed_loss
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth, lr_multiplier,
                             muon_momentum, step_optimizers)
-from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 

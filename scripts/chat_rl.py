@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 
 from nanochat.chat_scoring import Progress
-from nanochat.common import Interrupted, UserError, interruptible, print0, sum_over_ranks
+from nanochat.common import Interrupted, UserError, format_value, interruptible, print0, sum_over_ranks
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
-from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 
 # -----------------------------------------------------------------------------

@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 
 from nanochat.chat_scoring import score_categorical
-from nanochat.common import UserError, gather_from_ranks, get_base_dir, interruptible, print0
+from nanochat.common import UserError, format_value, gather_from_ranks, get_base_dir, interruptible, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
-from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 

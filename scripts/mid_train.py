@@ -19,13 +19,12 @@ import sys
 
 import torch
 
-from nanochat.common import UserError, gather_from_ranks, get_base_dir, print0
+from nanochat.common import UserError, format_value, gather_from_ranks, get_base_dir, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
-from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 
