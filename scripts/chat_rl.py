@@ -85,9 +85,9 @@ stage = Stage("rl", config, device)  # this run's checkpoints, saves, stop and e
 # -----------------------------------------------------------------------------
 # 3. The model: the SFT model for a fresh run, keeping its tag; this stage's own checkpoint for --resume_from_step.
 # From here on this run owns chatrl_checkpoints/<model_tag>.
-model, tokenizer = stage.start(model_tag, source=source, source_step=step)
-engine = Engine(model, tokenizer)  # samples with the current weights: fully on-policy
-pg_model, use_compile = compile_model(model, compile, device_type, dynamic=True)  # the policy-gradient forward
+orig_model, tokenizer = stage.start(model_tag, source=source, source_step=step)  # uncompiled: sampling, saving
+engine = Engine(orig_model, tokenizer)  # samples with the current weights: fully on-policy
+model, use_compile = compile_model(orig_model, compile, device_type, dynamic=True)  # the policy-gradient forward
 
 # -----------------------------------------------------------------------------
 # 4. Batch arithmetic
@@ -102,8 +102,8 @@ print0(f"Problems / step: {prompts_per_step} ({prompts_per_rank} per rank) x {nu
 
 # -----------------------------------------------------------------------------
 # 5. Optimizers, at a fraction of the pretraining learning rates
-optimizers = model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
-                                    weight_decay=weight_decay)
+optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
+                                         weight_decay=weight_decay)
 scale_initial_lrs(optimizers, init_lr_frac)
 
 # -----------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def answer_text(tokens):
 def evaluate_pass_at_k():
     """pass@k for k = 1..num_samples on the first eval_examples test problems (shared among ranks): the fraction
     of problems where at least one of the first k answers is right. A stop request: Interrupted, on every rank."""
-    model.eval()
+    orig_model.eval()
     passes = torch.zeros(num_samples, dtype=torch.float64, device=device)
     count = min(eval_examples, len(test_task))
     mine = list(range(ddp_rank, count, ddp_world_size))
@@ -185,7 +185,7 @@ def evaluate_pass_at_k():
                     solved.append(any(right))
                 progress.update(solved)
     finally:
-        model.train()
+        orig_model.train()
     if ddp:
         dist.all_reduce(passes)
     return {k + 1: passes[k].item() / count for k in range(num_samples)}
@@ -255,10 +255,10 @@ while True:
             continue
         learned += x.size(0)
         with autocast_ctx:
-            loss, _ = policy_gradient_loss(pg_model, x, y, advantages, step_tokens, ddp_world_size)
+            loss, _ = policy_gradient_loss(model, x, y, advantages, step_tokens, ddp_world_size)
         loss.backward()
     if learned == 0:
-        for p in model.parameters():
+        for p in orig_model.parameters():
             p.grad = torch.zeros_like(p)
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
