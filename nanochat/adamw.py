@@ -90,7 +90,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         if not is_distributed():
             raise RuntimeError("DistAdamW needs an initialised process group (torchrun + compute_init); "
-                               "use torch.optim.AdamW in a single process")
+                               "use nanochat.adamw.AdamW in a single process")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(param_groups, defaults)
 

@@ -1,11 +1,11 @@
 """
 What every nanochat script needs first: output, files, downloads, processes and devices, ranks agreeing, stopping.
 
-Output (UserError, logging, print0); the base directory and files written all or nothing; the locked download;
-compute_init for plain and torchrun launches; the collectives by which ranks agree; Interrupted phases. Importing
-this module touches no RNG, no process group and no handler of the importing program's loggers: it only adds a
-NullHandler to the "nanochat" logger. configure() and compute_init() (scripts) run setup_default_logging(): then
-"nanochat" prints to stderr, not via the root logger, and a UserError ends the program in one line.
+Output (UserError, logging, print0, format_value); the base directory and files written all or nothing; the locked
+download; compute_init for plain and torchrun launches; the collectives by which ranks agree; Interrupted phases.
+Importing this module touches no RNG, no process group and no handler of the importing program's loggers: it only
+adds a NullHandler to the "nanochat" logger. configure() and compute_init() (scripts) run setup_default_logging():
+then "nanochat" prints to stderr, not via the root logger, and a UserError ends the program in one line.
 """
 
 import contextlib
@@ -93,7 +93,8 @@ def setup_default_logging(level=logging.INFO):
 
 def print0(s="", **kwargs):
     """print() on rank 0 only: under torchrun every process runs the same script, and each line would come world_size
-    times, interleaved; rank 0 speaks for the run. Works before compute_init too (RANK is torchrun's variable)."""
+    times, interleaved, and world_size times the output to write (a cluster's job log, often on a shared filesystem:
+    64 ranks, 64 copies of every step line); rank 0 speaks for the run. Works before compute_init (RANK: torchrun's)."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(s, flush=True, **kwargs)
 
@@ -103,6 +104,15 @@ def duration(seconds):
     if seconds < 3600:
         return f"{seconds:.0f}s" if seconds < 60 else f"{seconds / 60:.0f}m"
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def format_value(v):
+    """A number for people, in a log line or the report: 1.2346 (losses, bpb), 87.6, 12,345; anything else as it is."""
+    if v is None or (isinstance(v, float) and (v != v or abs(v) == float("inf"))):
+        return "n/a"  # None: e.g. no grad norm without clipping; never report a non-finite number as a result
+    if not isinstance(v, float):
+        return v
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.4f}"
 
 
 def print_banner():
@@ -173,17 +183,16 @@ def file_sha256(path):
 
 def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=None,
                             retries=5, timeout=30, backoff=2.0, retry_command=None):
-    """
-    Download `url` to `<base_dir>/<filename>` once, however many processes ask at the same time; returns the path.
+    """Download `url` to `<base_dir>/<filename>` once, however many processes ask at the same time; returns the path.
     Why a lock: torchrun starts N copies of the script at once; without one all N download the file, and each,
     taking the others' temporary files for a dead downloader's, deletes them mid-download. So: (1) the file exists
     -> return it, no lock; (2) take an inter-process file lock (`<path>.lock`), the others wait; (3) check again
-    under the lock (double-checked locking: whoever held it may have just downloaded it); (4) stream into
+    under the lock (double-checked locking: whoever held it may have just downloaded it; without this check every
+    process that waited would download the file again, in turn: N downloads, not one); (4) stream into
     `<path>.tmp<pid>`, check the optional sha256, run the optional postprocess_fn(tmp), os.replace it to the final
     name, which never holds partial bytes. After a kill -9 the OS frees the lock; the next downloader removes the
     temporary file. An unreachable host: UserError at once (naming `retry_command`); transient failures (5xx, 429, a
-    dropped connection, a read timeout): `retries` attempts in all, exponential backoff; other 4xx: final.
-    """
+    dropped connection, a read timeout): `retries` attempts in all, exponential backoff; other 4xx: final."""
     import requests  # imported here: only code paths that download need it
 
     file_path = os.path.join(get_base_dir(), filename)
@@ -262,18 +271,17 @@ def _unreachable_reason(e):
 # Processes and devices
 #
 # One process per device: `torchrun --nproc_per_node=N` starts N copies of the script (processes sidestep Python's
-# GIL, so each drives its GPU at full speed) and tells each who it is in environment variables: RANK, the global
-# index 0..WORLD_SIZE-1 (rank 0 prints, logs and saves); LOCAL_RANK, the index on its own machine,
-# 0..nproc_per_node-1, which selects the GPU (GPUs are numbered per machine: on one machine RANK == LOCAL_RANK, on
-# the 2nd of two 8-GPU machines RANK = 8 + LOCAL_RANK); WORLD_SIZE = machines x nproc_per_node = GPUs in use.
+# GIL, so each drives its GPU at full speed) and tells each who it is in environment variables: LOCAL_RANK, its index
+# on its own machine, 0..nproc_per_node-1, which selects the GPU (GPUs are numbered per machine); RANK, the global
+# index 0..WORLD_SIZE-1 (rank 0 prints, logs and saves): RANK = node_rank x nproc_per_node + LOCAL_RANK, node_rank
+# being the machine's index (torchrun --node_rank), so on one machine RANK == LOCAL_RANK, on the 2nd of two 8-GPU
+# machines RANK = 8 + LOCAL_RANK; WORLD_SIZE = machines x nproc_per_node = GPUs in use.
 
 
 def get_dist_info():
-    """
-    (ddp, rank, local_rank, world_size); outside torchrun (False, 0, 0, 1). Launched by torchrun (or any launcher
+    """(ddp, rank, local_rank, world_size); outside torchrun (False, 0, 0, 1). Launched by torchrun (or any launcher
     setting the env:// variables) when any of RANK / LOCAL_RANK / WORLD_SIZE is set, not only RANK: all three must
-    then be set and consistent (0 <= local_rank <= rank < world_size), or a UserError says which is not.
-    """
+    then be set and consistent (0 <= local_rank <= rank < world_size), or a UserError says which is not."""
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     if not any(v in os.environ for v in names):
         return False, 0, 0, 1
@@ -292,11 +300,9 @@ def get_dist_info():
 
 
 def autodetect_device_type():
-    """
-    The best device PyTorch can see, cuda > mps > cpu (PyTorch answers "is X available" per backend; choosing is
+    """The best device PyTorch can see, cuda > mps > cpu (PyTorch answers "is X available" per backend; choosing is
     ours). AMD GPUs with a ROCm build of PyTorch report as "cuda" (HIP behind the torch.cuda API): the same path.
-    TPUs need torch_xla and are not supported.
-    """
+    TPUs need torch_xla and are not supported."""
     if torch.cuda.is_available():
         device_type = "cuda"
     elif hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
@@ -377,6 +383,8 @@ def is_distributed():
 def compute_cleanup():
     """End of a script: tear down the process group, so every rank exits cleanly."""
     if is_distributed():
+        # every rank done with its last collective before any tears its end down (gloo's connections, NCCL's
+        # communicator): a rank that left early would leave another's running collective without a peer (fail or hang)
         dist.barrier()
         dist.destroy_process_group()
 
@@ -430,11 +438,9 @@ class Interrupted(Exception):
 
 @contextlib.contextmanager
 def interruptible():
-    """
-    `with interruptible(): <a rank's own share, which may raise Interrupted>`, then the phase's collectives: the
+    """`with interruptible(): <a rank's own share, which may raise Interrupted>`, then the phase's collectives: the
     Interrupted is held to the end of the block, where the ranks learn whether any was interrupted (one all_reduce)
-    and all raise it together, or all go on. No rank is left waiting in a collective that the others skipped.
-    """
+    and all raise it together, or all go on. No rank is left waiting in a collective that the others skipped."""
     stopped = False
     try:
         yield

@@ -85,7 +85,7 @@ def _check_python_value(key, value, default, source):
 
 
 def _comments(path):
-    """Trailing `# comments` of the `key = value` lines of the script, shown by --help."""
+    """Trailing `# comments` of the `key = value` lines of the script, shown by --help (a comment line below is not read)."""
     comments = {}
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:

@@ -1,10 +1,10 @@
 """
 The pretraining corpora (fineweb-edu, climbmix, pydocs): getting them onto disk as parquet shards, and reading them back.
 
-$NANOCHAT_DATASET picks the corpus (read at every call). Both lie in <base_dir>/base_data/<corpus>/ as
+$NANOCHAT_DATASET picks the corpus (read at every call). All lie in <base_dir>/base_data/<corpus>/ as
 shard_NNNNN.parquet files with one `text` column, in row groups of ~1024 documents; the LAST shard of the dataset
 is the validation shard. Reading: list_parquet_files(split), list_row_groups(split) (one global order),
-read_row_group(path, i), parquets_iter_batched(split, start, step) (rank r of W reads row groups r, r + W, ...).
+read_row_group(path, i), parquets_iter_batched(split, start, step); how the ranks share them: nanochat/dataloader.py.
 Errors are UserErrors naming the command that fixes them. More: docs/data.md.
 """
 
@@ -221,7 +221,7 @@ def read_row_group(path, index):
 def parquets_iter_batched(split, start=0, step=1):
     """
     One pass over the row groups start, start + step, ... of `split`'s global order (list_row_groups), yielding each
-    one's documents (list[str]). start=rank, step=world_size: disjoint shares that together cover all.
+    one's documents (list[str]). start=i, step=n for i in 0..n-1: n disjoint shares that together cover all.
     """
     if start < 0 or step < 1:
         raise ValueError(f"need start >= 0 and step >= 1, got start={start}, step={step}")

@@ -10,7 +10,7 @@ sampling. The choices, initialisation, memory and FLOPs: docs/model.md.
 
 import math
 from collections import namedtuple
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
@@ -23,7 +23,7 @@ from nanochat.hardware import autocast_dtype
 from nanochat.losses import softcapped_cross_entropy
 
 # ============================= ARCHITECTURE (export_model copies from here to its end) =============================
-# It uses torch, nn, F, namedtuple, dataclass, asdict, fields and partial alone (what the exported file imports)
+# It uses torch, nn, F, namedtuple, dataclass, asdict and partial alone (what the exported file imports)
 
 
 @dataclass

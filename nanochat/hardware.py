@@ -60,7 +60,8 @@ def compute_dtype(device_type):
     """
     (dtype, why) on this machine: decide_compute_dtype with $NANOCHAT_DTYPE, the CPU's flags and bf16_probe. Decided
     once per process; with a process group, rank 0's decision sent to every rank, so the first call is a collective:
-    every script makes it on every rank right after compute_init (its autocast_context line).
+    every script makes it on every rank right after compute_init (a training stage in stage.start_compute, which
+    prints compute_dtype_line; the other scripts in their autocast_context or compute_dtype_line call).
     """
     return _decided(device_type, os.environ.get("NANOCHAT_DTYPE", ""))
 

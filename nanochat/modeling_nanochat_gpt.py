@@ -17,7 +17,7 @@ over every token, as nanochat's are. Tested with transformers 5.24.
 """
 
 from collections import namedtuple  # noqa: F401  (what nanochat/gpt.py's architecture part uses)
-from dataclasses import asdict, dataclass, fields  # noqa: F401
+from dataclasses import asdict, dataclass, fields  # noqa: F401  (fields: NanoChatGPTConfig too)
 from functools import partial  # noqa: F401
 
 import torch

@@ -60,8 +60,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanochat.engine import TextStreamer
-from nanochat.serving import (APIError, Job, Reply, SSE_HEADERS, bad, check_chat, check_sampling, get, read_body,
-                              reply_pieces, sse)
+from nanochat.serving import (APIError, Job, Reply, SSE_HEADERS, check_chat, check_sampling, checked_field, field_error,
+                              read_body, reply_pieces, sse)
 
 logger = logging.getLogger("nanochat.openai_api")
 MAX_STOPS, MAX_STOP_CHARS = 16, 100  # stop strings a request may give, and their length (checked at every token)
@@ -72,7 +72,7 @@ KNOWN_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tok
                 "stop", "stream", "stream_options", "echo", "logprobs", "user", "metadata", "store", "service_tier",
                 "parallel_tool_calls"}
 _logged_fields = set()  # ignored fields already named in the log
-REFUSED = {  # field: why it cannot be honoured. Accepted only where it asks for nothing (no_op), n and best_of at 1
+REFUSED = {  # field: why it cannot be honoured. Accepted only where it asks for nothing (is_no_op), n and best_of at 1
     "n": "nanochat returns one choice per request: leave n out or set it to 1",
     "best_of": "nanochat returns one choice per request: leave best_of out or set it to 1",
     "presence_penalty": "repetition penalties are not supported: leave it out or set it to 0",
@@ -102,7 +102,7 @@ def check_model(model, settings):
 async def read_request(request):
     """The request's JSON object (serving.read_body), for the model served (check_model)."""
     body, settings = await read_body(request), request.app.state.settings
-    check_model(get(body, "model", "str", settings.model_name), settings)
+    check_model(checked_field(body, "model", "str", settings.model_name), settings)
     return body
 
 
@@ -116,15 +116,15 @@ def openai_messages(body):
         if message.get("role") == "developer":
             message["role"] = "system"
         if message.get("tool_calls") or message.get("function_call"):
-            raise bad(f"messages[{i}].tool_calls", "tools are not supported")
+            raise field_error(f"messages[{i}].tool_calls", "tools are not supported")
         if isinstance(message.get("content"), list):
             for j, part in enumerate(message["content"]):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"messages[{i}].content[{j}]", 'only text parts are supported: {"type": "text", "text": "..."}')
+                    raise field_error(f"messages[{i}].content[{j}]", 'only text parts are supported: {"type": "text", "text": "..."}')
             message["content"] = "\n".join(part["text"] for part in message["content"])
 
 
-def no_op(name, value):
+def is_no_op(name, value):
     """Whether a refused field's value asks for nothing, so that it can be accepted."""
     if name in ("n", "best_of"):
         return value is None or (type(value) is int and value == 1)
@@ -135,29 +135,29 @@ def check_openai_fields(body):
     """The fields nanochat's own API does not have: refused if the engine cannot honour them, named once in the log if
     ignored; top_k -1 (vLLM's whole vocabulary) becomes 0. Returns the stop strings (`stop`: a string or a list)."""
     for name, why in REFUSED.items():
-        if not no_op(name, body.get(name)):
-            raise bad(name, why)
+        if not is_no_op(name, body.get(name)):
+            raise field_error(name, why)
     unknown = set(body) - KNOWN_FIELDS - set(REFUSED) - {"top_p"} - _logged_fields
     if unknown:
         logger.warning(f"OpenAI API: ignored the request field(s) {sorted(unknown)} (named once)")
         _logged_fields.update(unknown)
-    top_p = get(body, "top_p", "number", 1)
+    top_p = checked_field(body, "top_p", "number", 1)
     if not 0 < top_p <= 1:
-        raise bad("top_p", f"must be between 0 and 1, got {top_p}")
+        raise field_error("top_p", f"must be between 0 and 1, got {top_p}")
     if top_p != 1:
-        raise bad("top_p", "nanochat samples with temperature and top_k only (no nucleus sampling): leave top_p "
+        raise field_error("top_p", "nanochat samples with temperature and top_k only (no nucleus sampling): leave top_p "
                            "out or set it to 1, and limit sampling with top_k (extra_body={'top_k': 50})")
     if type(body.get("top_k")) is int and body["top_k"] == -1:
         body["top_k"] = 0
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list):
-        raise bad("stop", "must be a string or a list of strings")
+        raise field_error("stop", "must be a string or a list of strings")
     if len(stops) > MAX_STOPS:
-        raise bad("stop", f"{len(stops)} strings, at most {MAX_STOPS} are accepted")
+        raise field_error("stop", f"{len(stops)} strings, at most {MAX_STOPS} are accepted")
     for i, s in enumerate(stops):
         if not isinstance(s, str) or len(s) > MAX_STOP_CHARS:
-            raise bad(f"stop[{i}]", f"must be a string of at most {MAX_STOP_CHARS} characters")
+            raise field_error(f"stop[{i}]", f"must be a string of at most {MAX_STOP_CHARS} characters")
     return [s for s in stops if s]  # an empty stop string would end every reply at once: it is ignored
 
 
@@ -172,25 +172,25 @@ def completion_prompts(body, settings, pool):
     if single:
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise bad("prompt", "missing or empty: send a string, a list of token ids, or a list of either")
+        raise field_error("prompt", "missing or empty: send a string, a list of token ids, or a list of either")
     if len(prompt) > MAX_PROMPTS:
-        raise bad("prompt", f"{len(prompt)} prompts, at most {MAX_PROMPTS} are accepted")
+        raise field_error("prompt", f"{len(prompt)} prompts, at most {MAX_PROMPTS} are accepted")
     bos = pool.tokenizer.get_bos_token_id()
     prompts = []
     for i, p in enumerate(prompt):
         where = "prompt" if single else f"prompt[{i}]"
         if isinstance(p, str):
             if len(p) > settings.max_conversation_chars:
-                raise bad(where, f"{len(p):,} characters, at most {settings.max_conversation_chars:,} are accepted")
+                raise field_error(where, f"{len(p):,} characters, at most {settings.max_conversation_chars:,} are accepted")
             p = pool.tokenizer.encode(p)
         elif not isinstance(p, list) or not p:
-            raise bad(where, "must be a string or a non-empty list of token ids")
+            raise field_error(where, "must be a string or a non-empty list of token ids")
         elif not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < pool.vocab_size for t in p):
-            raise bad(where, f"token ids must be integers in [0, {pool.vocab_size}) (the model's vocabulary)")
+            raise field_error(where, f"token ids must be integers in [0, {pool.vocab_size}) (the model's vocabulary)")
         added = int(not p or p[0] != bos)
         p = [bos] * added + p
         if len(p) > pool.context_len:
-            raise bad(where, f"{len(p):,} tokens as the model reads it (<|bos|> first), and the model's context holds "
+            raise field_error(where, f"{len(p):,} tokens as the model reads it (<|bos|> first), and the model's context holds "
                              f"{pool.context_len:,}", code="context_length_exceeded")
         prompts.append((p, added))
     return prompts
@@ -276,12 +276,12 @@ async def chat_completions(request: Request):
     settings, pool = request.app.state.settings, request.app.state.pool
     body = await read_request(request)
     if body.get("logprobs"):
-        raise bad("logprobs", "log-probabilities come from /v1/completions (logprobs), not from chat")
+        raise field_error("logprobs", "log-probabilities come from /v1/completions (logprobs), not from chat")
     stops = check_openai_fields(body)
-    stream = get(body, "stream", "bool", False)
-    include_usage = get(body, "stream_options", "dict", {}).get("include_usage")
+    stream = checked_field(body, "stream", "bool", False)
+    include_usage = checked_field(body, "stream_options", "dict", {}).get("include_usage")
     if include_usage not in (None, True, False):
-        raise bad("stream_options.include_usage", "must be true or false")
+        raise field_error("stream_options.include_usage", "must be true or false")
     tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"  # the newer name wins
     openai_messages(body)
     prompt, sampling = check_chat(body, settings, pool, system=True, tokens_field=tokens_field)
@@ -335,18 +335,18 @@ async def chat_events(request, pool, head, prompt, sampling, stops, include_usag
 async def completions(request: Request):
     settings, pool = request.app.state.settings, request.app.state.pool
     body = await read_request(request)
-    if get(body, "stream", "bool", False):
-        raise bad("stream", "streaming is not supported on /v1/completions: stream with /v1/chat/completions")
+    if checked_field(body, "stream", "bool", False):
+        raise field_error("stream", "streaming is not supported on /v1/completions: stream with /v1/chat/completions")
     stops = check_openai_fields(body)
     sampling = check_sampling(body, settings, pool.vocab_size, min_tokens=0)
-    echo = get(body, "echo", "bool", False)
-    top_n = get(body, "logprobs", "int")
+    echo = checked_field(body, "echo", "bool", False)
+    top_n = checked_field(body, "logprobs", "int")
     if top_n is not None and not 0 <= top_n <= MAX_LOGPROBS:
-        raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {top_n}")
+        raise field_error("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {top_n}")
     prompts = completion_prompts(body, settings, pool)
     longest = max(len(prompt) for prompt, _ in prompts)
     if sampling["max_tokens"] > 0 and longest >= pool.context_len:
-        raise bad("prompt", f"a prompt of {longest:,} tokens as the model reads it (<|bos|> first) fills the model's "
+        raise field_error("prompt", f"a prompt of {longest:,} tokens as the model reads it (<|bos|> first) fills the model's "
                             f"context ({pool.context_len:,}): no room for max_tokens", code="context_length_exceeded")
     choices, generated = [], 0
     async with Job(pool) as job:
@@ -414,11 +414,11 @@ async def tokenize(request: Request):
     add_special_tokens puts a <|bos|> first, as the model reads every prompt of /v1/completions."""
     pool = request.app.state.pool
     body = await read_request(request)
-    text = get(body, "prompt", "str")
+    text = checked_field(body, "prompt", "str")
     if text is None:
-        raise bad("prompt", "missing: send the text to tokenize")
+        raise field_error("prompt", "missing: send the text to tokenize")
     tokens = pool.tokenizer.enc.encode(text, allowed_special="all")
-    if get(body, "add_special_tokens", "bool", True):
+    if checked_field(body, "add_special_tokens", "bool", True):
         tokens.insert(0, pool.tokenizer.get_bos_token_id())
     return {"tokens": tokens, "count": len(tokens), "max_model_len": pool.context_len}
 
@@ -426,9 +426,9 @@ async def tokenize(request: Request):
 @router.post("/detokenize")
 async def detokenize(request: Request):
     pool = request.app.state.pool
-    tokens = get(await read_request(request), "tokens", "list", [])
+    tokens = checked_field(await read_request(request), "tokens", "list", [])
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < pool.vocab_size for t in tokens):
-        raise bad("tokens", f"token ids must be integers in [0, {pool.vocab_size})")
+        raise field_error("tokens", f"token ids must be integers in [0, {pool.vocab_size})")
     return {"prompt": pool.tokenizer.decode(tokens)}
 
 

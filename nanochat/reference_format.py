@@ -18,8 +18,9 @@ The tokenizer may instead sit in a tokenizer/ subdirectory, or in ../../tokenize
 <base>/chatsft_checkpoints/d32 beside <base>/tokenizer).
 
 Its architecture is ours (same forward pass, same names), so the weights load as they are once the padding is cut.
-Later versions of that code (2026: value embeddings, sliding windows, per-layer scalars) add weights and settings our
-GPT does not have: they are refused, naming them.
+Later versions of that code (2026: value embeddings, per-layer scalars, sliding windows) add settings and weights
+that this reader, which knows the 2025 layout only, refuses, naming them: our GPT has the first two as options
+(gpt.GPTConfig) but no sliding windows, and their checkpoints are not mapped onto it.
 """
 
 import json

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 
-from nanochat.common import atomic_write, get_base_dir
+from nanochat.common import atomic_write, format_value, get_base_dir
 from nanochat.hardware import cpu_model_name
 
 # stage sections in pipeline order; sections not listed here come after them, alphabetically
@@ -77,19 +77,6 @@ class Report:
         with atomic_write(path, "w") as f:
             f.write("\n".join(lines) + "\n\n")
         return path
-
-
-def format_value(v):
-    """Floats with the precision a reader can use: 1.2346 (small numbers: losses, bpb), 87.6, 12,345; None: n/a."""
-    if v is None:
-        return "n/a"
-    if not isinstance(v, float):
-        return v
-    if v != v or v in (float("inf"), float("-inf")):
-        return "n/a"  # never report a non-finite number as a result
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.4f}"
 
 
 class DummyReport:

@@ -8,8 +8,9 @@ each, and handed to the event loop at once: the loop stays free to accept reques
 reply. Between two tokens the server checks that the client is still there (reply_pieces): one that left frees its
 worker at once, and its generation stops before its next step.
 
-Both APIs check a request with the same functions (read_body, get, check_chat, check_sampling) before anything is
-generated: a bad one raises APIError 400, its message starting with the field at fault ("messages[2].role: ...").
+Both APIs check a request with the same functions (read_body, checked_field, check_chat, check_sampling) before
+anything is generated: a bad one raises APIError 400, its message starting with the field at fault ("messages[2].role:
+...": field_error).
 """
 
 import asyncio
@@ -282,8 +283,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
 
-def bad(param, problem, code=None):
-    """400 for field `param`: the message starts with the field's name."""
+def field_error(param, problem, code=None):
+    """The APIError (400) to raise for a bad field `param`: its message starts with the field's name, then `problem`."""
     return APIError(400, f"{param}: {problem}", param=param, code=code)
 
 
@@ -291,14 +292,14 @@ KINDS = {"int": ((int,), "an integer"), "number": ((int, float), "a number"), "b
          "str": ((str,), "a string"), "list": ((list,), "a list"), "dict": ((dict,), "an object")}
 
 
-def get(body, name, kind, default=None):
+def checked_field(body, name, kind, default=None):
     """body[name], checked to be of `kind` (see KINDS; a bool is not a number); null or absent gives `default`."""
     value = body.get(name)
     if value is None:
         return default
     types, description = KINDS[kind]
     if not isinstance(value, types) or (isinstance(value, bool) and kind != "bool"):
-        raise bad(name, f"must be {description}, got {json.dumps(value)[:60]}")
+        raise field_error(name, f"must be {description}, got {json.dumps(value)[:60]}")
     return value
 
 
@@ -308,9 +309,9 @@ async def read_body(request):
     try:
         body = json.loads(raw) if raw.strip() else None
     except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep for the parser
-        raise bad("body", f"not valid JSON ({type(e).__name__}: {e})"[:300]) from None
+        raise field_error("body", f"not valid JSON ({type(e).__name__}: {e})"[:300]) from None
     if not isinstance(body, dict):
-        raise bad("body", ("must be" if raw.strip() else "missing: send") + ' a JSON object like {"messages": [...]}')
+        raise field_error("body", ("must be" if raw.strip() else "missing: send") + ' a JSON object like {"messages": [...]}')
     return body
 
 
@@ -320,18 +321,18 @@ def check_sampling(body, settings, vocab_size, tokens_field="max_tokens", min_to
     vocabulary), max_tokens (from the field `tokens_field`, at least `min_tokens`), seed. The server's defaults
     where the request sets none, and a fresh random seed.
     """
-    temperature = get(body, "temperature", "number", settings.temperature)
+    temperature = checked_field(body, "temperature", "number", settings.temperature)
     if not 0 <= temperature <= 2:  # written this way round so that NaN fails too
-        raise bad("temperature", f"must be between 0 and 2 (0 = greedy), got {temperature}")
-    top_k = get(body, "top_k", "int", min(settings.top_k, vocab_size))
+        raise field_error("temperature", f"must be between 0 and 2 (0 = greedy), got {temperature}")
+    top_k = checked_field(body, "top_k", "int", min(settings.top_k, vocab_size))
     if not 0 <= top_k <= vocab_size:
-        raise bad("top_k", f"must be between 0 and {vocab_size} (the vocabulary; 0 = all of it), got {top_k}")
-    max_tokens = get(body, tokens_field, "int", settings.max_tokens)
+        raise field_error("top_k", f"must be between 0 and {vocab_size} (the vocabulary; 0 = all of it), got {top_k}")
+    max_tokens = checked_field(body, tokens_field, "int", settings.max_tokens)
     if not min_tokens <= max_tokens <= settings.max_tokens_limit:
-        raise bad(tokens_field, f"must be between {min_tokens} and {settings.max_tokens_limit}, got {max_tokens}")
-    seed = get(body, "seed", "int")
+        raise field_error(tokens_field, f"must be between {min_tokens} and {settings.max_tokens_limit}, got {max_tokens}")
+    seed = checked_field(body, "seed", "int")
     if seed is not None and not 0 <= seed < 2**63:
-        raise bad("seed", f"must be between 0 and 2**63 - 1, got {seed}")
+        raise field_error("seed", f"must be between 0 and 2**63 - 1, got {seed}")
     return dict(temperature=float(temperature), top_k=top_k, max_tokens=max_tokens,
                 seed=random.randrange(2**31) if seed is None else seed)
 
@@ -343,40 +344,40 @@ def check_chat(body, settings, pool, system=False, tokens_field="max_tokens"):
     `system`; contents are strings. The prompt (tokenizer.render_for_completion) leaves room in the model's context
     for a token at least, and max_tokens is cut to that room. Limits are checked first, tokens last.
     """
-    messages = get(body, "messages", "list")
+    messages = checked_field(body, "messages", "list")
     if not messages:
-        raise bad("messages", "missing or empty: send at least one user message")
+        raise field_error("messages", "missing or empty: send at least one user message")
     if len(messages) > settings.max_messages:
-        raise bad("messages", f"{len(messages)} messages, at most {settings.max_messages} are accepted")
+        raise field_error("messages", f"{len(messages)} messages, at most {settings.max_messages} are accepted")
     roles = ("system", "user", "assistant") if system else ("user", "assistant")
     conversation = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise bad(where, 'must be an object like {"role": "user", "content": "Hi"}')
+            raise field_error(where, 'must be an object like {"role": "user", "content": "Hi"}')
         role, content = message.get("role"), message.get("content")
         if role not in roles:
-            raise bad(f"{where}.role", f"{role!r} is not a role here: use {', '.join(roles)}")
+            raise field_error(f"{where}.role", f"{role!r} is not a role here: use {', '.join(roles)}")
         if not isinstance(content, str):
-            raise bad(f"{where}.content", "must be a string")
+            raise field_error(f"{where}.content", "must be a string")
         if len(content) > settings.max_message_chars:
-            raise bad(f"{where}.content", f"{len(content):,} characters, at most {settings.max_message_chars:,} are accepted")
+            raise field_error(f"{where}.content", f"{len(content):,} characters, at most {settings.max_message_chars:,} are accepted")
         conversation.append({"role": role, "content": content})
     first = int(conversation[0]["role"] == "system")
     for i in range(first, len(conversation)):
         expected = "user" if (i - first) % 2 == 0 else "assistant"
         if conversation[i]["role"] != expected:
-            raise bad(f"messages[{i}].role", f"is {conversation[i]['role']!r}, expected {expected!r}: roles alternate user/"
+            raise field_error(f"messages[{i}].role", f"is {conversation[i]['role']!r}, expected {expected!r}: roles alternate user/"
                                              f"assistant, starting with user{' after a first system message' if first else ''}")
     if conversation[-1]["role"] != "user":
-        raise bad(f"messages[{len(messages) - 1}].role", "the conversation must end with a user message (the one to reply to)")
+        raise field_error(f"messages[{len(messages) - 1}].role", "the conversation must end with a user message (the one to reply to)")
     total = sum(len(m["content"]) for m in conversation)
     if total > settings.max_conversation_chars:
-        raise bad("messages", f"the conversation is {total:,} characters, at most {settings.max_conversation_chars:,} are accepted")
+        raise field_error("messages", f"the conversation is {total:,} characters, at most {settings.max_conversation_chars:,} are accepted")
     sampling = check_sampling(body, settings, pool.vocab_size, tokens_field)
     prompt = pool.tokenizer.render_for_completion({"messages": conversation})
     if len(prompt) >= pool.context_len:
-        raise bad("messages", f"the conversation is {len(prompt):,} tokens and the model's context holds {pool.context_len:,} "
+        raise field_error("messages", f"the conversation is {len(prompt):,} tokens and the model's context holds {pool.context_len:,} "
                               f"(with room for the reply): start a new conversation, or send fewer or shorter messages",
                   code="context_length_exceeded")
     sampling["max_tokens"] = min(sampling["max_tokens"], pool.context_len - len(prompt))

@@ -1,14 +1,19 @@
 """
 Pretrain the base model: next-token prediction on the pretraining corpus.
 
-    # one GPU, a CPU, or a Mac: a few minutes, shows the whole flow
-    python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512 --num_iterations=20
+    # one GPU, a CPU, or a Mac: a few minutes, shows the whole flow. It needs a corpus and a tokenizer: the offline
+    # pydocs corpus and a small tokenizer (without NANOCHAT_DATASET=pydocs: FineWeb-Edu shards and the DCLM CORE bundle)
+    NANOCHAT_DATASET=pydocs python -m nanochat.dataset
+    NANOCHAT_DATASET=pydocs python -m scripts.tok_train --vocab_size=4096
+    NANOCHAT_DATASET=pydocs python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512 --num_iterations=20
     # one 8-GPU node (one process per GPU)
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train --depth=20
 
 Every process of a torchrun launch runs all of it; rank 0 (the "master process") alone prints, logs to wandb
 and writes the report. What happens around the training loop (start or resume, save, stop, finish) is the
-same in every training stage: nanochat/stage.py.
+same in every training stage: nanochat/stage.py. The script, in its numbered blocks: 1 config, 2 compute, 3
+tokenizer and model, 4 training horizon, 5 batch arithmetic, 6 checkpoint directory, optimizers and data, 7 the
+training loop (steps of micro-steps: docs/training_loop.md), 8 summary and report.
 """
 
 import math
@@ -19,7 +24,7 @@ import psutil
 import torch
 
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import Interrupted, UserError, per_rank, print0
+from nanochat.common import Interrupted, UserError, format_value, per_rank, print0
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
@@ -29,21 +34,17 @@ from nanochat.hardware import autocast_context, compile_model, device_time, get_
 from nanochat.losses import evaluate_bpb, smoothed_loss
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth, lr_multiplier,
                             muon_momentum, step_optimizers)
-from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
 # -----------------------------------------------------------------------------
-# 1. Config: every variable here can be overridden as --key=value (python -m scripts.base_train --help)
+# 1. Config: every variable here can be overridden as --key=value (python -m scripts.base_train --help). Why these
+# defaults, as measured: bench/RESULTS.md, "Moved from base_train's config block" and the sections it names.
 run = "dummy"  # wandb run name ("dummy" = no wandb)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
-# model
+# model (gpt.GPTConfig). With qk_scale != 1, layer_scalars or value_embeds it exports with remote code only (README)
 depth = 20  # the one size dial: width 64*depth, heads 128 wide; an odd depth gets others (7 -> 4 of 112: gpt.config_from_depth)
 max_seq_len = 2048  # tokens per row (context length)
-# the 2026 recipe's model parts (gpt.GPTConfig), each measured alone and together (bench/RESULTS.md, "The 2026 recipe").
-# qk_scale != 1, layer_scalars and value_embeds change the checkpoint format: such a model exports with its own
-# modeling file (transformers trust_remote_code=True; not vLLM or mlx-lm). For the plain NanoChat format, train with
-# --qk_scale=1 --value_embeds=False (README: "Use your model elsewhere").
 rope_base = 10000.0  # rotary base (HEAD: 100000; no gain measured at 512 tokens of context)
 qk_scale = 1.2  # scale of q and k after their RMSNorm (1 = the 2025 model)
 layer_scalars = False  # learned per-layer multipliers of the residual stream and of the embedding added back in (measured worse here)
@@ -56,24 +57,15 @@ target_param_data_ratio = 20.0  # Chinchilla-style tokens:params ratio (20 = com
 # batch
 device_batch_size = 32  # rows per forward/backward per rank (lower it if you run out of memory)
 total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-steps together
-# optimization
-# AdamW lrs: 088726a's 0.2 / 0.004. HEAD's 0.3 / 0.008 learn faster in the first epoch of pydocs but then learn the
-# repeated text by heart: at depth 6 over 2M tokens (~3 epochs) these, with Muon decay 0.80, score 2.8% better,
-# at depth 4 over 491k tokens 3.2% worse (bench/RESULTS.md, "Quality at the acceptance size")
+# optimization (nanochat/optim.py)
 embedding_lr = 0.2  # AdamW lr of the token embedding (the value embeddings get half)
 unembedding_lr = 0.004  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 scalar_lr = 0.5  # AdamW lr of the layer scalars (x0; resid gets 1/100 of it), with --layer_scalars
-weight_decay = -1.0  # AdamW weight decay (embeddings, lm_head);
-# -1 = by depth (optim.EMBEDDING_WEIGHT_DECAY_BY_DEPTH): 0.20 up to d8 (measured here at d4 and d6), 0 from d12
-matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices (only where the step pulls toward 0);
-# -1 = by depth (optim.MATRIX_WEIGHT_DECAY_BY_DEPTH): 0.80 up to d6 (measured here), karpathy/nanochat's 0.40 at d8, 0.22 at d12, 0.08 from d20
+weight_decay = -1.0  # AdamW weight decay of the embeddings and lm_head; -1 = by depth: 0.20 up to d8, 0 from d12, linear between
+matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices; -1 = by depth: 0.80 to d6, 0.40 at d8, 0.22 at d12, 0.08 from d20, linear between
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 warmup_ratio = 0.0  # fraction of steps of linear lr warmup
-# The schedule is karpathy/nanochat HEAD's: its sweeps' optimum at d12-d26 over one pass of fresh text, and here the
-# better one for the CPU speedrun (under one epoch of pydocs). Over several epochs of a small corpus 088726a's
-# (--warmdown_ratio=0.2 --final_lr_frac=0 --muon_momentum_peak=0.95 --muon_momentum_final=0.95) scored 0.5-0.9%
-# better at d6 and d8 (bench/RESULTS.md, "The acceptance comparison on one H100").
 warmdown_ratio = 0.65  # fraction of steps of linear lr decay at the end
 final_lr_frac = 0.05  # lr multiplier at the very end of the warmdown
 muon_momentum_peak = 0.97  # Muon's momentum after its warm-up from 0.85 over the first 300 steps
@@ -197,9 +189,11 @@ x, y = next(train_loader)  # the first micro-batch; from now on the next one is 
 
 # -----------------------------------------------------------------------------
 # 7. The training loop. Outer loop: one optimizer step per iteration. Inner loop: grad_accum_steps
-# micro-steps of forward + backward whose gradients add up in .grad.
+# micro-steps of forward + backward whose gradients add up in .grad. The same loop bare: docs/training_loop.md.
 peak_flops, peak_source = get_peak_flops(device, compute_dtype)
 print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
+print0("Step lines: loss (EMA) = smoothed over ~10 steps | lrm = the lr schedule's multiplier (warmup, 1, warmdown) | "
+       "grad norm before clipping to grad_clip | mfu = model FLOP/s / peak FLOP/s (docs/training_loop.md)")
 start_step = stage.start_step
 val_bpb, core_metric, debiased_loss = None, {}, None  # debiased_loss: the logged train loss (EMA) of the last step
 mfus, first_step_time = [], None
@@ -265,12 +259,14 @@ while True:
         loss = loss / grad_accum_steps
         loss.backward()
         x, y = next(train_loader)  # fetch the next micro-batch while the device is still busy
-    lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
+    lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)  # warmup, 1, warmdown
+    # Muon's momentum: 0.85 -> peak over the first 300 steps, then -> final over the warmdown (why: nanochat/optim.py)
     momentum = muon_momentum(step, end=muon_momentum_peak, final=muon_momentum_final, num_iterations=num_iterations,
-                             warmdown_ratio=warmdown_ratio)  # 0.85 -> peak over the first 300 steps (why: nanochat/optim.py)
-    # Clip (the norm it returns is the one BEFORE clipping), this step's lr and momentum, and the update. Under
-    # torchrun the ranks' gradients are averaged there: in the clipping, which needs the norm of the averaged
-    # gradient, or else in opt.step() (reduce_scatter; nanochat/optim.py)
+                             warmdown_ratio=warmdown_ratio)
+    # Clip (the norm it returns is the one BEFORE clipping), this step's lr and momentum, the update, then the
+    # gradients zeroed for the next step (not between micro-steps: there they must add up). Under torchrun the
+    # ranks' gradients are averaged in there: in the clipping, which needs the norm of the averaged gradient, or
+    # else in opt.step() (reduce_scatter; nanochat/optim.py)
     grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
     rank_losses = per_rank(step_loss.item())  # every rank's loss, on every rank (losses are not summed: logged)
     stop_now, = stage.stop_after_step()  # a signal to any rank stops all of them after this step
@@ -287,6 +283,7 @@ while True:
         mfus.append(mfu)
     if first_step_time is None:  # start-up (imports included), data, compile and the first step
         first_step_time = time.time() - psutil.Process().create_time()
+    # The step line; what each field means: docs/training_loop.md, "The step line"
     print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) | loss (EMA): {debiased_loss:.6f} "
            f"| step loss (mean of {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
            f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "

@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 
 from nanochat.chat_scoring import Progress
-from nanochat.common import Interrupted, UserError, interruptible, print0, sum_over_ranks
+from nanochat.common import Interrupted, UserError, format_value, interruptible, print0, sum_over_ranks
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import pad_rows
 from nanochat.engine import Engine
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
-from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from tasks.registry import stage_mixture
 
@@ -87,9 +86,9 @@ stage = Stage("rl", config, device)  # this run's checkpoints, saves, stop and e
 # -----------------------------------------------------------------------------
 # 3. The model: the SFT model for a fresh run, keeping its tag; this stage's own checkpoint for --resume_from_step.
 # From here on this run owns chatrl_checkpoints/<model_tag>.
-model, tokenizer = stage.start(model_tag, source=source, source_step=step)
-engine = Engine(model, tokenizer)  # samples with the current weights: fully on-policy
-pg_model, use_compile = compile_model(model, compile, device_type, dynamic=True)  # the policy-gradient forward
+orig_model, tokenizer = stage.start(model_tag, source=source, source_step=step)  # uncompiled: sampling, saving
+engine = Engine(orig_model, tokenizer)  # samples with the current weights: fully on-policy
+model, use_compile = compile_model(orig_model, compile, device_type, dynamic=True)  # the policy-gradient forward
 
 # -----------------------------------------------------------------------------
 # 4. Batch arithmetic
@@ -104,8 +103,8 @@ print0(f"Problems / step: {prompts_per_step} ({prompts_per_rank} per rank) x {nu
 
 # -----------------------------------------------------------------------------
 # 5. Optimizers, at a fraction of the pretraining learning rates
-optimizers = model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
-                                    weight_decay=weight_decay)
+optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
+                                         weight_decay=weight_decay)
 scale_initial_lrs(optimizers, init_lr_frac)
 
 # -----------------------------------------------------------------------------
@@ -161,7 +160,7 @@ def answer_text(tokens):
 def evaluate_pass_at_k():
     """pass@k for k = 1..num_samples on the first eval_examples test problems (shared among ranks): the fraction
     of problems where at least one of the first k answers is right. A stop request: Interrupted, on every rank."""
-    model.eval()
+    orig_model.eval()
     passes = torch.zeros(num_samples, dtype=torch.float64, device=device)
     count = min(eval_examples, len(test_task))
     mine = list(range(ddp_rank, count, ddp_world_size))
@@ -184,7 +183,7 @@ def evaluate_pass_at_k():
                     solved.append(any(right))
                 progress.update(solved)
     finally:
-        model.train()
+        orig_model.train()
     if ddp:
         dist.all_reduce(passes)
     return {k + 1: passes[k].item() / count for k in range(num_samples)}
@@ -254,14 +253,14 @@ while True:
             continue
         learned += x.size(0)
         with autocast_ctx:
-            loss, _ = policy_gradient_loss(pg_model, x, y, advantages, step_tokens, ddp_world_size)
+            loss, _ = policy_gradient_loss(model, x, y, advantages, step_tokens, ddp_world_size)
         loss.backward()
     if learned == 0:
-        for p in model.parameters():
+        for p in orig_model.parameters():
             p.grad = torch.zeros_like(p)
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
-    momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # clip, update, zero the gradients: see base_train
     reward_sum, answers, length_sum, learned = sum_over_ranks(sum(rewards_seen), len(rewards_seen), sum(lengths), learned)
     mean_reward, mean_length = reward_sum / answers, length_sum / answers
     stop_now, = stage.stop_after_step()  # a signal to any rank stops all of them after this step
@@ -271,7 +270,7 @@ while True:
 
     print0(f"step {step:05d}/{num_iterations:05d} | mean reward: {mean_reward:.4f} | mean answer length: {mean_length:.1f} "
            f"| sampled tokens: {step_tokens:,.0f} | answers learned from: {learned:.0f}/{answers:.0f} | lrm: {lrm:.2f} "
-           f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
+           f"| muon momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
     stage.log(step, reward=mean_reward, answer_length=mean_length, targets=step_tokens, lrm=lrm, muon_momentum=momentum,
               grad_norm=grad_norm, dt=dt)
 

@@ -23,13 +23,12 @@ import torch
 import torch.distributed as dist
 
 from nanochat.chat_scoring import score_categorical
-from nanochat.common import UserError, gather_from_ranks, interruptible, print0
+from nanochat.common import UserError, format_value, gather_from_ranks, interruptible, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
-from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 from tasks.registry import stage_mixture, stage_tasks
@@ -208,8 +207,8 @@ while True:
     # How far the run is: in steps, or for a run of one epoch, in conversations of this rank's share read so far
     done, total = train_loader.progress(step, num_iterations)
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
-    momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: the same warm-up as pretraining
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # clip, update, zero the gradients: see base_train
     train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
     dt = device_time(device) - t0

@@ -18,13 +18,12 @@ import sys
 
 import torch
 
-from nanochat.common import UserError, gather_from_ranks, print0
+from nanochat.common import UserError, format_value, gather_from_ranks, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
-from nanochat.report import format_value
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 from tasks.registry import stage_mixture
@@ -75,9 +74,10 @@ compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what t
 stage = Stage("mid", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 
 # -----------------------------------------------------------------------------
-# 3. The model: every rank loads the full model (the Dist optimizers shard only optimizer state). A fresh run
-# starts from the base model and keeps its tag; --resume_from_step continues this stage's own checkpoint. From
-# here on this run owns mid_checkpoints/<model_tag>.
+# 3. The model: every rank loads the full model (the Dist optimizers shard only their own work: the optimizer state,
+# the update's arithmetic and the averaging of the gradients, nanochat/optim.py). A fresh run starts from the base
+# model and keeps its tag; --resume_from_step continues this stage's own checkpoint. From here on this run owns
+# mid_checkpoints/<model_tag>.
 orig_model, tokenizer = stage.start(model_tag, source="base", source_step=step)  # uncompiled: saving, evaluation
 model, use_compile = compile_model(orig_model, compile, device_type)
 if stage.parent and device_batch_size > (stage.parent["device_batch_size"] or device_batch_size):
@@ -183,9 +183,12 @@ while True:
     done, total = train_loader.progress(step, num_iterations)
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     # The optimizers are new (midtraining does not load the base run's optimizer state): Muon's momentum buffers
-    # start at zero, so its momentum gets the same 0.85 -> 0.95 warm-up over 300 steps as in pretraining.
+    # start at zero, so its momentum warms up again, 0.85 -> 0.95 over the first 300 steps, then stays 0.95
+    # (pretraining's defaults: 0.85 -> 0.97, then to 0.90 over its warmdown)
     momentum = muon_momentum(step)
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # the ranks' gradients averaged: see base_train
+    # clip, update, then zero the gradients for the next step (never between micro-steps: there they add up); the
+    # ranks' gradients are averaged in there (see base_train)
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
     train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
     dt = device_time(device) - t0

@@ -39,7 +39,7 @@ def offline_tasks(split, draw=0):
     if draw not in (0, 1):
         raise UserError(f"offline_tasks: draw must be 0 (midtraining's examples) or 1 (SFT's), got {draw!r}")
     if split not in ("train", "test"):
-        raise UserError(f"offline_mixture: split must be train or test, got {split!r}")
+        raise UserError(f"offline_tasks: split must be train or test, got {split!r}")
     return [task for _, task in build_tasks(f"{('mid', 'sft')[draw]}/offline/train" if split == "train" else "offline/test")]
 
 

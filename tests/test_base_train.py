@@ -66,6 +66,9 @@ def test_help_and_one_line_errors(trained_tokenizer):
     assert result.returncode == 0
     for key in ("--depth", "--device_batch_size", "--total_batch_size", "--resume_from_step", "--compile"):
         assert key in result.stdout
+    listed = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  --")}
+    assert all(len(line.split()) > 3 for line in listed.values())  # every setting: type, default and its description
+    assert "-1 = by depth" in listed["--weight_decay"] and "-1 = by depth" in listed["--matrix_weight_decay"]
     for bad, message in [("--matrix_weight_decay=-2", "--matrix_weight_decay must be >= 0, or -1 for 'by depth', got -2.0"),
                          ("--weight_decay=-0.5", "--weight_decay must be >= 0, or -1 for 'by depth', got -0.5"),
                          ("--qk_scale=0", "--rope_base must be > 1 and --qk_scale > 0"), ("--init_recipe=2024", "--init_recipe must be one of")]:

@@ -154,9 +154,10 @@ def test_non_finite_loss_stops_without_saving_anything_newer(trained_tokenizer, 
 
 
 def test_report_figures_have_sensible_precision_and_never_show_inf():
-    from nanochat.report import format_value
+    from nanochat.common import format_value
     assert format_value(87.6195) == "87.6" and format_value(1.741234) == "1.7412" and format_value(12345.6) == "12,346"
-    assert format_value(float("inf")) == "n/a" and format_value(float("nan")) == "n/a"
+    assert format_value(float("inf")) == "n/a" and format_value(float("-inf")) == "n/a" and format_value(float("nan")) == "n/a"
+    assert format_value(None) == "n/a" and format_value(3) == 3 and format_value("d4") == "d4"  # None: no grad norm
 
 
 # ---------------------------------------------------------------------------------------------
