@@ -200,9 +200,9 @@ def softcapped(logits):
 
 def config_from_depth(depth, vocab_size=65536, sequence_len=2048, **parts):
     """
-    The GPTConfig of a model `depth` layers deep: width 64 * depth; heads ceil(width / 128), each width / heads wide
-    (128 at even depths, less at some odd ones: 96 at depth 3, 112 at 7, 120 at 15), unless they do not divide the
-    width: then heads = depth, 64 wide (depths 5, 9, 11, 13); kv heads = heads. Depth 20: 1280 wide, 10 heads
+    The GPTConfig of a model `depth` layers deep: width 64 * depth; heads ceil(width / 128) where that divides the
+    width (128 wide at every even depth; narrower at depths 1, 3, 7, 15, 31: 64, 96, 112, 120, 124 wide), else heads =
+    depth, 64 wide (the other odd depths, e.g. 5: 5 of 64); kv heads = heads. Depth 20: 1280 wide, 10 heads
     (docs/model.md). `parts`: the other GPTConfig fields (rope_base, qk_scale, layer_scalars, value_embeds).
     """
     if not isinstance(depth, int) or depth < 1:
