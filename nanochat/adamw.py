@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import is_distributed
-from nanochat.optim import ShardedGradients, all_gather_single, pad_rows, reduce_scatter_single, rows_of
+from nanochat.optim import ShardedGradients, all_gather_single, reduce_scatter_single, rows_of, zero_pad_rows
 
 
 def adamw_update_(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay):
@@ -104,7 +104,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                                        "every parameter, since all ranks take part in every collective")
                 grad = p.grad.view(1) if p.ndim == 0 else p.grad
                 rows_per_rank = -(-grad.size(0) // world_size)  # ceil
-                grad = pad_rows(grad, rows_per_rank * world_size)
+                grad = zero_pad_rows(grad, rows_per_rank * world_size)
                 grad_slice = grad.new_empty((rows_per_rank, *grad.shape[1:]))
                 work = reduce_scatter_single(grad_slice, grad, op=dist.ReduceOp.SUM, async_op=True)
                 # the padded gradient stays referenced until its collective is done
@@ -128,7 +128,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
             group, p, rows_per_rank = entry["group"], entry["p"], entry["rows_per_rank"]
             g = self._averaged(entry)
             p_rows = p.view(1) if p.ndim == 0 else p
-            full = pad_rows(p_rows, rows_per_rank * world_size)  # p itself on the copy-free path
+            full = zero_pad_rows(p_rows, rows_per_rank * world_size)  # p itself on the copy-free path
             p_slice = full[rank * rows_per_rank:(rank + 1) * rows_per_rank]
 
             state = self.state[p]
@@ -175,6 +175,6 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                 rows_per_rank = -(-full["exp_avg"].size(0) // world_size)
                 state = {"step": int(full["step"])}
                 for key in ("exp_avg", "exp_avg_sq"):
-                    padded = pad_rows(full[key], rows_per_rank * world_size)
+                    padded = zero_pad_rows(full[key], rows_per_rank * world_size)
                     state[key] = padded[rank * rows_per_rank:(rank + 1) * rows_per_rank].to(p.device, p.dtype).clone()
                 self.state[p] = state

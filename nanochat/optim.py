@@ -19,8 +19,11 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def pad_rows(t, rows):
-    """t itself if it already has `rows` rows and is contiguous, else a contiguous copy zero-padded along dim 0 to `rows`."""
+def zero_pad_rows(t, rows):
+    """
+    t itself if it already has `rows` rows and is contiguous, else a contiguous copy zero-padded along dim 0 to `rows`:
+    DistAdamW shards every parameter by rows, and its collectives want the same number of rows on every rank.
+    """
     if t.size(0) == rows and t.is_contiguous():
         return t
     padded = t.new_zeros((rows, *t.shape[1:]))
