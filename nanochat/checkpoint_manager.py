@@ -11,8 +11,8 @@ A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d
                               file is incomplete and ignored.
 Every file is written through common.atomic_write (a temporary name, then a rename), so a crash never leaves
 a half-written file under a real name, and a crash before the meta file never leaves a checkpoint that looks
-complete. The directory also holds the run's `metrics.jsonl` (one line per step, for the report's curves)
-and `.lock` (see claim_checkpoint_dir).
+complete. The directory also holds the run's `metrics.jsonl` (one line per step, for the report's curves;
+nanochat/stage.py writes it) and `.lock` (see claim_checkpoint_dir).
 
 What a checkpoint must record to be trusted (checked on load):
   - the tokenizer's fingerprint: token ids only mean something with the tokenizer they were trained with;
@@ -372,55 +372,3 @@ def carry_tokenizer(tokenizer, checkpoint_dir):
     except UserError:
         pass  # none there yet, or a broken one: write it
     tokenizer.save(own)
-
-
-def open_metrics(checkpoint_dir, start_step, enabled=True):
-    """
-    The run's per-step metrics, one JSON line per step in <checkpoint_dir>/metrics.jsonl (the report plots
-    them). A fresh run starts the file empty; a resumed run continues its curve: it keeps the train lines of
-    steps up to its start step and the evaluations before it (it evaluates its start step again), dropping
-    what the earlier run logged later. Returns (path, log) with log(**metrics) appending a line (rank 0 only:
-    pass enabled=False elsewhere).
-    """
-    path = os.path.join(checkpoint_dir, "metrics.jsonl")
-    if enabled:
-        kept = []
-        if start_step > 0 and os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        r = json.loads(line)
-                    except json.JSONDecodeError:  # a line cut short when the earlier run was killed
-                        continue
-                    if r["step"] < start_step or (r["step"] == start_step and "val_bpb" not in r):
-                        kept.append(line)
-        with atomic_write(path, "w") as f:
-            f.writelines(kept)
-
-    def log(**metrics):
-        if enabled:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(metrics) + "\n")
-    return path, log
-
-
-def lineage(meta, source):
-    """
-    [(stage, model_tag, step, meta or None)]: this checkpoint, then the one it was trained from, back to its base
-    model, as far as their meta files are on this machine (midtraining records `base_model`, SFT and RL `parent`).
-    """
-    chain = [(source, meta.get("model_tag"), meta.get("step"), meta)]
-    while chain[-1][3] is not None and len(chain) < 8:  # base, mid, sft, rl: 8 bounds a cycle of edited meta files
-        m = chain[-1][3]
-        if isinstance(m.get("base_model"), dict):
-            parent = ("base", m["base_model"].get("model_tag"), m["base_model"].get("step"))
-        elif isinstance(m.get("parent"), dict):
-            parent = (m["parent"].get("source"), m["parent"].get("model_tag"), m["parent"].get("step"))
-        else:
-            break
-        try:
-            parent_meta = read_meta(checkpoint_dir_for(parent[0], parent[1]), parent[2])
-        except (UserError, TypeError):
-            parent_meta = None
-        chain.append((*parent, parent_meta))
-    return chain

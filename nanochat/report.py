@@ -21,7 +21,8 @@ import socket
 import subprocess
 import sys
 
-from nanochat.common import atomic_write, get_base_dir
+from nanochat.checkpoint_manager import checkpoint_dir_for, read_meta
+from nanochat.common import UserError, atomic_write, get_base_dir
 from nanochat.hardware import cpu_model_name
 
 # stage sections in pipeline order; sections not listed here come after them, alphabetically
@@ -323,6 +324,28 @@ if __name__ == "__main__":
 NOT_RECORDED = "not recorded"
 
 
+def lineage(meta, source):
+    """
+    [(stage, model_tag, step, meta or None)]: this checkpoint, then the one it was trained from, back to its base
+    model, as far as their meta files are on this machine (midtraining records `base_model`, SFT and RL `parent`).
+    """
+    chain = [(source, meta.get("model_tag"), meta.get("step"), meta)]
+    while chain[-1][3] is not None and len(chain) < 8:  # base, mid, sft, rl: 8 bounds a cycle of edited meta files
+        m = chain[-1][3]
+        if isinstance(m.get("base_model"), dict):
+            parent = ("base", m["base_model"].get("model_tag"), m["base_model"].get("step"))
+        elif isinstance(m.get("parent"), dict):
+            parent = (m["parent"].get("source"), m["parent"].get("model_tag"), m["parent"].get("step"))
+        else:
+            break
+        try:
+            parent_meta = read_meta(checkpoint_dir_for(parent[0], parent[1]), parent[2])
+        except (UserError, TypeError):
+            parent_meta = None
+        chain.append((*parent, parent_meta))
+    return chain
+
+
 def trained_on(stage, meta):
     """One line: how much this stage trained on, from its meta file's step count and batch settings."""
     if meta is None:
@@ -356,7 +379,7 @@ def evaluation_lines():
 
 
 def model_card(meta, lineage, model, tokenizer, dtype, layout):
-    """The README.md text. meta: load_model's meta of the exported checkpoint; lineage: checkpoint_manager.lineage of
+    """The README.md text. meta: load_model's meta of the exported checkpoint; lineage: lineage() of
     it (this checkpoint first, then the models it was trained from)."""
     c, source = model.config, lineage[0][0]
     name = f"nanochat {source} {meta.get('model_tag')} step {meta.get('step')}"

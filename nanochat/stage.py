@@ -31,6 +31,7 @@ to do) exits with 1 on its own (nanochat/common.py). Every rank agrees on when t
 """
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -44,9 +45,9 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import (SOURCES, STAGE_COMMANDS, carry_tokenizer, check_data_settings,
                                          check_model_tag, check_tokenizer, checkpoint_dir_for, checkpoint_tokenizer,
                                          claim_checkpoint_dir, find_model_tag, load_checkpoint, load_model,
-                                         model_from_state, open_metrics, save_checkpoint)
-from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_cleanup, compute_init,
-                             gather_from_ranks, get_base_dir, is_distributed, print0, print_banner)
+                                         model_from_state, save_checkpoint)
+from nanochat.common import (Interrupted, UserError, any_rank, atomic_write, autodetect_device_type, compute_cleanup,
+                             compute_init, gather_from_ranks, get_base_dir, is_distributed, print0, print_banner)
 from nanochat.hardware import compute_dtype_line
 from nanochat.optim import load_optimizer_shards, optimizer_shard
 
@@ -109,7 +110,7 @@ class StopRequest:
 
 
 # -----------------------------------------------------------------------------
-# Experiment tracking: a wandb run on the master process, or a stand-in that logs nothing
+# Experiment tracking: a wandb run on the master process (or a stand-in that logs nothing), and the run's metrics file
 
 
 class DummyWandb:
@@ -149,6 +150,36 @@ def _wandb_has_login():
         return False
     base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
     return urllib.parse.urlsplit(base_url).hostname in hosts
+
+
+def open_metrics(checkpoint_dir, start_step, enabled=True):
+    """
+    The run's per-step metrics, one JSON line per step in <checkpoint_dir>/metrics.jsonl (the report plots
+    them). A fresh run starts the file empty; a resumed run continues its curve: it keeps the train lines of
+    steps up to its start step and the evaluations before it (it evaluates its start step again), dropping
+    what the earlier run logged later. Returns (path, log) with log(**metrics) appending a line (rank 0 only:
+    pass enabled=False elsewhere).
+    """
+    path = os.path.join(checkpoint_dir, "metrics.jsonl")
+    if enabled:
+        kept = []
+        if start_step > 0 and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short when the earlier run was killed
+                        continue
+                    if r["step"] < start_step or (r["step"] == start_step and "val_bpb" not in r):
+                        kept.append(line)
+        with atomic_write(path, "w") as f:
+            f.writelines(kept)
+
+    def log(**metrics):
+        if enabled:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(metrics) + "\n")
+    return path, log
 
 
 # -----------------------------------------------------------------------------

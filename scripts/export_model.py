@@ -23,14 +23,14 @@ import shutil
 
 import torch
 
-from nanochat.checkpoint_manager import SOURCES, lineage, load_model
+from nanochat.checkpoint_manager import SOURCES, load_model
 from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
 from nanochat.hf_format import (CHAT_TEMPLATE, check_free, generation_config, hf_config, rename_weights,
                                 save_safetensors, settings_without_equivalent, staged_directory, tokenizer_config,
                                 tokenizer_json)
 from nanochat.hf_remote import MODELING_FILE, MODELING_SOURCE, remote_config
-from nanochat.report import model_card
+from nanochat.report import lineage, model_card
 
 source = "sft"  # which checkpoints: base | mid | sft | rl
 model_tag = ""  # which model under the source's checkpoint directory (needed only if there are several)
