@@ -4,7 +4,7 @@ Saving and loading checkpoints, and the checkpoint directory a training run owns
 A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d20/ is:
   model_{N:06d}.pt            the weights (written by rank 0: every rank holds the same full weights)
   optim_{N:06d}_rank{r}.pt    the optimizer state rank r held, one file per rank (DistMuon / DistAdamW shard
-                              the optimizer state), in a form any world size can load (nanochat/optim.py)
+                              the optimizer state), in a form any world size can load (optimizer_shard)
   meta_{N:06d}.json           step, model config, training config, world size, tokenizer fingerprint, data
                               settings, dataloader and loop state; written LAST, by rank 0, after every rank
                               has finished its files. It is the completion marker: a step without its meta
@@ -152,8 +152,8 @@ def _claim(checkpoint_dir, resume_from_step, overwrite):
 def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, rank=0):
     """
     Save step `step`. Under torchrun EVERY rank must call this (each writes its own optimizer file, and
-    the completion marker waits for all of them). `optimizer_shard`: this rank's optimizer state
-    (nanochat.optim.optimizer_shard), or None to save none. `model_state` and `meta` are used on rank 0.
+    the completion marker waits for all of them). `optimizer_shard`: this rank's optimizer state (what
+    optimizer_shard() returns), or None to save none. `model_state` and `meta` are used on rank 0.
     If a write fails (a full disk: "no space left on <dir>"), the files this call wrote are removed.
     """
     os.makedirs(checkpoint_dir, exist_ok=True)
@@ -210,7 +210,7 @@ def read_meta(checkpoint_dir, step):
 def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False):
     """
     Returns (model_state, optimizer_shards or None, meta). optimizer_shards: what every rank of the saving
-    run saved (a list, one entry per saving rank), for nanochat.optim.load_optimizer_shards.
+    run saved (a list, one entry per saving rank), for load_optimizer_shards.
     Errors name the missing or broken file.
     """
     meta = read_meta(checkpoint_dir, step)
@@ -327,6 +327,99 @@ def load_model(source, device, phase, model_tag=None, step=None):
     tokenizer = checkpoint_tokenizer(checkpoint_dir)
     check_tokenizer(meta, tokenizer, f"{source} model {model_tag} step {meta['step']}")
     return model, tokenizer, meta
+
+
+# -----------------------------------------------------------------------------
+# Optimizer checkpoints that any world size can load. Per optimizer: {parameter name: {"row_start": r, "step": t
+# or None, key: tensor}}, each tensor rows [r, r + len) of that parameter's full state (a 0-d parameter is one
+# row); a rank that holds nothing of a parameter saves no entry for it (docs/optimizers.md).
+
+
+def _rows_view(t):
+    return t.view(1) if t.ndim == 0 else t
+
+
+def _torch_adamw_owned_state(opt, name_of):
+    out = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if state:
+                out[name_of[p]] = {"row_start": 0, "step": float(state["step"]),
+                                   "exp_avg": _rows_view(state["exp_avg"]), "exp_avg_sq": _rows_view(state["exp_avg_sq"])}
+    return out
+
+
+def _torch_adamw_load_owned_state(opt, name_of, full_state):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            full = full_state(name_of[p])
+            if full is None:
+                continue
+            # the step count as torch's own first step would make it: on the device if fused/capturable, else CPU
+            on_device = group.get("fused") or group.get("capturable")
+            step = torch.tensor(full["step"], dtype=torch.float32, device=p.device if on_device else "cpu")
+            opt.state[p] = {"step": step, "exp_avg": full["exp_avg"].view_as(p).to(p.device, p.dtype).clone(),
+                            "exp_avg_sq": full["exp_avg_sq"].view_as(p).to(p.device, p.dtype).clone()}
+
+
+def optimizer_shard(optimizers, model):
+    """This rank's optimizer state in the world-size-free form above: one dict per optimizer, in order."""
+    name_of = {p: n for n, p in model.named_parameters()}
+    shard = []
+    for opt in optimizers:
+        if isinstance(opt, torch.optim.AdamW):
+            shard.append(_torch_adamw_owned_state(opt, name_of))
+        else:
+            shard.append(opt.owned_state(name_of))
+    return shard
+
+
+def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
+    """
+    Load into `optimizers` the state that optimizer_shard() saved on any number of ranks (`shards`: every saving
+    rank's list, ideally loaded with mmap); each optimizer takes the part this rank owns. UserError if a piece is
+    missing or the parameters do not match (`where` names the checkpoint in the message).
+    """
+    name_of = {p: n for n, p in model.named_parameters()}
+    if any(len(s) != len(optimizers) for s in shards):
+        raise UserError(f"{where}: saved state of {len(shards[0])} optimizer(s), this run has {len(optimizers)}")
+    for i, opt in enumerate(optimizers):
+        pieces = {}  # name -> list of saved entries
+        for shard in shards:
+            for name, entry in shard[i].items():
+                pieces.setdefault(name, []).append(entry)
+        params = {name_of[p]: p for group in opt.param_groups for p in group["params"]}
+        unknown = sorted(set(pieces) - set(params))
+        if unknown:
+            raise UserError(f"{where}: optimizer state for parameters this model's optimizer does not have: {', '.join(unknown[:3])}")
+
+        def full_state(name):
+            """The full state of parameter `name` ({"step", key: full tensor}), or None if it has none yet."""
+            entries = pieces.get(name)
+            if not entries:
+                return None
+            rows = _rows_view(params[name]).size(0)
+            keys = [k for k in entries[0] if k not in ("row_start", "step")]
+            full, covered = {"step": entries[0]["step"]}, torch.zeros(rows, dtype=torch.bool)
+            for key in keys:
+                ref = entries[0][key]
+                full[key] = torch.zeros((rows, *ref.shape[1:]), dtype=ref.dtype)
+            for entry in entries:
+                start = entry["row_start"]
+                n = entry[keys[0]].size(0) if keys else 0
+                for key in keys:
+                    full[key][start:start + n] = entry[key]
+                covered[start:start + n] = True
+            if not covered.all():
+                raise UserError(f"{where}: optimizer state of {name} is incomplete ({int((~covered).sum())} of {rows} rows "
+                                f"missing): a rank's optimizer file is missing or from another run")
+            return full
+
+        if isinstance(opt, torch.optim.AdamW):
+            _torch_adamw_load_owned_state(opt, name_of, full_state)
+        else:
+            opt.load_owned_state(name_of, full_state)
 
 
 # -----------------------------------------------------------------------------

@@ -45,11 +45,10 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import (SOURCES, STAGE_COMMANDS, carry_tokenizer, check_data_settings,
                                          check_model_tag, check_tokenizer, checkpoint_dir_for, checkpoint_tokenizer,
                                          claim_checkpoint_dir, find_model_tag, load_checkpoint, load_model,
-                                         model_from_state, save_checkpoint)
+                                         load_optimizer_shards, model_from_state, optimizer_shard, save_checkpoint)
 from nanochat.common import (Interrupted, UserError, any_rank, atomic_write, autodetect_device_type, compute_cleanup,
                              compute_init, gather_from_ranks, get_base_dir, is_distributed, print0, print_banner)
 from nanochat.hardware import compute_dtype_line
-from nanochat.optim import load_optimizer_shards, optimizer_shard
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
 #                          with --resume_from_step (75 = EX_TEMPFAIL of sysexits.h, "try again later")

@@ -3,10 +3,10 @@ import os
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import build_model, complete_steps, find_model_tag, load_checkpoint, save_checkpoint
+from nanochat.checkpoint_manager import (build_model, complete_steps, find_model_tag, load_checkpoint,
+                                         load_optimizer_shards, optimizer_shard, save_checkpoint)
 from nanochat.common import UserError
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import load_optimizer_shards, optimizer_shard
 
 
 def trained_model_and_optimizers():
