@@ -12,7 +12,8 @@ A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d
 Every file is written through common.atomic_write (a temporary name, then a rename), so a crash never leaves
 a half-written file under a real name, and a crash before the meta file never leaves a checkpoint that looks
 complete. The directory also holds the run's `metrics.jsonl` (one line per step, for the report's curves;
-nanochat/stage.py writes it) and `.lock` (see claim_checkpoint_dir).
+nanochat/stage.py writes it), `.lock` (see claim_checkpoint_dir), and an imported model's own `tokenizer/`
+(nanochat/tokenizer.py: checkpoint_tokenizer).
 
 What a checkpoint must record to be trusted (checked on load):
   - the tokenizer's fingerprint: token ids only mean something with the tokenizer they were trained with;
@@ -300,8 +301,10 @@ def load_model(source, device, phase, model_tag=None, step=None):
     Load a model saved by a training stage: source "base" | "mid" | "sft" | "rl". model_tag defaults to
     the only tag present (an error lists them if there are several); step defaults to the last complete
     one, or, if its files are unreadable, the one before it (with a warning). Checks that the tokenizer
-    the model was trained with is the one it gets (see checkpoint_tokenizer). Returns (model, tokenizer, meta).
+    the model was trained with is the one it gets (nanochat.tokenizer.checkpoint_tokenizer). Returns (model, tokenizer,
+    meta).
     """
+    from nanochat.tokenizer import checkpoint_tokenizer
     if source not in SOURCES:
         raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
     checkpoints_dir = os.path.join(get_base_dir(), SOURCES[source])
@@ -420,48 +423,3 @@ def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
             _torch_adamw_load_owned_state(opt, name_of, full_state)
         else:
             opt.load_owned_state(name_of, full_state)
-
-
-# -----------------------------------------------------------------------------
-# The model's tokenizer. Every model trained here uses the base dir's tokenizer ($NANOCHAT_BASE_DIR/tokenizer/);
-# an imported model (scripts/import_model.py) keeps its own, in <checkpoint_dir>/tokenizer/ (Tokenizer.save's
-# format), and so does every model trained from it (carry_tokenizer). Loading looks there first.
-
-TOKENIZER_SUBDIR = "tokenizer"
-
-
-def checkpoint_tokenizer(checkpoint_dir):
-    """The tokenizer of the models in `checkpoint_dir`: <checkpoint_dir>/tokenizer/ if it exists, else the base dir's."""
-    from nanochat.tokenizer import Tokenizer, get_tokenizer
-    own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
-    return Tokenizer.from_directory(own) if os.path.isdir(own) else get_tokenizer()
-
-
-def carry_tokenizer(tokenizer, checkpoint_dir):
-    """
-    Make the new checkpoints in `checkpoint_dir` load with `tokenizer`, the tokenizer of the model being trained
-    into it. The base dir's tokenizer needs nothing (a <checkpoint_dir>/tokenizer/ an earlier run with another one
-    left there is removed, or it would be loaded instead); any other tokenizer is saved to <checkpoint_dir>/tokenizer/.
-    Call on rank 0 before the stage's first save_checkpoint.
-    """
-    import shutil
-    from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
-    own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
-    base = get_tokenizer_dir()
-    if tokenizer.directory is not None and os.path.realpath(tokenizer.directory) == os.path.realpath(base):
-        is_base = True
-    else:
-        try:
-            is_base = Tokenizer.from_directory(base).fingerprint() == tokenizer.fingerprint()
-        except UserError:  # no tokenizer in the base dir
-            is_base = False
-    if is_base:
-        if os.path.isdir(own):
-            shutil.rmtree(own)
-        return
-    try:
-        if Tokenizer.from_directory(own).fingerprint() == tokenizer.fingerprint():
-            return
-    except UserError:
-        pass  # none there yet, or a broken one: write it
-    tokenizer.save(own)

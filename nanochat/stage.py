@@ -42,13 +42,14 @@ import urllib.parse
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (SOURCES, STAGE_COMMANDS, carry_tokenizer, check_data_settings,
-                                         check_model_tag, check_tokenizer, checkpoint_dir_for, checkpoint_tokenizer,
-                                         claim_checkpoint_dir, find_model_tag, load_checkpoint, load_model,
-                                         load_optimizer_shards, model_from_state, optimizer_shard, save_checkpoint)
+from nanochat.checkpoint_manager import (SOURCES, STAGE_COMMANDS, check_data_settings, check_model_tag,
+                                         check_tokenizer, checkpoint_dir_for, claim_checkpoint_dir, find_model_tag,
+                                         load_checkpoint, load_model, load_optimizer_shards, model_from_state,
+                                         optimizer_shard, save_checkpoint)
 from nanochat.common import (Interrupted, UserError, any_rank, atomic_write, autodetect_device_type, compute_cleanup,
                              compute_init, gather_from_ranks, get_base_dir, is_distributed, print0, print_banner)
 from nanochat.hardware import compute_dtype_line
+from nanochat.tokenizer import carry_tokenizer, checkpoint_tokenizer
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
 #                          with --resume_from_step (75 = EX_TEMPFAIL of sysexits.h, "try again later")

@@ -100,8 +100,8 @@ def test_model_tag_is_never_guessed(tmp_path):
 def test_a_checkpoint_directory_may_carry_its_own_tokenizer(isolated_env):
     """An imported model's tokenizer lives in <checkpoint_dir>/tokenizer/; load_model and the token bytes use it,
     and carry_tokenizer passes it on to the checkpoints trained from it (the base dir's needs no copy)."""
-    from nanochat.checkpoint_manager import carry_tokenizer, checkpoint_dir_for, load_model
-    from nanochat.tokenizer import Tokenizer, get_token_bytes
+    from nanochat.checkpoint_manager import checkpoint_dir_for, load_model
+    from nanochat.tokenizer import Tokenizer, carry_tokenizer, get_token_bytes
     own = Tokenizer({bytes([i]): i for i in range(256)})  # no tokenizer in the base dir at all
     model = GPT(GPTConfig(sequence_len=16, vocab_size=own.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=64))
     model.init_weights()
