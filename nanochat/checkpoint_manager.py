@@ -1,5 +1,6 @@
 """
-Saving and loading checkpoints, and the checkpoint directory a training run owns.
+Saving and loading checkpoints (load_model; a resumed stage: load_for_resume), the optimizer state's format in them,
+and the checkpoint directory a training run owns.
 
 A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d20/ is:
   model_{N:06d}.pt            the weights (written by rank 0: every rank holds the same full weights)
@@ -231,6 +232,14 @@ def complete_steps(checkpoint_dir):
                   if (m := re.fullmatch(r"meta_(\d+)\.json", os.path.basename(f))))
 
 
+def find_checkpoint_dir(source, model_tag=None):
+    """(model_tag, checkpoint_dir) of stage `source`'s model `model_tag`, or of its only model if no tag is given."""
+    if source not in SOURCES:
+        raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
+    model_tag = model_tag or find_model_tag(os.path.join(get_base_dir(), SOURCES[source]), STAGE_COMMANDS[source])
+    return model_tag, checkpoint_dir_for(source, model_tag)
+
+
 def find_model_tag(checkpoints_dir, stage_command=None):
     """The single model tag under `checkpoints_dir`. Never guesses between several: asks for --model_tag."""
     hint = f": run `{stage_command}` first" if stage_command else ": run the stage that writes it first"
@@ -305,11 +314,7 @@ def load_model(source, device, phase, model_tag=None, step=None):
     meta).
     """
     from nanochat.tokenizer import checkpoint_tokenizer
-    if source not in SOURCES:
-        raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
-    checkpoints_dir = os.path.join(get_base_dir(), SOURCES[source])
-    model_tag = model_tag or find_model_tag(checkpoints_dir, STAGE_COMMANDS[source])
-    checkpoint_dir = checkpoint_dir_for(source, model_tag)
+    model_tag, checkpoint_dir = find_checkpoint_dir(source, model_tag)
     if step is not None and step >= 0:
         candidates = [step]
     else:
@@ -332,6 +337,28 @@ def load_model(source, device, phase, model_tag=None, step=None):
     return model, tokenizer, meta
 
 
+def load_for_resume(checkpoint_dir, step, device, model=None, tokenizer=None):
+    """
+    What a stage resumed from its own checkpoint of `step` needs: (model, tokenizer, optimizer_shards, meta), the
+    shards for load_optimizer_shards. The weights go into `model` if one is given (base_train builds it from its
+    settings: a UserError names each field of its config that differs from the checkpoint's), else into a GPT of
+    the checkpoint's config. `tokenizer` (default: the checkpoint's) must be the one the model was trained with.
+    """
+    from nanochat.tokenizer import checkpoint_tokenizer
+    where = f"checkpoint of step {step} in {checkpoint_dir}"
+    state, optimizer_shards, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True)
+    tokenizer = tokenizer or checkpoint_tokenizer(checkpoint_dir)
+    check_tokenizer(meta, tokenizer, where)
+    if model is None:
+        return model_from_state(state, meta, device, where), tokenizer, optimizer_shards, meta
+    saved = {**type(model.config)().to_dict(), **meta["model_config"]}  # older checkpoints: fields added since at their defaults
+    if saved != model.config.to_dict():
+        differ = ", ".join(f"{k} {saved[k]!r} (this run {v!r})" for k, v in model.config.to_dict().items() if saved[k] != v)
+        raise UserError(f"{where} has a different model: {differ}; resume with the settings of that run")
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
+    return model, tokenizer, optimizer_shards, meta
+
+
 # -----------------------------------------------------------------------------
 # Optimizer checkpoints that any world size can load. Per optimizer: {parameter name: {"row_start": r, "step": t
 # or None, key: tensor}}, each tensor rows [r, r + len) of that parameter's full state (a 0-d parameter is one
@@ -343,14 +370,9 @@ def _rows_view(t):
 
 
 def _torch_adamw_owned_state(opt, name_of):
-    out = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state.get(p)
-            if state:
-                out[name_of[p]] = {"row_start": 0, "step": float(state["step"]),
-                                   "exp_avg": _rows_view(state["exp_avg"]), "exp_avg_sq": _rows_view(state["exp_avg_sq"])}
-    return out
+    return {name_of[p]: {"row_start": 0, "step": float(state["step"]), "exp_avg": _rows_view(state["exp_avg"]),
+                         "exp_avg_sq": _rows_view(state["exp_avg_sq"])}
+            for group in opt.param_groups for p in group["params"] if (state := opt.state.get(p))}
 
 
 def _torch_adamw_load_owned_state(opt, name_of, full_state):
@@ -369,13 +391,8 @@ def _torch_adamw_load_owned_state(opt, name_of, full_state):
 def optimizer_shard(optimizers, model):
     """This rank's optimizer state in the world-size-free form above: one dict per optimizer, in order."""
     name_of = {p: n for n, p in model.named_parameters()}
-    shard = []
-    for opt in optimizers:
-        if isinstance(opt, torch.optim.AdamW):
-            shard.append(_torch_adamw_owned_state(opt, name_of))
-        else:
-            shard.append(opt.owned_state(name_of))
-    return shard
+    return [_torch_adamw_owned_state(opt, name_of) if isinstance(opt, torch.optim.AdamW) else opt.owned_state(name_of)
+            for opt in optimizers]
 
 
 def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
