@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import is_distributed
-from nanochat.optim import ShardedGradients, all_gather_single, pad_rows, reduce_scatter_single, rows_of
+from nanochat.optim import ShardedGradients, all_gather_single, reduce_scatter_single, rows_of, zero_pad_rows
 
 
 def adamw_update_(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay):
@@ -59,7 +59,7 @@ class AdamW(torch.optim.Optimizer):
                               group["betas"], group["eps"], group["weight_decay"])
 
     def owned_state(self, name_of):
-        """Every parameter's state (one process holds it all), whole, from row 0; see nanochat.optim."""
+        """Every parameter's state (one process holds it all), whole, from row 0; see nanochat.checkpoint_manager."""
         rows = lambda t: t.view(1) if t.ndim == 0 else t  # noqa: E731
         return {name_of[p]: {"row_start": 0, "step": state["step"], "exp_avg": rows(state["exp_avg"]),
                              "exp_avg_sq": rows(state["exp_avg_sq"])}
@@ -84,7 +84,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     the collectives (one copy of such a parameter per step; the padding's update is exactly zero).
     param_groups and lr as for AdamW. Requirements: an initialised process group; every rank has the same
     parameters in the same order, a gradient for each, and calls step() together. Checkpoints: owned_state /
-    load_owned_state through nanochat.optim, across world sizes.
+    load_owned_state through nanochat.checkpoint_manager, across world sizes.
     """
 
     def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
@@ -104,7 +104,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                                        "every parameter, since all ranks take part in every collective")
                 grad = p.grad.view(1) if p.ndim == 0 else p.grad
                 rows_per_rank = -(-grad.size(0) // world_size)  # ceil
-                grad = pad_rows(grad, rows_per_rank * world_size)
+                grad = zero_pad_rows(grad, rows_per_rank * world_size)
                 grad_slice = grad.new_empty((rows_per_rank, *grad.shape[1:]))
                 work = reduce_scatter_single(grad_slice, grad, op=dist.ReduceOp.SUM, async_op=True)
                 # the padded gradient stays referenced until its collective is done
@@ -128,7 +128,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
             group, p, rows_per_rank = entry["group"], entry["p"], entry["rows_per_rank"]
             g = self._averaged(entry)
             p_rows = p.view(1) if p.ndim == 0 else p
-            full = pad_rows(p_rows, rows_per_rank * world_size)  # p itself on the copy-free path
+            full = zero_pad_rows(p_rows, rows_per_rank * world_size)  # p itself on the copy-free path
             p_slice = full[rank * rows_per_rank:(rank + 1) * rows_per_rank]
 
             state = self.state[p]
@@ -148,7 +148,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                 p_rows.copy_(full[:p_rows.size(0)])
 
     def owned_state(self, name_of):
-        """This rank's slice of every parameter's state, without the padding rows (nanochat.optim)."""
+        """This rank's slice of every parameter's state, without the padding rows (nanochat.checkpoint_manager)."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
         out = {}
         for group in self.param_groups:
@@ -165,7 +165,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
         return out
 
     def load_owned_state(self, name_of, full_state):
-        """Take this rank's slice of each parameter's full state (nanochat.optim.load_optimizer_shards)."""
+        """Take this rank's slice of each parameter's full state (nanochat.checkpoint_manager.load_optimizer_shards)."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
         for group in self.param_groups:
             for p in group["params"]:
@@ -175,6 +175,6 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                 rows_per_rank = -(-full["exp_avg"].size(0) // world_size)
                 state = {"step": int(full["step"])}
                 for key in ("exp_avg", "exp_avg_sq"):
-                    padded = pad_rows(full[key], rows_per_rank * world_size)
+                    padded = zero_pad_rows(full[key], rows_per_rank * world_size)
                     state[key] = padded[rank * rows_per_rank:(rank + 1) * rows_per_rank].to(p.device, p.dtype).clone()
                 self.state[p] = state

@@ -1,18 +1,20 @@
 """
-Saving and loading checkpoints, and the checkpoint directory a training run owns.
+Saving and loading checkpoints (load_model; a resumed stage: load_for_resume), the optimizer state's format in them,
+and the checkpoint directory a training run owns.
 
 A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d20/ is:
   model_{N:06d}.pt            the weights (written by rank 0: every rank holds the same full weights)
   optim_{N:06d}_rank{r}.pt    the optimizer state rank r held, one file per rank (DistMuon / DistAdamW shard
-                              the optimizer state), in a form any world size can load (nanochat/optim.py)
+                              the optimizer state), in a form any world size can load (optimizer_shard)
   meta_{N:06d}.json           step, model config, training config, world size, tokenizer fingerprint, data
                               settings, dataloader and loop state; written LAST, by rank 0, after every rank
                               has finished its files. It is the completion marker: a step without its meta
                               file is incomplete and ignored.
 Every file is written through common.atomic_write (a temporary name, then a rename), so a crash never leaves
 a half-written file under a real name, and a crash before the meta file never leaves a checkpoint that looks
-complete. The directory also holds the run's `metrics.jsonl` (one line per step, for the report's curves)
-and `.lock` (see claim_checkpoint_dir).
+complete. The directory also holds the run's `metrics.jsonl` (one line per step, for the report's curves;
+nanochat/stage.py writes it), `.lock` (see claim_checkpoint_dir), and an imported model's own `tokenizer/`
+(nanochat/tokenizer.py: checkpoint_tokenizer).
 
 What a checkpoint must record to be trusted (checked on load):
   - the tokenizer's fingerprint: token ids only mean something with the tokenizer they were trained with;
@@ -152,8 +154,8 @@ def _claim(checkpoint_dir, resume_from_step, overwrite):
 def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, rank=0):
     """
     Save step `step`. Under torchrun EVERY rank must call this (each writes its own optimizer file, and
-    the completion marker waits for all of them). `optimizer_shard`: this rank's optimizer state
-    (nanochat.optim.optimizer_shard), or None to save none. `model_state` and `meta` are used on rank 0.
+    the completion marker waits for all of them). `optimizer_shard`: this rank's optimizer state (what
+    optimizer_shard() returns), or None to save none. `model_state` and `meta` are used on rank 0.
     If a write fails (a full disk: "no space left on <dir>"), the files this call wrote are removed.
     """
     os.makedirs(checkpoint_dir, exist_ok=True)
@@ -210,7 +212,7 @@ def read_meta(checkpoint_dir, step):
 def load_checkpoint(checkpoint_dir, step, device, load_optimizer=False):
     """
     Returns (model_state, optimizer_shards or None, meta). optimizer_shards: what every rank of the saving
-    run saved (a list, one entry per saving rank), for nanochat.optim.load_optimizer_shards.
+    run saved (a list, one entry per saving rank), for load_optimizer_shards.
     Errors name the missing or broken file.
     """
     meta = read_meta(checkpoint_dir, step)
@@ -228,6 +230,14 @@ def complete_steps(checkpoint_dir):
     """The steps with a complete checkpoint (their meta file exists), in increasing order."""
     return sorted(int(m.group(1)) for f in glob.glob(os.path.join(checkpoint_dir, "meta_*.json"))
                   if (m := re.fullmatch(r"meta_(\d+)\.json", os.path.basename(f))))
+
+
+def find_checkpoint_dir(source, model_tag=None):
+    """(model_tag, checkpoint_dir) of stage `source`'s model `model_tag`, or of its only model if no tag is given."""
+    if source not in SOURCES:
+        raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
+    model_tag = model_tag or find_model_tag(os.path.join(get_base_dir(), SOURCES[source]), STAGE_COMMANDS[source])
+    return model_tag, checkpoint_dir_for(source, model_tag)
 
 
 def find_model_tag(checkpoints_dir, stage_command=None):
@@ -300,13 +310,11 @@ def load_model(source, device, phase, model_tag=None, step=None):
     Load a model saved by a training stage: source "base" | "mid" | "sft" | "rl". model_tag defaults to
     the only tag present (an error lists them if there are several); step defaults to the last complete
     one, or, if its files are unreadable, the one before it (with a warning). Checks that the tokenizer
-    the model was trained with is the one it gets (see checkpoint_tokenizer). Returns (model, tokenizer, meta).
+    the model was trained with is the one it gets (nanochat.tokenizer.checkpoint_tokenizer). Returns (model, tokenizer,
+    meta).
     """
-    if source not in SOURCES:
-        raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
-    checkpoints_dir = os.path.join(get_base_dir(), SOURCES[source])
-    model_tag = model_tag or find_model_tag(checkpoints_dir, STAGE_COMMANDS[source])
-    checkpoint_dir = checkpoint_dir_for(source, model_tag)
+    from nanochat.tokenizer import checkpoint_tokenizer
+    model_tag, checkpoint_dir = find_checkpoint_dir(source, model_tag)
     if step is not None and step >= 0:
         candidates = [step]
     else:
@@ -329,98 +337,106 @@ def load_model(source, device, phase, model_tag=None, step=None):
     return model, tokenizer, meta
 
 
+def load_for_resume(checkpoint_dir, step, device, model=None, tokenizer=None):
+    """
+    What a stage resumed from its own checkpoint of `step` needs: (model, tokenizer, optimizer_shards, meta), the
+    shards for load_optimizer_shards. The weights go into `model` if one is given (base_train builds it from its
+    settings: a UserError names each field of its config that differs from the checkpoint's), else into a GPT of
+    the checkpoint's config. `tokenizer` (default: the checkpoint's) must be the one the model was trained with.
+    """
+    from nanochat.tokenizer import checkpoint_tokenizer
+    where = f"checkpoint of step {step} in {checkpoint_dir}"
+    state, optimizer_shards, meta = load_checkpoint(checkpoint_dir, step, device, load_optimizer=True)
+    tokenizer = tokenizer or checkpoint_tokenizer(checkpoint_dir)
+    check_tokenizer(meta, tokenizer, where)
+    if model is None:
+        return model_from_state(state, meta, device, where), tokenizer, optimizer_shards, meta
+    saved = {**type(model.config)().to_dict(), **meta["model_config"]}  # older checkpoints: fields added since at their defaults
+    if saved != model.config.to_dict():
+        differ = ", ".join(f"{k} {saved[k]!r} (this run {v!r})" for k, v in model.config.to_dict().items() if saved[k] != v)
+        raise UserError(f"{where} has a different model: {differ}; resume with the settings of that run")
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
+    return model, tokenizer, optimizer_shards, meta
+
+
 # -----------------------------------------------------------------------------
-# The model's tokenizer. Every model trained here uses the base dir's tokenizer ($NANOCHAT_BASE_DIR/tokenizer/);
-# an imported model (scripts/import_model.py) keeps its own, in <checkpoint_dir>/tokenizer/ (Tokenizer.save's
-# format), and so does every model trained from it (carry_tokenizer). Loading looks there first.
-
-TOKENIZER_SUBDIR = "tokenizer"
+# Optimizer checkpoints that any world size can load. Per optimizer: {parameter name: {"row_start": r, "step": t
+# or None, key: tensor}}, each tensor rows [r, r + len) of that parameter's full state (a 0-d parameter is one
+# row); a rank that holds nothing of a parameter saves no entry for it (docs/optimizers.md).
 
 
-def checkpoint_tokenizer(checkpoint_dir):
-    """The tokenizer of the models in `checkpoint_dir`: <checkpoint_dir>/tokenizer/ if it exists, else the base dir's."""
-    from nanochat.tokenizer import Tokenizer, get_tokenizer
-    own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
-    return Tokenizer.from_directory(own) if os.path.isdir(own) else get_tokenizer()
+def _rows_view(t):
+    return t.view(1) if t.ndim == 0 else t
 
 
-def carry_tokenizer(tokenizer, checkpoint_dir):
+def _torch_adamw_owned_state(opt, name_of):
+    return {name_of[p]: {"row_start": 0, "step": float(state["step"]), "exp_avg": _rows_view(state["exp_avg"]),
+                         "exp_avg_sq": _rows_view(state["exp_avg_sq"])}
+            for group in opt.param_groups for p in group["params"] if (state := opt.state.get(p))}
+
+
+def _torch_adamw_load_owned_state(opt, name_of, full_state):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            full = full_state(name_of[p])
+            if full is None:
+                continue
+            # the step count as torch's own first step would make it: on the device if fused/capturable, else CPU
+            on_device = group.get("fused") or group.get("capturable")
+            step = torch.tensor(full["step"], dtype=torch.float32, device=p.device if on_device else "cpu")
+            opt.state[p] = {"step": step, "exp_avg": full["exp_avg"].view_as(p).to(p.device, p.dtype).clone(),
+                            "exp_avg_sq": full["exp_avg_sq"].view_as(p).to(p.device, p.dtype).clone()}
+
+
+def optimizer_shard(optimizers, model):
+    """This rank's optimizer state in the world-size-free form above: one dict per optimizer, in order."""
+    name_of = {p: n for n, p in model.named_parameters()}
+    return [_torch_adamw_owned_state(opt, name_of) if isinstance(opt, torch.optim.AdamW) else opt.owned_state(name_of)
+            for opt in optimizers]
+
+
+def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
     """
-    Make the new checkpoints in `checkpoint_dir` load with `tokenizer`, the tokenizer of the model being trained
-    into it. The base dir's tokenizer needs nothing (a <checkpoint_dir>/tokenizer/ an earlier run with another one
-    left there is removed, or it would be loaded instead); any other tokenizer is saved to <checkpoint_dir>/tokenizer/.
-    Call on rank 0 before the stage's first save_checkpoint.
+    Load into `optimizers` the state that optimizer_shard() saved on any number of ranks (`shards`: every saving
+    rank's list, ideally loaded with mmap); each optimizer takes the part this rank owns. UserError if a piece is
+    missing or the parameters do not match (`where` names the checkpoint in the message).
     """
-    import shutil
-    from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
-    own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
-    base = get_tokenizer_dir()
-    if tokenizer.directory is not None and os.path.realpath(tokenizer.directory) == os.path.realpath(base):
-        is_base = True
-    else:
-        try:
-            is_base = Tokenizer.from_directory(base).fingerprint() == tokenizer.fingerprint()
-        except UserError:  # no tokenizer in the base dir
-            is_base = False
-    if is_base:
-        if os.path.isdir(own):
-            shutil.rmtree(own)
-        return
-    try:
-        if Tokenizer.from_directory(own).fingerprint() == tokenizer.fingerprint():
-            return
-    except UserError:
-        pass  # none there yet, or a broken one: write it
-    tokenizer.save(own)
+    name_of = {p: n for n, p in model.named_parameters()}
+    if any(len(s) != len(optimizers) for s in shards):
+        raise UserError(f"{where}: saved state of {len(shards[0])} optimizer(s), this run has {len(optimizers)}")
+    for i, opt in enumerate(optimizers):
+        pieces = {}  # name -> list of saved entries
+        for shard in shards:
+            for name, entry in shard[i].items():
+                pieces.setdefault(name, []).append(entry)
+        params = {name_of[p]: p for group in opt.param_groups for p in group["params"]}
+        unknown = sorted(set(pieces) - set(params))
+        if unknown:
+            raise UserError(f"{where}: optimizer state for parameters this model's optimizer does not have: {', '.join(unknown[:3])}")
 
+        def full_state(name):
+            """The full state of parameter `name` ({"step", key: full tensor}), or None if it has none yet."""
+            entries = pieces.get(name)
+            if not entries:
+                return None
+            rows = _rows_view(params[name]).size(0)
+            keys = [k for k in entries[0] if k not in ("row_start", "step")]
+            full, covered = {"step": entries[0]["step"]}, torch.zeros(rows, dtype=torch.bool)
+            for key in keys:
+                ref = entries[0][key]
+                full[key] = torch.zeros((rows, *ref.shape[1:]), dtype=ref.dtype)
+            for entry in entries:
+                start = entry["row_start"]
+                n = entry[keys[0]].size(0) if keys else 0
+                for key in keys:
+                    full[key][start:start + n] = entry[key]
+                covered[start:start + n] = True
+            if not covered.all():
+                raise UserError(f"{where}: optimizer state of {name} is incomplete ({int((~covered).sum())} of {rows} rows "
+                                f"missing): a rank's optimizer file is missing or from another run")
+            return full
 
-def open_metrics(checkpoint_dir, start_step, enabled=True):
-    """
-    The run's per-step metrics, one JSON line per step in <checkpoint_dir>/metrics.jsonl (the report plots
-    them). A fresh run starts the file empty; a resumed run continues its curve: it keeps the train lines of
-    steps up to its start step and the evaluations before it (it evaluates its start step again), dropping
-    what the earlier run logged later. Returns (path, log) with log(**metrics) appending a line (rank 0 only:
-    pass enabled=False elsewhere).
-    """
-    path = os.path.join(checkpoint_dir, "metrics.jsonl")
-    if enabled:
-        kept = []
-        if start_step > 0 and os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        r = json.loads(line)
-                    except json.JSONDecodeError:  # a line cut short when the earlier run was killed
-                        continue
-                    if r["step"] < start_step or (r["step"] == start_step and "val_bpb" not in r):
-                        kept.append(line)
-        with atomic_write(path, "w") as f:
-            f.writelines(kept)
-
-    def log(**metrics):
-        if enabled:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(metrics) + "\n")
-    return path, log
-
-
-def lineage(meta, source):
-    """
-    [(stage, model_tag, step, meta or None)]: this checkpoint, then the one it was trained from, back to its base
-    model, as far as their meta files are on this machine (midtraining records `base_model`, SFT and RL `parent`).
-    """
-    chain = [(source, meta.get("model_tag"), meta.get("step"), meta)]
-    while chain[-1][3] is not None and len(chain) < 8:  # base, mid, sft, rl: 8 bounds a cycle of edited meta files
-        m = chain[-1][3]
-        if isinstance(m.get("base_model"), dict):
-            parent = ("base", m["base_model"].get("model_tag"), m["base_model"].get("step"))
-        elif isinstance(m.get("parent"), dict):
-            parent = (m["parent"].get("source"), m["parent"].get("model_tag"), m["parent"].get("step"))
+        if isinstance(opt, torch.optim.AdamW):
+            _torch_adamw_load_owned_state(opt, name_of, full_state)
         else:
-            break
-        try:
-            parent_meta = read_meta(checkpoint_dir_for(parent[0], parent[1]), parent[2])
-        except (UserError, TypeError):
-            parent_meta = None
-        chain.append((*parent, parent_meta))
-    return chain
+            opt.load_owned_state(name_of, full_state)

@@ -1,15 +1,13 @@
 """
-The data loaders of the training stages: token batches out, forever, for THIS rank only.
+The data loader of pretraining: parquet documents in, token batches out, forever, for THIS rank only; and the
+micro-steps a step of total_batch_size tokens takes (grad_accum_steps_for; base_train and mid_train use it too).
 
-    loader = tokenizing_distributed_data_loader(B, T, "train", device, total_batch_size=...)   # pretraining
-    loader = ConversationLoader(dataset, tokenizer, B, T, device, packed=True)               # chat stages
+    loader = tokenizing_distributed_data_loader(B, T, "train", device, total_batch_size=...)
     x, y = next(loader)   # x (B, T) int32, y (B, T) int64, on `device`
 
 Each call returns one micro-batch of B rows for this rank: `B = device_batch_size`, never B x world_size.
-Both loaders have state_dict() / load_state_dict(): a checkpoint stores where every rank's data stands, and a
-resumed run reads exactly the batches the uninterrupted run would have read.
-
-Pretraining (DistributedTokenLoader): parquet documents in.
+state_dict() / load_state_dict(): a checkpoint stores where every rank's data stands, and a resumed run reads
+exactly the batches the uninterrupted run would have read. (The chat stages' loader: nanochat/conversation_loader.py.)
 
 World-size invariance. A training step consumes `total_batch_size` tokens = S micro-batches of B x T
 tokens, S = total_batch_size / (B * T). We call them the step's S *data slots*. Slot s always reads the
@@ -53,9 +51,6 @@ batch first, then continues exactly (the documents of the pieces are read and to
 training loop prefetches the next batch, so the batch it holds when it saves a checkpoint is the first one
 the resumed run must see.) Slot states are keyed by slot, so the states of all ranks merge into one, and a
 run can continue on any number of ranks.
-
-Chat stages (ConversationLoader): conversations of a task mixture in, rendered with their training mask;
-see its docstring. pad_rows() is the padding both it and chat_rl's policy-gradient batches use.
 """
 
 import math
@@ -396,143 +391,3 @@ def tokenizing_distributed_data_loader(B, T, split, device="cpu", *, tokenizer=N
     return DistributedTokenLoader(B=B, T=T, split=split, device=device, tokenizer=tokenizer, rank=rank,
                                   world_size=world_size, total_batch_size=total_batch_size, seed=seed, bos_aligned=bos_aligned,
                                   tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size)
-
-
-# -----------------------------------------------------------------------------
-# Conversations (mid_train, chat_sft; pad_rows also for chat_rl)
-
-
-def pad_rows(rows, pad_id, device):
-    """
-    Rows of (ids, mask) of different lengths -> (inputs, targets), each (len(rows), longest - 1): inputs are
-    ids[:-1], right-padded with `pad_id` (a causal model never looks ahead, so padding changes nothing before
-    it); targets are ids[1:] where the mask of that token is 1, and -1 (ignored) elsewhere and in the padding.
-    """
-    width = max(len(ids) for ids, _ in rows) - 1
-    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.full((len(rows), width), -1, dtype=torch.long)
-    for r, (ids, mask) in enumerate(rows):
-        row = torch.tensor(ids, dtype=torch.long)
-        inputs[r, :len(ids) - 1] = row[:-1]
-        targets[r, :len(ids) - 1] = torch.where(torch.tensor(mask[1:], dtype=torch.bool), row[1:], -1)
-    return inputs.to(device, torch.int32), targets.to(device)
-
-
-class ConversationLoader:
-    """
-    Micro-batches of conversations for THIS rank, forever: rank r reads conversations r, r + W, r + 2W, ... of
-    `dataset` (W = world size; only its first `size`, all if None or < 0), so ranks never read the same one, and
-    the data of a step depends on the world size (a resume must use the same number of ranks). Each conversation
-    is rendered with its training mask (tokenizer.render_conversation: 1 on what the assistant writes). Layouts:
-
-    - packed=True (midtraining): conversations are appended to a token stream and a micro-batch is the next
-      B*T+1 tokens (inputs the first B*T, targets shifted by one; the last token stays for the next batch), so
-      rows are full and a conversation longer than a row continues in the next one (counted: stats["split"]).
-    - packed=False (SFT): one whole conversation per row, cut to T+1 tokens (counted: stats["cut"]), rows padded
-      to the longest of the micro-batch (pad_rows): every row starts where a conversation starts, as in a chat.
-
-    Targets are -1 where the mask is 0 (user turns, tool outputs, padding) unless train_on_all_tokens.
-    `epoch_done` turns True when this rank's reading wraps around the dataset; progress() is how far this rank
-    is through the epoch (the learning-rate schedule of a run of one epoch follows it). next_step(n): the n
-    micro-batches of an optimizer step at once (a chat stage counts their targets before its first backward).
-
-    state_dict() is where the next batch starts plus what was read so far; load_state_dict() takes the list of
-    every rank's state_dict (as a checkpoint keeps them) and continues this rank's exactly. Packed: what a batch
-    leaves in the buffer is always the tail of ONE conversation (the buffer is refilled one conversation at a
-    time, only until it holds a batch), so the position is [conversation index, token offset into it].
-    """
-
-    def __init__(self, dataset, tokenizer, B, T, device, *, packed, size=None, rank=0, world_size=1,
-                 train_on_all_tokens=False):
-        self.dataset, self.tokenizer, self.B, self.T, self.device = dataset, tokenizer, B, T, torch.device(device)
-        self.packed, self.train_on_all_tokens, self.rank, self.world_size = packed, train_on_all_tokens, rank, world_size
-        self.size = len(dataset) if size is None or size < 0 else min(size, len(dataset))
-        self.pad_id = tokenizer.encode_special("<|assistant_end|>")  # any id does: padded targets are ignored
-        self.load_state_dict(None)
-
-    def state_dict(self):
-        return {"position": list(self.position), "reread": self.position_read, "epoch_done": self.epoch_done,
-                "stats": dict(self.stats, first=list(self.stats["first"]))}
-
-    def load_state_dict(self, states):
-        """`states`: every rank's state_dict, as a checkpoint keeps them, or None to start at the beginning."""
-        state = None if states is None else states[self.rank]
-        self.position = (self.rank, 0) if state is None else tuple(state["position"])  # where the next batch starts
-        self.cursor, self.skip = self.position  # the next conversation to read, and tokens of it already trained on
-        # packed: after a batch, the conversation at the position was read (and counted) already, even at offset 0
-        self.reread = self.position_read = state is not None and state["reread"]
-        self.epoch_done = False if state is None else state["epoch_done"]
-        # read: conversations started; first: the indices of the first 8 (shows which ranks read which)
-        stats = {"read": 0, "split": 0, "cut": 0, "first": []} if state is None else state["stats"]
-        self.stats = dict(stats, first=list(stats["first"]))  # a copy: the caller's states stay as they were
-        # packed: the token buffer, and [conversation index, its tokens in the buffer, offset of the first of them]
-        self.ids, self.mask, self.segments = deque(), deque(), deque()
-
-    def __iter__(self):
-        return self
-
-    def next_step(self, n):
-        """(the state_dict() where they start: what a checkpoint saved before this step keeps, [n micro-batches])"""
-        state = self.state_dict()
-        return state, [next(self) for _ in range(n)]
-
-    def progress(self, step, num_iterations):
-        """How far a run is, for its schedule: (step, num_iterations) for a run of num_iterations steps, else (-1: one
-        epoch) (conversations of this rank's share of the epoch read so far, the epoch's size)."""
-        if num_iterations > 0:
-            return step, num_iterations
-        return (self.size if self.epoch_done else self.cursor), self.size
-
-    def _read(self):
-        """The next conversation of this rank, rendered: (index, ids, mask), counted; moves the cursor past it."""
-        index = self.cursor
-        ids, mask = self.tokenizer.render_conversation(self.dataset[index], max_tokens=10**9)
-        self.cursor += self.world_size
-        if self.cursor >= self.size:
-            self.cursor -= self.size  # wrap around: the next epoch
-            self.epoch_done = True
-        if self.reread:  # resuming inside this conversation: it was already read and counted
-            ids, mask, self.skip, self.reread = ids[self.skip:], mask[self.skip:], 0, False
-            return index, ids, mask
-        self.stats["read"] += 1
-        self.stats["split" if self.packed else "cut"] += len(ids) > self.T + 1
-        if len(self.stats["first"]) < 8:
-            self.stats["first"].append(index)
-        return index, ids, mask
-
-    def __next__(self):
-        if not self.packed:
-            rows = []
-            for _ in range(self.B):
-                _, ids, mask = self._read()
-                ids = ids[:self.T + 1]
-                rows.append((ids, [1] * len(ids) if self.train_on_all_tokens else mask[:self.T + 1]))
-            self.position = (self.cursor, 0)
-            return pad_rows(rows, self.pad_id, self.device)
-        needed = self.B * self.T + 1
-        while len(self.ids) < needed:
-            offset = self.skip
-            index, ids, mask = self._read()
-            self.segments.append([index, len(ids), offset])
-            self.ids.extend(ids)
-            self.mask.extend(mask)
-        ids = [self.ids.popleft() for _ in range(needed - 1)] + [self.ids[0]]  # the last one stays for the next batch
-        mask = [self.mask.popleft() for _ in range(needed - 1)] + [self.mask[0]]
-        consumed = needed - 1
-        while consumed:  # move the segment bookkeeping past the consumed tokens
-            take = min(consumed, self.segments[0][1])
-            self.segments[0][1] -= take
-            self.segments[0][2] += take
-            consumed -= take
-            if self.segments[0][1] == 0:
-                self.segments.popleft()
-        self.position = (self.segments[0][0], self.segments[0][2])  # the leftover is the tail of segments[0]
-        self.position_read = True
-        tokens = torch.tensor(ids, dtype=torch.int64)
-        inputs, targets = tokens[:-1].view(self.B, self.T), tokens[1:].view(self.B, self.T)
-        if not self.train_on_all_tokens:  # the loss counts only what the model must learn to write (mask 1)
-            targets = torch.where(torch.tensor(mask[1:], dtype=torch.bool).view(self.B, self.T), targets, -1)
-        if self.device.type == "cuda":  # page-locked staging memory: the copy to the GPU runs asynchronously
-            return (inputs.to(torch.int32).pin_memory().to(self.device, non_blocking=True),
-                    targets.pin_memory().to(self.device, non_blocking=True))
-        return inputs.to(self.device, torch.int32), targets.to(self.device)

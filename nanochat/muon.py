@@ -93,7 +93,7 @@ def _batches(params):
 
 
 def _momentum_state(opt, params, name_of):
-    """Checkpoint entries (nanochat.optim) of the momentum buffers of `params`: whole matrices, from row 0."""
+    """Checkpoint entries (nanochat.checkpoint_manager) of the momentum buffers of `params`: whole matrices, from row 0."""
     return {name_of[p]: {"row_start": 0, "step": None, "momentum_buffer": opt.state[p]["momentum_buffer"]}
             for p in params if "momentum_buffer" in opt.state.get(p, {})}
 
@@ -143,7 +143,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def owned_state(self, name_of):
-        """Every matrix's momentum buffer (one process holds them all); see nanochat.optim."""
+        """Every matrix's momentum buffer (one process holds them all); see nanochat.checkpoint_manager."""
         return _momentum_state(self, [p for group in self.param_groups for p in group["params"]], name_of)
 
     def load_owned_state(self, name_of, full_state):
@@ -160,7 +160,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
     full matrices. params: an iterable of 2-D tensors (not dicts: groups are made by shape); lr and momentum are read
     from every group at each step. Requirements: an initialised process group; every rank has the same parameters in
     the same order, a gradient for each, and calls step() together. Checkpoints: owned_state / load_owned_state
-    through nanochat.optim, across world sizes.
+    through nanochat.checkpoint_manager, across world sizes.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32, weight_decay=0.0):
@@ -241,7 +241,7 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
         return [p for group in self.param_groups for j, p in enumerate(group["params"]) if j % world_size == rank]
 
     def owned_state(self, name_of):
-        """The momentum buffers of the matrices this rank owns (whole matrices); see nanochat.optim."""
+        """The momentum buffers of the matrices this rank owns (whole matrices); see nanochat.checkpoint_manager."""
         return _momentum_state(self, self._owned(), name_of)
 
     def load_owned_state(self, name_of, full_state):

@@ -1,17 +1,16 @@
 """
-What Muon and AdamW share: ZeRO-2 sharding across ranks, gradient clipping, checkpoints, and the schedules.
+The update of a training step (step_optimizers): what Muon and AdamW share, ZeRO-2 sharding across ranks and
+gradient clipping; the schedules of the learning rate and of Muon's momentum; the weight decay by depth.
 
 Under torchrun every rank holds the whole model and computes a full gradient on its own micro-batches; only the
 optimizer is sharded (its state and the update's arithmetic): reduce_scatter the gradients (each rank receives the
 rank-averaged gradient of the part it owns), update the owned part, all_gather the updated parts. Gradients are
 averaged in clip_grad_norm_ when clipping is on, else in optimizer.step(); losses are never summed across ranks.
-How and why, and the checkpoint format: docs/optimizers.md.
+How and why: docs/optimizers.md. The optimizer state's checkpoint format: nanochat/checkpoint_manager.py.
 """
 
 import torch
 import torch.distributed as dist
-
-from nanochat.common import UserError
 
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (the old names still
 # work but warn); older torch (>= 2.8 is supported) only has the old names.
@@ -19,8 +18,11 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def pad_rows(t, rows):
-    """t itself if it already has `rows` rows and is contiguous, else a contiguous copy zero-padded along dim 0 to `rows`."""
+def zero_pad_rows(t, rows):
+    """
+    t itself if it already has `rows` rows and is contiguous, else a contiguous copy zero-padded along dim 0 to `rows`:
+    DistAdamW shards every parameter by rows, and its collectives want the same number of rows on every rank.
+    """
     if t.size(0) == rows and t.is_contiguous():
         return t
     padded = t.new_zeros((rows, *t.shape[1:]))
@@ -109,99 +111,6 @@ def clip_grad_norm_(optimizers, max_norm):
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
-
-
-# -----------------------------------------------------------------------------
-# Optimizer checkpoints that any world size can load. Per optimizer: {parameter name: {"row_start": r, "step": t
-# or None, key: tensor}}, each tensor rows [r, r + len) of that parameter's full state (a 0-d parameter is one
-# row); a rank that holds nothing of a parameter saves no entry for it (docs/optimizers.md).
-
-
-def _rows_view(t):
-    return t.view(1) if t.ndim == 0 else t
-
-
-def _torch_adamw_owned_state(opt, name_of):
-    out = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state.get(p)
-            if state:
-                out[name_of[p]] = {"row_start": 0, "step": float(state["step"]),
-                                   "exp_avg": _rows_view(state["exp_avg"]), "exp_avg_sq": _rows_view(state["exp_avg_sq"])}
-    return out
-
-
-def _torch_adamw_load_owned_state(opt, name_of, full_state):
-    for group in opt.param_groups:
-        for p in group["params"]:
-            full = full_state(name_of[p])
-            if full is None:
-                continue
-            # the step count as torch's own first step would make it: on the device if fused/capturable, else CPU
-            on_device = group.get("fused") or group.get("capturable")
-            step = torch.tensor(full["step"], dtype=torch.float32, device=p.device if on_device else "cpu")
-            opt.state[p] = {"step": step, "exp_avg": full["exp_avg"].view_as(p).to(p.device, p.dtype).clone(),
-                            "exp_avg_sq": full["exp_avg_sq"].view_as(p).to(p.device, p.dtype).clone()}
-
-
-def optimizer_shard(optimizers, model):
-    """This rank's optimizer state in the world-size-free form above: one dict per optimizer, in order."""
-    name_of = {p: n for n, p in model.named_parameters()}
-    shard = []
-    for opt in optimizers:
-        if isinstance(opt, torch.optim.AdamW):
-            shard.append(_torch_adamw_owned_state(opt, name_of))
-        else:
-            shard.append(opt.owned_state(name_of))
-    return shard
-
-
-def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
-    """
-    Load into `optimizers` the state that optimizer_shard() saved on any number of ranks (`shards`: every saving
-    rank's list, ideally loaded with mmap); each optimizer takes the part this rank owns. UserError if a piece is
-    missing or the parameters do not match (`where` names the checkpoint in the message).
-    """
-    name_of = {p: n for n, p in model.named_parameters()}
-    if any(len(s) != len(optimizers) for s in shards):
-        raise UserError(f"{where}: saved state of {len(shards[0])} optimizer(s), this run has {len(optimizers)}")
-    for i, opt in enumerate(optimizers):
-        pieces = {}  # name -> list of saved entries
-        for shard in shards:
-            for name, entry in shard[i].items():
-                pieces.setdefault(name, []).append(entry)
-        params = {name_of[p]: p for group in opt.param_groups for p in group["params"]}
-        unknown = sorted(set(pieces) - set(params))
-        if unknown:
-            raise UserError(f"{where}: optimizer state for parameters this model's optimizer does not have: {', '.join(unknown[:3])}")
-
-        def full_state(name):
-            """The full state of parameter `name` ({"step", key: full tensor}), or None if it has none yet."""
-            entries = pieces.get(name)
-            if not entries:
-                return None
-            rows = _rows_view(params[name]).size(0)
-            keys = [k for k in entries[0] if k not in ("row_start", "step")]
-            full, covered = {"step": entries[0]["step"]}, torch.zeros(rows, dtype=torch.bool)
-            for key in keys:
-                ref = entries[0][key]
-                full[key] = torch.zeros((rows, *ref.shape[1:]), dtype=ref.dtype)
-            for entry in entries:
-                start = entry["row_start"]
-                n = entry[keys[0]].size(0) if keys else 0
-                for key in keys:
-                    full[key][start:start + n] = entry[key]
-                covered[start:start + n] = True
-            if not covered.all():
-                raise UserError(f"{where}: optimizer state of {name} is incomplete ({int((~covered).sum())} of {rows} rows "
-                                f"missing): a rank's optimizer file is missing or from another run")
-            return full
-
-        if isinstance(opt, torch.optim.AdamW):
-            _torch_adamw_load_owned_state(opt, name_of, full_state)
-        else:
-            opt.load_owned_state(name_of, full_state)
 
 
 # -----------------------------------------------------------------------------

@@ -345,7 +345,7 @@ def evaluation_lines():
 
 
 def model_card(meta, lineage, model, tokenizer, dtype, layout):
-    """The README.md text. meta: load_model's meta of the exported checkpoint; lineage: checkpoint_manager.lineage of
+    """The README.md text. meta: load_model's meta of the exported checkpoint; lineage: lineage() of
     it (this checkpoint first, then the models it was trained from)."""
     c, source = model.config, lineage[0][0]
     name = f"nanochat {source} {meta.get('model_tag')} step {meta.get('step')}"

@@ -31,6 +31,7 @@ to do) exits with 1 on its own (nanochat/common.py). Every rank agrees on when t
 """
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -41,14 +42,13 @@ import urllib.parse
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import (SOURCES, STAGE_COMMANDS, carry_tokenizer, check_data_settings,
-                                         check_model_tag, check_tokenizer, checkpoint_dir_for, checkpoint_tokenizer,
-                                         claim_checkpoint_dir, find_model_tag, load_checkpoint, load_model,
-                                         model_from_state, open_metrics, save_checkpoint)
-from nanochat.common import (Interrupted, UserError, any_rank, autodetect_device_type, compute_cleanup, compute_init,
-                             gather_from_ranks, get_base_dir, is_distributed, print0, print_banner)
+from nanochat.checkpoint_manager import (SOURCES, check_data_settings, check_model_tag, checkpoint_dir_for,
+                                         claim_checkpoint_dir, find_checkpoint_dir, load_for_resume, load_model,
+                                         load_optimizer_shards, optimizer_shard, save_checkpoint)
+from nanochat.common import (Interrupted, UserError, any_rank, atomic_write, autodetect_device_type, compute_cleanup,
+                             compute_init, gather_from_ranks, is_distributed, print0, print_banner)
 from nanochat.hardware import compute_dtype_line
-from nanochat.optim import load_optimizer_shards, optimizer_shard
+from nanochat.tokenizer import carry_tokenizer
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
 #                          with --resume_from_step (75 = EX_TEMPFAIL of sysexits.h, "try again later")
@@ -117,7 +117,7 @@ class StopRequest:
 
 
 # -----------------------------------------------------------------------------
-# Experiment tracking: a wandb run on the master process, or a stand-in that logs nothing
+# Experiment tracking: a wandb run on the master process (or a stand-in that logs nothing), and the run's metrics file
 
 
 class DummyWandb:
@@ -157,6 +157,36 @@ def _wandb_has_login():
         return False
     base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
     return urllib.parse.urlsplit(base_url).hostname in hosts
+
+
+def open_metrics(checkpoint_dir, start_step, enabled=True):
+    """
+    The run's per-step metrics, one JSON line per step in <checkpoint_dir>/metrics.jsonl (the report plots
+    them). A fresh run starts the file empty; a resumed run continues its curve: it keeps the train lines of
+    steps up to its start step and the evaluations before it (it evaluates its start step again), dropping
+    what the earlier run logged later. Returns (path, log) with log(**metrics) appending a line (rank 0 only:
+    pass enabled=False elsewhere).
+    """
+    path = os.path.join(checkpoint_dir, "metrics.jsonl")
+    if enabled:
+        kept = []
+        if start_step > 0 and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short when the earlier run was killed
+                        continue
+                    if r["step"] < start_step or (r["step"] == start_step and "val_bpb" not in r):
+                        kept.append(line)
+        with atomic_write(path, "w") as f:
+            f.writelines(kept)
+
+    def log(**metrics):
+        if enabled:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(metrics) + "\n")
+    return path, log
 
 
 # -----------------------------------------------------------------------------
@@ -217,24 +247,10 @@ class Stage:
         is claimed (a second run on it is refused) and the metrics file opened.
         """
         if self.resumed:
-            own = os.path.join(get_base_dir(), SOURCES[self.name])
-            self.model_tag = model_tag or find_model_tag(own, STAGE_COMMANDS[self.name])
-            self.checkpoint_dir = checkpoint_dir_for(self.name, self.model_tag)
+            self.model_tag, self.checkpoint_dir = find_checkpoint_dir(self.name, model_tag)
             self._claim()
-            state, self.optimizer_shards, self.meta = load_checkpoint(self.checkpoint_dir, self.resume_from_step,
-                                                                     self.device, load_optimizer=True)
-            where = self.where()
-            tokenizer = tokenizer or checkpoint_tokenizer(self.checkpoint_dir)
-            check_tokenizer(self.meta, tokenizer, where)
-            if model is None:
-                model = model_from_state(state, self.meta, self.device, where)
-            else:
-                saved = {**type(model.config)().to_dict(), **self.meta["model_config"]}  # older checkpoints: fields added since at their defaults
-                if saved != model.config.to_dict():
-                    differ = ", ".join(f"{k} {saved[k]!r} (this run {v!r})" for k, v in model.config.to_dict().items() if saved[k] != v)
-                    raise UserError(f"{where} has a different model: {differ}; resume with the settings of that run")
-                model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
-            del state
+            model, tokenizer, self.optimizer_shards, self.meta = load_for_resume(
+                self.checkpoint_dir, self.resume_from_step, self.device, model, tokenizer)
             self.parent, self.start_step = self.meta.get("parent"), self.resume_from_step
         else:
             self.parent = None

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 
 import tiktoken
@@ -365,7 +366,12 @@ class Tokenizer:
 
 
 # -----------------------------------------------------------------------------
-# The tokenizer of this run (trained by scripts/tok_train.py)
+# Where a model's tokenizer lives. Every model trained here uses the base dir's tokenizer
+# ($NANOCHAT_BASE_DIR/tokenizer/, trained by scripts/tok_train.py); an imported model (scripts/import_model.py) keeps
+# its own, in <checkpoint_dir>/tokenizer/ (Tokenizer.save's format), and so does every model trained from it
+# (carry_tokenizer). Loading a checkpoint looks there first (checkpoint_tokenizer).
+
+TOKENIZER_SUBDIR = "tokenizer"
 
 
 def get_tokenizer_dir():
@@ -376,6 +382,40 @@ def get_tokenizer_dir():
 def get_tokenizer():
     """The tokenizer saved under $NANOCHAT_BASE_DIR/tokenizer/; UserError if there is none."""
     return Tokenizer.from_directory(get_tokenizer_dir())
+
+
+def checkpoint_tokenizer(checkpoint_dir):
+    """The tokenizer of the models in `checkpoint_dir`: <checkpoint_dir>/tokenizer/ if it exists, else the base dir's."""
+    own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
+    return Tokenizer.from_directory(own) if os.path.isdir(own) else get_tokenizer()
+
+
+def carry_tokenizer(tokenizer, checkpoint_dir):
+    """
+    Make the new checkpoints in `checkpoint_dir` load with `tokenizer`, the tokenizer of the model being trained
+    into it. The base dir's tokenizer needs nothing (a <checkpoint_dir>/tokenizer/ an earlier run with another one
+    left there is removed, or it would be loaded instead); any other tokenizer is saved to <checkpoint_dir>/tokenizer/.
+    Call on rank 0 before the stage's first save_checkpoint.
+    """
+    own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
+    base = get_tokenizer_dir()
+    if tokenizer.directory is not None and os.path.realpath(tokenizer.directory) == os.path.realpath(base):
+        is_base = True
+    else:
+        try:
+            is_base = Tokenizer.from_directory(base).fingerprint() == tokenizer.fingerprint()
+        except UserError:  # no tokenizer in the base dir
+            is_base = False
+    if is_base:
+        if os.path.isdir(own):
+            shutil.rmtree(own)
+        return
+    try:
+        if Tokenizer.from_directory(own).fingerprint() == tokenizer.fingerprint():
+            return
+    except UserError:
+        pass  # none there yet, or a broken one: write it
+    tokenizer.save(own)
 
 
 def get_token_bytes(device="cpu", directory=None):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nanochat.chat_scoring import Progress
 from nanochat.common import Interrupted, UserError, format_value, interruptible, print0, sum_over_ranks
 from nanochat.configurator import check_config, configure
-from nanochat.dataloader import pad_rows
+from nanochat.conversation_loader import padded_batch
 from nanochat.engine import Engine
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
@@ -240,7 +240,7 @@ while True:
     batches = []  # (x, y, advantages): y is -1 except on the tokens the model sampled (not the prompt, not tool outputs)
     for start in range(0, len(rows), device_batch_size):
         chunk = rows[start:start + device_batch_size]
-        x, y = pad_rows([(ids, mask) for ids, mask, _ in chunk], end_token, device)
+        x, y = padded_batch([(ids, mask) for ids, mask, _ in chunk], end_token, device)
         batches.append((x, y, torch.stack([a for _, _, a in chunk])))
     # The loss is normalised by the sampled tokens of the whole step (all ranks): counted first, one all_reduce
     _, step_tokens = count_step_targets([(x, y) for x, y, _ in batches], ddp_rank, ddp_world_size)

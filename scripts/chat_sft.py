@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nanochat.chat_scoring import score_categorical
 from nanochat.common import UserError, format_value, gather_from_ranks, interruptible, print0
 from nanochat.configurator import check_config, configure
-from nanochat.dataloader import ConversationLoader
+from nanochat.conversation_loader import ConversationLoader
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
@@ -111,7 +111,7 @@ print0(f"Examples per step {examples_per_step} => gradient accumulation steps: {
 train_dataset = stage_mixture("sft", mixture, "train", identity_file=identity_file)
 val_dataset = stage_mixture("sft", mixture, "val")
 metric_tasks = dict(stage_tasks("sft", mixture, "metrics"))  # {name: task}
-# One whole conversation per row, padded to the longest of the micro-batch (nanochat/dataloader.py)
+# One whole conversation per row, padded to the longest of the micro-batch (nanochat/conversation_loader.py)
 loader_args = dict(packed=False, rank=ddp_rank, world_size=ddp_world_size)
 train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,
                                   **loader_args)

@@ -22,13 +22,14 @@ import os
 
 import torch
 
-from nanochat.checkpoint_manager import SOURCES, lineage, load_model
+from nanochat.checkpoint_manager import SOURCES, checkpoint_dir_for, load_model, read_meta
 from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
 from nanochat.hf_format import (CHAT_TEMPLATE, MODELING_FILE, check_free, generation_config, hf_config, modeling_source,
                                 remote_config, rename_weights, save_safetensors, settings_without_equivalent,
                                 staged_directory, tokenizer_config, tokenizer_json)
 from nanochat.report import model_card
+
 
 source = "sft"  # which checkpoints: base | mid | sft | rl
 model_tag = ""  # which model under the source's checkpoint directory (needed only if there are several)
@@ -42,6 +43,29 @@ check_config(config, choices={"source": tuple(SOURCES), "dtype": ("bfloat16", "f
 if not out:
     raise UserError("--out=DIR is required: the directory to write the model to")
 check_free(os.path.abspath(out), overwrite, "--out")  # before loading anything
+
+
+def lineage(meta, source):
+    """
+    [(stage, model_tag, step, meta or None)]: this checkpoint, then the one it was trained from, back to its base
+    model, as far as their meta files are on this machine (midtraining records `base_model`, SFT and RL `parent`).
+    """
+    chain = [(source, meta.get("model_tag"), meta.get("step"), meta)]
+    while chain[-1][3] is not None and len(chain) < 8:  # base, mid, sft, rl: 8 bounds a cycle of edited meta files
+        m = chain[-1][3]
+        if isinstance(m.get("base_model"), dict):
+            parent = ("base", m["base_model"].get("model_tag"), m["base_model"].get("step"))
+        elif isinstance(m.get("parent"), dict):
+            parent = (m["parent"].get("source"), m["parent"].get("model_tag"), m["parent"].get("step"))
+        else:
+            break
+        try:
+            parent_meta = read_meta(checkpoint_dir_for(parent[0], parent[1]), parent[2])
+        except (UserError, TypeError):
+            parent_meta = None
+        chain.append((*parent, parent_meta))
+    return chain
+
 
 model, tokenizer, meta = load_model(source, "cpu", phase="eval", model_tag=model_tag or None, step=step)
 model_config = model.config.to_dict()

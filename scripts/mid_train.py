@@ -20,7 +20,8 @@ import torch
 
 from nanochat.common import UserError, format_value, gather_from_ranks, print0
 from nanochat.configurator import check_config, configure
-from nanochat.dataloader import ConversationLoader, grad_accum_steps_for
+from nanochat.conversation_loader import ConversationLoader
+from nanochat.dataloader import grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
@@ -101,7 +102,7 @@ grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max
 # mixture to the other.
 train_dataset = stage_mixture("mid", mixture, "train", identity_file=identity_file)
 val_dataset = stage_mixture("mid", mixture, "val")
-# Conversations packed into rows: a conversation longer than a row continues in the next one (nanochat/dataloader.py)
+# Conversations packed into rows: a conversation longer than a row continues in the next one (nanochat/conversation_loader.py)
 loader_args = dict(packed=True, rank=ddp_rank, world_size=ddp_world_size, train_on_all_tokens=train_on_all_tokens)
 train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,
                                   **loader_args)

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from nanochat.adamw import DistAdamW
+from nanochat.checkpoint_manager import load_optimizer_shards, optimizer_shard
 from nanochat.common import UserError
 from nanochat.hardware import autocast_dtype
 from nanochat.muon import DistMuon, Muon
-from nanochat.optim import load_optimizer_shards, optimizer_shard
 
 # Muon matrices. Shape groups of 5, 2, 1 and 3 matrices: 5 and 1 divide by neither 2 nor 3, 2 does not
 # divide by 3, 3 does not divide by 2, so the padded last block is exercised for both world sizes.
@@ -142,7 +142,7 @@ def main():
     result["adamw_state"] = [{k: v.clone() for k, v in dist_adamw_opt.state[p].items() if isinstance(v, torch.Tensor)} for p in flat_adamw]
     result["ref_adamw_state"] = [{k: ref_adamw_opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")} for p in flat_ref_adamw]
 
-    # 2. checkpoint round trips (nanochat.optim): 2 steps + save + load + 2 steps == 4 uninterrupted steps,
+    # 2. checkpoint round trips (nanochat.checkpoint_manager): 2 steps + save + load + 2 steps == 4 uninterrupted steps,
     #    resuming on the same world size, in one process (Muon + torch AdamW), and from one process into W ranks
     muon, adamw = make_params()
     opt_m, opt_a = build(muon, adamw, distributed=True)

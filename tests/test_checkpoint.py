@@ -1,12 +1,13 @@
 import os
+import types
 
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import build_model, complete_steps, find_model_tag, load_checkpoint, save_checkpoint
+from nanochat.checkpoint_manager import (build_model, complete_steps, find_model_tag, load_checkpoint, load_for_resume,
+                                         load_optimizer_shards, optimizer_shard, save_checkpoint)
 from nanochat.common import UserError
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import load_optimizer_shards, optimizer_shard
 
 
 def trained_model_and_optimizers():
@@ -52,6 +53,26 @@ def test_round_trip_is_exact(tmp_path):
             opt.step()
     for (k, a), b in zip(model.state_dict().items(), fresh_model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_resume_loads_only_into_a_model_of_the_checkpoints_config(tmp_path):
+    """load_for_resume: the weights into the model a run built, every saving rank's optimizer state; a model built
+    with other settings is refused naming each field that differs, and so is another tokenizer."""
+    model, optimizers = trained_model_and_optimizers()
+    save(tmp_path, model, optimizers)
+    tokenizer = types.SimpleNamespace(fingerprint=lambda: "any", get_vocab_size=lambda: 128, directory="tok")
+    built = GPT(GPTConfig(sequence_len=16, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64))
+    loaded, tok, shards, meta = load_for_resume(str(tmp_path), 5, "cpu", built, tokenizer)
+    assert loaded is built and tok is tokenizer and len(shards) == 1 and meta["step"] == 5
+    for k, v in model.state_dict().items():
+        assert torch.equal(built.state_dict()[k], v), k
+    other = GPT(GPTConfig(sequence_len=16, vocab_size=128, n_layer=1, n_head=2, n_kv_head=1, n_embd=32))
+    with pytest.raises(UserError, match=r"step 5 in .* has a different model: n_layer 2 \(this run 1\), n_embd 64 "
+                                        r"\(this run 32\); resume with the settings of that run"):
+        load_for_resume(str(tmp_path), 5, "cpu", other, tokenizer)
+    with pytest.raises(UserError, match="was trained with tokenizer .* is any \\(vocab 64\\)"):
+        load_for_resume(str(tmp_path), 5, "cpu", built, types.SimpleNamespace(
+            fingerprint=lambda: "any", get_vocab_size=lambda: 64, directory="tok"))
 
 
 def test_truncated_file_is_a_clear_error(tmp_path):
@@ -100,8 +121,8 @@ def test_model_tag_is_never_guessed(tmp_path):
 def test_a_checkpoint_directory_may_carry_its_own_tokenizer(isolated_env):
     """An imported model's tokenizer lives in <checkpoint_dir>/tokenizer/; load_model and the token bytes use it,
     and carry_tokenizer passes it on to the checkpoints trained from it (the base dir's needs no copy)."""
-    from nanochat.checkpoint_manager import carry_tokenizer, checkpoint_dir_for, load_model
-    from nanochat.tokenizer import Tokenizer, get_token_bytes
+    from nanochat.checkpoint_manager import checkpoint_dir_for, load_model
+    from nanochat.tokenizer import Tokenizer, carry_tokenizer, get_token_bytes
     own = Tokenizer({bytes([i]): i for i in range(256)})  # no tokenizer in the base dir at all
     model = GPT(GPTConfig(sequence_len=16, vocab_size=own.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=64))
     model.init_weights()

@@ -1,12 +1,13 @@
 """
-The conversation loader of the chat stages (nanochat/dataloader.py: ConversationLoader, pad_rows): packed and padded
-rows, ranks reading disjoint conversations, exact continuation from a state_dict, also across the end of an epoch.
+The conversation loader of the chat stages (nanochat/conversation_loader.py: ConversationLoader, padded_batch): packed
+and padded rows, ranks reading disjoint conversations, exact continuation from a state_dict, also across the end of an
+epoch.
 """
 
 import pytest
 import torch
 
-from nanochat.dataloader import ConversationLoader, pad_rows
+from nanochat.conversation_loader import ConversationLoader, padded_batch
 from nanochat.tokenizer import Tokenizer
 
 
@@ -90,7 +91,7 @@ def test_ranks_read_disjoint_conversations_and_each_continues_its_own(tok):
         same(batches(resumed, 3), expected[r])
 
 
-def test_pad_rows():
-    x, y = pad_rows([([5, 6, 7], [0, 1, 1]), ([8, 9], [1, 0])], pad_id=0, device="cpu")
+def test_padded_batch():
+    x, y = padded_batch([([5, 6, 7], [0, 1, 1]), ([8, 9], [1, 0])], pad_id=0, device="cpu")
     assert x.tolist() == [[5, 6], [8, 0]] and x.dtype == torch.int32
     assert y.tolist() == [[6, 7], [-1, -1]]

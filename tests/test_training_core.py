@@ -118,8 +118,8 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tiny_model)
 
 def test_disk_full_save_leaves_no_partial_file(tmp_path, monkeypatch):
     from nanochat import checkpoint_manager
+    from nanochat.checkpoint_manager import optimizer_shard
     from nanochat.gpt import GPT, GPTConfig
-    from nanochat.optim import optimizer_shard
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
     model.init_weights()
     optimizers = model.setup_optimizers()
