@@ -16,8 +16,8 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from nanochat.execution import use_calculator
 from nanochat.common import UserError
+from nanochat.execution import use_calculator
 from nanochat.gpt import attention, hidden_states, sample_next_token, softcapped, weights_of
 
 # -----------------------------------------------------------------------------
