@@ -98,6 +98,26 @@ def test_2026_model_exports_with_its_modeling_file(exports, remote_model):
     assert not any(p.name.endswith(".py") for p in exports("rope").iterdir())  # the plain layout has no code
 
 
+def test_the_remote_layout_loads_as_the_model_card_says_without_warnings(exports, remote_model, tmp_path, monkeypatch):
+    # AutoTokenizer reads config.json's class too: without trust_remote_code it asked on stdin, then fell back to a
+    # config of type "" and warned "You are using a model of type `nanochat_gpt` to instantiate a model of type ``"
+    import io
+    import logging
+
+    import transformers.dynamic_module_utils as modules
+    monkeypatch.setattr(modules, "HF_MODULES_CACHE", str(tmp_path))
+    directory, captured = exports("r26"), io.StringIO()
+    handler = logging.StreamHandler(captured)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert "model of type" not in captured.getvalue(), captured.getvalue()
+    assert "AutoTokenizer.from_pretrained(path, trust_remote_code=True)" in (directory / "README.md").read_text()
+    assert tokenizer("The function")["input_ids"][0] == tokenizer.bos_token_id
+
+
 def test_remote_model_matches_our_logits_and_greedy_tokens(recipe_base, remote_model):
     model, tokenizer, _ = ours(recipe_base, "r26")
     torch.manual_seed(0)
