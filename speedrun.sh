@@ -10,7 +10,9 @@
 # ~/.cache/nanochat) is where data, tokenizer, checkpoints and the report go (the finished report.md and its
 # curves are also copied into the directory you run this script from); NPROC = processes per node
 # (default: every GPU); NANOCHAT_SKIP_SETUP=1 uses the current python instead of creating .venv;
-# NANOCHAT_SMOKE=1 shrinks the cpu profile to seconds (what the tests run).
+# NANOCHAT_SMOKE=1 shrinks a profile: the cpu one to seconds (what the tests run), the gpu one to a few minutes and
+# no download (every stage through torchrun, then chat_web answers one request; bench/gpu_check.sh runs it on a
+# GPU machine without network). The report's step ends the run with one line per stage: its time and headline number.
 #
 # Every stage must finish: `set -e` stops the pipeline at the first stage that exits non-zero, including a
 # training stage stopped early by Ctrl-C / SIGTERM (it saves a checkpoint and exits 75; resume it with the
@@ -50,39 +52,82 @@ python -m nanochat.report reset
 SECONDS=0
 stage() { echo "speedrun: $1 (at $((SECONDS / 60))m $((SECONDS % 60))s)"; }
 if [ "$NANOCHAT_PROFILE" = gpu ]; then
-    NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
+    # One process per GPU. NPROC=2 on a machine without one runs the same torchrun launches as 2 CPU processes (gloo,
+    # torch.compile off by its "auto" rule): how the tests run this profile's smoke (tests/test_gpu_smoke.py)
+    if [ -z "${NPROC:-}" ]; then
+        NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+        if [ "$NPROC" -lt 1 ]; then
+            echo "error: the gpu profile finds no GPU (nvidia-smi -L lists none): set NPROC=<processes>, or NANOCHAT_PROFILE=cpu" >&2
+            exit 1
+        fi
+    fi
     export OMP_NUM_THREADS=1  # one process per GPU: no thread oversubscription of the CPU
-    # ClimbMix rather than FineWeb-Edu: the largest single gain karpathy/nanochat measured (GPT-2 grade 27% sooner,
-    # its LEADERBOARD.md); its shards are FineWeb-Edu's size (~250M chars). NANOCHAT_DATASET=fineweb-edu still works.
-    export NANOCHAT_DATASET="${NANOCHAT_DATASET:-climbmix}"
+    # `--` after the module ends torchrun's own options: without it torchrun stops at --run=..., an ambiguous
+    # abbreviation of its --run-path / --run_path (the scripts skip the `--`: nanochat/configurator.py)
     RUN="torchrun --standalone --nproc_per_node=$NPROC"
-    # Every download first: 8 shards (~2B chars) for the tokenizer now, the ~240 a d20 model needs in the
-    # background; the chat tasks, the CORE bundle and the identity conversations now.
-    stage "downloads"
-    python -m nanochat.dataset -n 8
-    python -m nanochat.dataset -n 240 -w 8 &
-    DATASET_DOWNLOAD_PID=$!
-    python -m tasks.prefetch
-    stage "tokenizer"
-    python -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536
-    python -m scripts.tok_eval
-    echo "waiting for the dataset download to finish..."
-    wait $DATASET_DOWNLOAD_PID
-    # Pretraining: depth 20 (~560M parameters), Chinchilla-optimal 20 tokens per parameter; then its loss and CORE
+    if [ -n "${NANOCHAT_SMOKE:-}" ]; then
+        # The smoke: the stages below as they are, each through torchrun on every GPU, with torch.compile where a
+        # GPU run compiles, at sizes that take minutes, and offline (a GPU node is often cut off from the network):
+        # the pydocs corpus, a small tokenizer, a depth-4 model, the offline tasks and CORE bundle; then chat_web
+        # answers one request through OpenAI's client. It checks that everything runs, not what the model learns.
+        # Each size can be set from the environment, as the cpu profile's (the tests shrink them further).
+        export NANOCHAT_DATASET=pydocs
+        MIXTURE=offline BUNDLE=offline TASKS=offline RL_TASKS=offline
+        : "${VOCAB:=4096}" "${DEPTH:=4}" "${SEQ:=512}" "${ROWS:=16}" "${BASE_STEPS:=50}" "${MID_STEPS:=20}" "${SFT_STEPS:=10}"
+        : "${RL_STEPS:=2}" "${EVAL_STEPS:=4}" "${CORE_EXAMPLES:=50}" "${CHAT_PROBLEMS:=32}" "${RL_SAMPLES:=4}" "${MAX_NEW_TOKENS:=128}"
+        : "${COMPILE:=auto}"  # the training stages' --compile: auto = on for CUDA; false to tell compiling from the rest
+        # One micro-step per step on any number of processes; EVAL_STEPS micro-steps per validation
+        BATCH="--max_seq_len=$SEQ --device_batch_size=$ROWS --total_batch_size=$((ROWS * SEQ * NPROC))"
+        EVAL_TOKENS=$((EVAL_STEPS * ROWS * SEQ * NPROC))
+        BASE_SIZES="$BATCH --eval_tokens=$EVAL_TOKENS --compile=$COMPILE --num_iterations=$BASE_STEPS --eval_every=$BASE_STEPS
+            --core_metric_every=$BASE_STEPS --core_metric_max_per_task=$CORE_EXAMPLES"
+        LOSS_SIZES="--device_batch_size=$ROWS --split_tokens=$EVAL_TOKENS"
+        CORE_SIZES="--max_per_task=$CORE_EXAMPLES"
+        MID_SIZES="$BATCH --eval_tokens=$EVAL_TOKENS --compile=$COMPILE --num_iterations=$MID_STEPS --eval_every=$MID_STEPS"
+        CHAT_EVAL_SIZES="--max_problems=$CHAT_PROBLEMS --max_new_tokens=$MAX_NEW_TOKENS --batch_size=32"
+        SFT_SIZES="--max_seq_len=$SEQ --device_batch_size=$ROWS --examples_per_step=$((ROWS * NPROC)) --eval_tokens=$EVAL_TOKENS
+            --compile=$COMPILE --num_iterations=$SFT_STEPS --eval_every=$SFT_STEPS --eval_metrics_max_problems=$CHAT_PROBLEMS"
+        RL_SIZES="--compile=$COMPILE --num_iterations=$RL_STEPS --prompts_per_step=$((4 * NPROC)) --num_samples=$RL_SAMPLES
+            --max_new_tokens=$MAX_NEW_TOKENS --eval_every=-1 --save_every=-1 --eval_examples=$CHAT_PROBLEMS"
+        stage "corpus and tokenizer"
+        python -m nanochat.dataset
+        python -m scripts.tok_train --vocab_size=$VOCAB
+        python -m scripts.tok_eval --download_reference=false  # offline: no wait for GPT-2's and GPT-4's files
+    else
+        # ClimbMix rather than FineWeb-Edu: the largest single gain karpathy/nanochat measured (GPT-2 grade 27% sooner,
+        # its LEADERBOARD.md); its shards are FineWeb-Edu's size (~250M chars). NANOCHAT_DATASET=fineweb-edu still works.
+        export NANOCHAT_DATASET="${NANOCHAT_DATASET:-climbmix}"
+        MIXTURE=real BUNDLE=dclm TASKS=all RL_TASKS=GSM8K DEPTH=20
+        BASE_SIZES="" LOSS_SIZES="" CORE_SIZES="" MID_SIZES="" CHAT_EVAL_SIZES="" SFT_SIZES="" RL_SIZES=""  # the defaults
+        # Every download first: 8 shards (~2B chars) for the tokenizer now, the ~240 a d20 model needs in the
+        # background; the chat tasks, the CORE bundle and the identity conversations now.
+        stage "downloads"
+        python -m nanochat.dataset -n 8
+        python -m nanochat.dataset -n 240 -w 8 &
+        DATASET_DOWNLOAD_PID=$!
+        python -m tasks.prefetch
+        stage "tokenizer"
+        python -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536
+        python -m scripts.tok_eval
+        echo "waiting for the dataset download to finish..."
+        wait $DATASET_DOWNLOAD_PID
+    fi
+    # Pretraining: depth 20 (~560M parameters), Chinchilla-optimal 20 tokens per parameter (the smoke: its sizes
+    # above); then its loss and CORE
     stage "base model"
-    $RUN -m scripts.base_train --depth=20 --run="$WANDB_RUN"
-    $RUN -m scripts.base_loss
-    $RUN -m scripts.base_eval --bundle=dclm
+    $RUN -m scripts.base_train -- --depth=$DEPTH --run="$WANDB_RUN" $BASE_SIZES
+    $RUN -m scripts.base_loss -- $LOSS_SIZES
+    $RUN -m scripts.base_eval -- --bundle=$BUNDLE $CORE_SIZES
     # Midtraining (SmolTalk, MMLU, GSM8K, spelling, identity), SFT, RL on GSM8K; each chat stage evaluated
     stage "midtraining"
-    $RUN -m scripts.mid_train --mixture=real --run="$WANDB_RUN"
-    $RUN -m scripts.chat_eval -i mid
+    $RUN -m scripts.mid_train -- --mixture=$MIXTURE --run="$WANDB_RUN" $MID_SIZES
+    $RUN -m scripts.chat_eval -- -i mid -a $TASKS $CHAT_EVAL_SIZES
     stage "SFT"
-    $RUN -m scripts.chat_sft --mixture=real --run="$WANDB_RUN"
-    $RUN -m scripts.chat_eval -i sft
+    $RUN -m scripts.chat_sft -- --mixture=$MIXTURE --run="$WANDB_RUN" $SFT_SIZES
+    $RUN -m scripts.chat_eval -- -i sft -a $TASKS $CHAT_EVAL_SIZES
     stage "RL"
-    $RUN -m scripts.chat_rl --mixture=real --run="$WANDB_RUN"
-    $RUN -m scripts.chat_eval -i rl -a GSM8K
+    $RUN -m scripts.chat_rl -- --mixture=$MIXTURE --run="$WANDB_RUN" $RL_SIZES
+    $RUN -m scripts.chat_eval -- -i rl -a $RL_TASKS $CHAT_EVAL_SIZES
     CHAT_SOURCE=rl
 else
     export NANOCHAT_DATASET=pydocs
@@ -135,6 +180,12 @@ else
         --max_new_tokens=$MAX_NEW_TOKENS --eval_every=-1 --save_every=-1 --eval_examples=$EVAL_PROBLEMS --run="$WANDB_RUN"
     $CHAT_EVAL -i rl -a offline
     CHAT_SOURCE=rl
+fi
+
+if [ "$NANOCHAT_PROFILE" = gpu ] && [ -n "${NANOCHAT_SMOKE:-}" ]; then
+    stage "chat_web"
+    # the web server answers one chat completion through OpenAI's own client, then stops (a report section of its own)
+    python -m scripts.chat_web_check --source=$CHAT_SOURCE
 fi
 
 stage "report"

@@ -19,7 +19,10 @@ defined before the call is a config key. Rules:
   overrides the file's value;
 - floats must be finite (nan and inf are refused);
 - `--help` lists every key with its type, default and comment, and exits 0;
-- an argument without `--` is a python file of assignments (`depth = 12`), applied in command-line order.
+- an argument without `--` is a python file of assignments (`depth = 12`), applied in command-line order;
+- `--` alone is skipped: under torchrun it ends torchrun's own options (`torchrun ... -m scripts.base_train --
+  --run=d20`; without it torchrun reads `--run=d20` as an ambiguous abbreviation of its --run-path), and a
+  Python whose argparse passes it on to the script must not fail on it.
 What a value MEANS is checked by the script right after configure(), with check_config(): positive sizes,
 fractions in [0, 1], choices, ... so that a bad value is refused before any work starts.
 Errors are UserError: the script prints one line and exits with status 1.
@@ -120,6 +123,8 @@ def parse_args(argv, keys, script_path=None, doc=None):
     """
     overrides, given = {}, set()
     for arg in argv:
+        if arg == "--":
+            continue
         if arg in ("-h", "--help"):
             _print_help(format_help(keys, script_path, doc))
         if not arg.startswith("--"):

@@ -277,6 +277,31 @@ def generate(copy_to=None):
     return report_path
 
 
+# The headline number of a stage's section in stage_lines: the first of these keys the section has
+HEADLINES = ["ChatCORE", "Offline ChatCORE", "Mean reward, last steps", "Final validation bpb", "val bpb", "CORE metric",
+             "pydocs-CORE metric", "Val bytes/token", "trained_vocab_size", "Reply tokens"]
+
+
+def stage_lines(directory):
+    """
+    One line per stage section of `directory`, in the order they were written: its title, its wall time (from the
+    previous section, or the report's start, to its own timestamp: the stage's start-up and imports included, in
+    whole seconds) and its headline number (HEADLINES). What `generate` prints, so that a run ends with a summary.
+    """
+    header_path = os.path.join(directory, "header.md")
+    start = _timestamps([open(header_path, encoding="utf-8").read()]) if os.path.exists(header_path) else []
+    written = sorted((_timestamps([text])[0], text) for text in read_sections(directory).values() if _timestamps([text]))
+    lines, previous = [], start[0] if start else None
+    for stamp, text in written:
+        title = text.split("\n", 1)[0].removeprefix("## ")
+        took = f"{(stamp - previous).total_seconds():5.0f} s" if previous else "    ? s"
+        parsed = parse_section(text)
+        key = next((k for k in HEADLINES if k in parsed), None)
+        lines.append(f"  {title:<24} {took}" + (f"  {key}: {parsed[key]}" if key else ""))
+        previous = stamp
+    return lines
+
+
 def reset():
     """Start a new report: remove the previous sections and outputs; write the header."""
     directory = report_dir()
@@ -297,6 +322,8 @@ def main(argv):
     else:
         path = generate(copy_to=os.getcwd())
         print(f"Report written to {path} and copied to {os.path.join(os.getcwd(), 'report.md')}")
+        print("Stages (wall time from the end of the one before; headline number):")
+        print("\n".join(stage_lines(report_dir())))
     return 0
 
 

@@ -222,10 +222,10 @@ def wait_for_steps(path, n, proc, timeout=120):
     pytest.fail("the run did not reach its steps in time")
 
 
-def speedrun_env(**overrides):
-    """The environment (for run_script's env) of speedrun.sh's cpu profile shrunk to seconds (NANOCHAT_SMOKE=1),
-    with this python and no venv set-up; `overrides` such as BASE_STEPS=... on top."""
-    return dict(NANOCHAT_PROFILE="cpu", NANOCHAT_SMOKE="1", NANOCHAT_SKIP_SETUP="1",
+def speedrun_env(profile="cpu", **overrides):
+    """The environment (for run_script's env) of a speedrun.sh profile shrunk by NANOCHAT_SMOKE=1 (the cpu one to
+    seconds), with this python (and its torchrun) and no venv set-up; `overrides` such as BASE_STEPS=... on top."""
+    return dict(NANOCHAT_PROFILE=profile, NANOCHAT_SMOKE="1", NANOCHAT_SKIP_SETUP="1",
                 PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **overrides)
 
 

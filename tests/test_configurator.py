@@ -19,10 +19,10 @@ print("RESULT", depth, matrix_lr, run, compile, sorted(config))
 '''
 
 
-def run_toy(tmp_path, *args):
+def run_toy(tmp_path, *args, nproc=1):
     path = tmp_path / "toy_train.py"
     path.write_text(SCRIPT)
-    return run_script(path, *args)
+    return run_script(path, *args, nproc=nproc)
 
 
 def test_values_are_parsed_against_the_default_type():
@@ -89,6 +89,17 @@ def test_script_overrides_and_prints_them(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Overriding: depth = 4 (default 20)" in result.stdout
     assert "RESULT 4 0.05 my=run True ['compile', 'depth', 'matrix_lr', 'run']" in result.stdout
+
+
+def test_under_torchrun_a_double_dash_ends_its_options(tmp_path):
+    """speedrun.sh's torchrun lines put `--` after the module: torchrun itself stops at --run=..., an ambiguous
+    abbreviation of its --run-path / --run_path; with the `--` the script gets its arguments, the `--` skipped."""
+    assert parse_args(["--", "--depth=3"], KEYS) == dict(depth=3)
+    without = run_toy(tmp_path, "--run=x", nproc=2)
+    assert without.returncode != 0 and "ambiguous option: --run=x" in without.stderr
+    result = run_toy(tmp_path, "--", "--depth=4", "--run=x", nproc=2)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("RESULT 4 0.02 x True") == 2  # both ranks
 
 
 def test_script_unknown_key_is_one_line_error(tmp_path):
