@@ -74,8 +74,12 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
         export NANOCHAT_DATASET=pydocs
         MIXTURE=offline BUNDLE=offline TASKS=offline RL_TASKS=offline
         : "${VOCAB:=4096}" "${DEPTH:=4}" "${SEQ:=512}" "${ROWS:=16}" "${BASE_STEPS:=50}" "${MID_STEPS:=20}" "${SFT_STEPS:=10}"
-        : "${RL_STEPS:=2}" "${EVAL_STEPS:=4}" "${CORE_EXAMPLES:=50}" "${CHAT_PROBLEMS:=32}" "${RL_SAMPLES:=4}" "${MAX_NEW_TOKENS:=128}"
-        : "${COMPILE:=auto}"  # the training stages' --compile: auto = on for CUDA; false to tell compiling from the rest
+        : "${RL_STEPS:=2}" "${EVAL_STEPS:=4}" "${CORE_EXAMPLES:=20}" "${CHAT_PROBLEMS:=16}" "${RL_SAMPLES:=4}" "${MAX_NEW_TOKENS:=64}"
+        # --compile: auto = on for CUDA. base_train compiles as a GPU run does; the chat stages do not by default: on an
+        # H100 SFT's first compiled step (rows of every length: dynamic shapes) took 79 s of a 10-step smoke
+        # (bench/RESULTS.md, "The gpu smoke on one H100"). CHAT_COMPILE=auto compiles them too; COMPILE=false nothing.
+        : "${COMPILE:=auto}" "${CHAT_COMPILE:=false}"
+        [ "$COMPILE" = false ] && CHAT_COMPILE=false
         # One micro-step per step on any number of processes; EVAL_STEPS micro-steps per validation
         BATCH="--max_seq_len=$SEQ --device_batch_size=$ROWS --total_batch_size=$((ROWS * SEQ * NPROC))"
         EVAL_TOKENS=$((EVAL_STEPS * ROWS * SEQ * NPROC))
@@ -83,11 +87,11 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
             --core_metric_every=$BASE_STEPS --core_metric_max_per_task=$CORE_EXAMPLES"
         LOSS_SIZES="--device_batch_size=$ROWS --split_tokens=$EVAL_TOKENS"
         CORE_SIZES="--max_per_task=$CORE_EXAMPLES"
-        MID_SIZES="$BATCH --eval_tokens=$EVAL_TOKENS --compile=$COMPILE --num_iterations=$MID_STEPS --eval_every=$MID_STEPS"
+        MID_SIZES="$BATCH --eval_tokens=$EVAL_TOKENS --compile=$CHAT_COMPILE --num_iterations=$MID_STEPS --eval_every=$MID_STEPS"
         CHAT_EVAL_SIZES="--max_problems=$CHAT_PROBLEMS --max_new_tokens=$MAX_NEW_TOKENS --batch_size=32"
         SFT_SIZES="--max_seq_len=$SEQ --device_batch_size=$ROWS --examples_per_step=$((ROWS * NPROC)) --eval_tokens=$EVAL_TOKENS
-            --compile=$COMPILE --num_iterations=$SFT_STEPS --eval_every=$SFT_STEPS --eval_metrics_max_problems=$CHAT_PROBLEMS"
-        RL_SIZES="--compile=$COMPILE --num_iterations=$RL_STEPS --prompts_per_step=$((4 * NPROC)) --num_samples=$RL_SAMPLES
+            --compile=$CHAT_COMPILE --num_iterations=$SFT_STEPS --eval_every=$SFT_STEPS --eval_metrics_max_problems=$CHAT_PROBLEMS"
+        RL_SIZES="--compile=$CHAT_COMPILE --num_iterations=$RL_STEPS --prompts_per_step=$((4 * NPROC)) --num_samples=$RL_SAMPLES
             --max_new_tokens=$MAX_NEW_TOKENS --eval_every=-1 --save_every=-1 --eval_examples=$CHAT_PROBLEMS"
         stage "corpus and tokenizer"
         python -m nanochat.dataset

@@ -38,7 +38,8 @@ device_type = "cuda"
 base_dir = os.path.join(tempfile.gettempdir(), "nanochat_train_speed")  # corpus and tokenizer (built if missing)
 config = configure(globals())
 
-env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, NANOCHAT_DATASET="pydocs", PYTHONPATH=ROOT)
+env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, NANOCHAT_DATASET="pydocs",
+           PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
 if not os.path.exists(os.path.join(base_dir, "tokenizer", "tokenizer.pkl")):
     for argv in (["-m", "nanochat.dataset"], ["-m", "scripts.tok_train", f"--vocab_size={vocab_size}"]):
         result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
