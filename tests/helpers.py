@@ -8,6 +8,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -187,6 +188,22 @@ def run_in_process(module, *args, monkeypatch):
     import runpy
     monkeypatch.setattr(sys, "argv", [module, *args])
     runpy.run_module(module, run_name="__main__")
+
+
+def run_signalled(marker, sig, *args, next_write=False, **kwargs):
+    """
+    run_script("-m", *args) with `sig` sent to the script from INSIDE the write of its first stdout line holding
+    `marker` (tests/signal_in_write.py: deterministic, and the moment a handler that printed would crash; with
+    next_write, the write after it). args[0] is "-m". Returns (the CompletedProcess, seconds from the signal to the
+    end). Fails if the marker never came.
+    """
+    assert args[0] == "-m", args
+    wrapper = os.path.join(REPO_ROOT, "tests", "signal_in_write.py")
+    result = run_script(wrapper, *(["--next"] if next_write else []), marker, sig if isinstance(sig, str) else signal.Signals(sig).name, *args[1:], **kwargs)
+    ended = time.time()
+    sent = re.search(r"\(signal_in_write: sent \w+ inside the write of .* at ([\d.]+)\)", result.stderr)
+    assert sent, f"{marker!r} never came: {(result.stdout + result.stderr)[-3000:]}"
+    return result, ended - float(sent.group(1))
 
 
 def stop_at(proc, marker, sig=signal.SIGTERM, to=None, timeout=300):

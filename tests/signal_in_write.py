@@ -16,6 +16,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 
 class SignallingWriter(io.RawIOBase):
@@ -34,8 +35,10 @@ class SignallingWriter(io.RawIOBase):
         self.seen = self.seen or self.marker in bytes(data)
         if now and not self.sent:
             self.sent = True
+            sent = time.time()
             os.kill(os.getpid(), self.sig)  # pending now; the handler runs at this function's next bytecode
-            print(f"(signal_in_write: sent {self.sig.name} inside the write of {self.marker.decode()!r})", file=sys.stderr)
+            print(f"(signal_in_write: sent {self.sig.name} inside the write of {self.marker.decode()!r} at {sent:.3f})",
+                  file=sys.stderr)
         return os.write(self.fd, data)
 
 

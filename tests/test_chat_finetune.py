@@ -5,12 +5,11 @@ must raise the reward.
 """
 
 import json
-import subprocess
 
 import pytest
 import torch
 
-from helpers import run_script, start_script, stop_at, ToyModel
+from helpers import run_script, run_signalled, ToyModel
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 
 SFT = ["-m", "scripts.chat_sft", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2", "--examples_per_step=4",
@@ -150,10 +149,11 @@ def test_rl_stops_within_seconds_in_pass_at_k_and_in_sampling(rl_base):
     """A SIGTERM in the first pass@k (the 270 test problems x 16 answers: minutes) stops it at once; the step that
     follows drops its sampling at its first token; the stage saves step 0 and exits 75, the last pass@k also cut short."""
     args = [a for a in RL if not a.startswith(("--num_samples", "--eval_examples"))]
-    proc = start_script(*args, "--num_samples=16", "--eval_examples=500", "--num_iterations=3",
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, seconds = stop_at(proc, "pass@k: 270 test problems x 16 answers")
-    assert proc.returncode == 75 and seconds < 20, out[-3000:]
+    # the SIGTERM from inside the write of the pass@k line (helpers.run_signalled: deterministic)
+    result, seconds = run_signalled("pass@k: 270 test problems x 16 answers", "SIGTERM", *args, "--num_samples=16",
+                                    "--eval_examples=500", "--num_iterations=3")
+    out = result.stdout + result.stderr
+    assert result.returncode == 75 and seconds < 20 and "Traceback" not in out, out[-3000:]
     assert "Step 00000 | pass@k stopped: a stop was requested" in out
     assert "step 00001/00003 | stopped while sampling" in out and "mean reward" not in out
     assert "--resume_from_step=0" in out
@@ -162,13 +162,14 @@ def test_rl_stops_within_seconds_in_pass_at_k_and_in_sampling(rl_base):
 
 @pytest.mark.slow
 def test_sft_stops_within_seconds_in_its_evaluations(chat_base):
-    """A SIGTERM in SFT's first validation (eval_tokens: hours of it) stops it at once; one training step finishes and
+    """A Ctrl-C in SFT's first validation (eval_tokens: hours of it) stops it at once; one training step finishes and
     is saved; the final evaluations stop at once too; exit 75."""
     args = [a for a in SFT if not a.startswith("--eval_tokens")]
-    proc = start_script(*args, "--eval_tokens=100000000", "--num_iterations=5", stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True)
-    out, seconds = stop_at(proc, "x, y = next(train_loader)")
-    assert proc.returncode == 75 and seconds < 30, out[-3000:]
+    # Ctrl-C (SIGINT) from inside the write of the first batch's line, just before the validation
+    result, seconds = run_signalled("x, y = next(train_loader)", "SIGINT", *args, "--eval_tokens=100000000",
+                                    "--num_iterations=5")
+    out = result.stdout + result.stderr
+    assert result.returncode == 75 and seconds < 30 and "Traceback" not in out, out[-3000:]
     assert "Step 00000 | evaluations stopped: a stop was requested" in out
     assert "step 00001 (" in out and "step 00002 (" not in out and "Step 00001 | evaluations stopped" in out
     assert (chat_base / "chatsft_checkpoints" / "d1" / "meta_000001.json").exists()
