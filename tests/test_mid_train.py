@@ -76,7 +76,7 @@ def test_two_ranks_read_disjoint_conversations_and_stop_together(base_model):
 
 def test_sigterm_then_resume_equals_the_uninterrupted_run(base_model):
     ckpt = base_model / "mid_checkpoints" / "d1"
-    steps = 60
+    steps = 8
     # the SIGTERM from inside the write of step 3's line (helpers.run_signalled: deterministic, where a handler that
     # printed crashed)
     result, _ = run_signalled("step 00003 (", "SIGTERM", *MID, f"--num_iterations={steps}")
