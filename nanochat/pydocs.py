@@ -243,11 +243,39 @@ def _topic_records():
 
 @functools.lru_cache(maxsize=1)
 def _pydocs_entries_cached():
+    """
+    Collected once per Python installation and kept in <base_dir>/pydocs_entries.json under a key naming the Python
+    build and this file's text: parsing the standard library takes ~4 s of one core, which each rank of every chat
+    stage paid at its start (the offline tasks read the records). Under a file lock: the ranks of a torchrun start
+    together.
+    """
+    import json
+
+    from filelock import FileLock
+
+    from nanochat.common import atomic_write, file_sha256, get_base_dir
+    path = os.path.join(get_base_dir(), "pydocs_entries.json")
+    key = f"{sys.version} {_stdlib_dir()} {file_sha256(__file__)}"
+    with FileLock(path + ".lock"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                kept = json.load(f)
+            if kept["key"] == key:
+                return tuple(kept["records"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        records = _collect_entries()
+        with atomic_write(path, "w") as f:
+            json.dump({"key": key, "records": records}, f)
+    return tuple(records)
+
+
+def _collect_entries():
     source = []
     for module, path in _stdlib_sources():
         source.extend(_source_records(module, path))
     c = _c_records({r["name"] for r in source}, {_same_text(r["docstring"]) for r in source})
-    return tuple(source + c + _topic_records())
+    return source + c + _topic_records()
 
 
 def pydocs_entries():
@@ -259,7 +287,8 @@ def pydocs_entries():
     kind is module | class | function | method | topic. `signature` follows the name on its definition line
     (parameters and return annotation; bases for a class; "" for modules, topics and C functions without one).
     Names are fully qualified; a topic's is its help() key (`assert`). Docstrings are dedented (inspect.cleandoc).
-    Collected once per process; a fresh list of fresh dicts each call.
+    Collected once per Python installation (kept in <base_dir>, see _pydocs_entries_cached); a fresh list of fresh
+    dicts each call.
     """
     return [dict(r) for r in _pydocs_entries_cached()]
 

@@ -125,6 +125,25 @@ def test_pydocs_entries_are_fresh_copies(pydocs_dir):
     assert pydocs.pydocs_entries()[0]["name"] != "mutated"
 
 
+def test_pydocs_entries_are_kept_per_base_dir_and_a_damaged_copy_is_collected_again(tmp_path, monkeypatch):
+    import json
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    kept_path = tmp_path / "pydocs_entries.json"
+
+    def entries():
+        pydocs._pydocs_entries_cached.cache_clear()
+        return pydocs.pydocs_entries()
+    found = entries()  # collected: the standard library parsed
+    kept = json.loads(kept_path.read_text())
+    assert kept["records"] == found == pydocs._collect_entries() and len(found) > 5000
+    kept_path.write_text(json.dumps(dict(kept, records=found[:1])))
+    assert entries() == found[:1]  # read back, not collected again (the point: ~4 s a process)
+    for damage in ("{not json", json.dumps(dict(kept, key="another python, or another pydocs.py"))):
+        kept_path.write_text(damage)
+        assert entries() == found
+    pydocs._pydocs_entries_cached.cache_clear()
+
+
 def _small_pydocs(monkeypatch, n=3000):
     docs = [f"Small document number {i}: Return the value." for i in range(n)]
     monkeypatch.setattr(dataset, "pydocs_documents", lambda: list(docs))
