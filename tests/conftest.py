@@ -69,11 +69,13 @@ def pydocs_dir(tmp_path_factory):
     a shared temporary base dir. Returns that corpus directory (`<shared base>/base_data/pydocs`).
     Treat it as read-only; tests get a private copy through `pydocs_corpus`.
     """
+    from nanochat import pydocs
     from nanochat.dataset import build_pydocs
 
     def build(base):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("NANOCHAT_BASE_DIR", str(base))
+            pydocs._pydocs_entries_cached.cache_clear()  # so that the records are kept in this base dir too
             assert build_pydocs() == str(base / "base_data" / "pydocs")
     return str(build_once(tmp_path_factory, "pydocs_base", build) / "base_data" / "pydocs")
 
@@ -90,8 +92,17 @@ def pydocs_corpus(pydocs_dir, isolated_env, monkeypatch):
     import shutil
     target = isolated_env / "base_data" / "pydocs"
     shutil.copytree(pydocs_dir, target)
+    copy_pydocs_entries(pydocs_dir, isolated_env)
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     return str(target)
+
+
+def copy_pydocs_entries(pydocs_dir, base):
+    """The records the corpus build collected (<base_dir>/pydocs_entries.json, nanochat/pydocs.py) into `base` too,
+    as a user's base dir holds them after its first build: without them each rank of each chat stage a test runs
+    would parse the standard library again (~4 s of a core)."""
+    import shutil
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(pydocs_dir)), "pydocs_entries.json"), base)
 
 
 @pytest.fixture(scope="session")
@@ -135,6 +146,7 @@ def tiny_models(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
             else:
                 shutil.copytree(pydocs_dir, target / "base_data" / "pydocs")
                 shutil.copytree(small_tokenizer_dir, target / "tokenizer")
+                copy_pydocs_entries(pydocs_dir, target)
             env = {"NANOCHAT_BASE_DIR": target, "NANOCHAT_DATASET": "pydocs", "WANDB_MODE": "offline",
                    **dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))}
             result = run_script(*stage, env=env, timeout=600)
