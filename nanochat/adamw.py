@@ -22,6 +22,11 @@ def adamw_update_(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay):
     Elementwise: a slice of rows gets exactly the numbers the whole tensor would.
     """
     beta1, beta2 = betas
+    if fused_exactly(p):  # the same update in one pass over memory instead of eight
+        step = torch.tensor(float(t))
+        torch._fused_adamw_([p], [g], [exp_avg], [exp_avg_sq], [], [step], lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        return
     p.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -29,6 +34,17 @@ def adamw_update_(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay):
     bias_correction2 = 1 - beta2 ** t
     denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
     p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def fused_exactly(p):
+    """
+    Whether adamw_update_ runs torch's fused AdamW kernel (torch.optim.AdamW(fused=True)'s) on p: fp32 matrices on a
+    CPU whose rows are whole multiples of 64 numbers (every embedding and head). The kernel computes 16 numbers at a
+    time and the last numel % 16 one by one, which rounds differently; a slice of whole such rows (a rank's share)
+    then has no such tail, and gets exactly the numbers of the whole tensor (tests/test_optim.py). Other shapes (the
+    layer scalars) go op by op.
+    """
+    return p.device.type == "cpu" and p.dtype == torch.float32 and p.ndim == 2 and p.size(1) % 64 == 0
 
 
 def _adamw_state(like):

@@ -17,31 +17,49 @@ from nanochat.common import Interrupted, interruptible, is_distributed, per_rank
 
 
 class _SoftcappedCrossEntropy(torch.autograd.Function):
-    """u (rows, vocab) = z / cap, targets (rows,) with -1 = ignored -> per-row loss (rows,), 0 where ignored."""
+    """
+    x (rows, C), the head's weight (vocab, C), targets (rows,), every one >= 0 -> per-row loss (rows,) in fp32 of
+    cap * tanh(x @ weight^T / cap). With want_grad the forward also finds d loss / d u (u = z / cap) for every logit,
+    a piece of rows at a time while the piece is in cache, and keeps it in the matmul's output; the backward is then
+    two matmuls (docs/losses.md).
+    """
+
+    PIECE = 2**16  # logits per piece: ~256 KiB per fp32 temporary (three of them), within a core's L2 cache
 
     @staticmethod
-    def forward(ctx, u, targets, cap):
-        logits = torch.tanh(u.float()).mul_(cap)  # fp32 even when u is bf16
-        e = torch.exp(logits)
-        row_sum = e.sum(dim=-1)
-        valid = targets >= 0
-        index = targets.clamp(min=0)[:, None]  # ignored rows read column 0, then count 0
-        loss = (row_sum.log() - logits.gather(1, index).squeeze(1)) * valid
-        ctx.save_for_backward(logits, e, row_sum, index, valid)
-        ctx.cap, ctx.u_dtype, ctx.used = cap, u.dtype, False
+    def forward(ctx, x, weight, targets, cap, want_grad):
+        w = weight.to(x.dtype)  # what autocast does for a matmul: the head in the compute dtype
+        u = torch.addmm(x.new_zeros(()), x, w.t(), beta=0, alpha=1 / cap)  # z / cap in the matmul itself
+        loss = torch.empty(u.size(0), dtype=torch.float32, device=u.device)
+        cap_tensor = torch.tensor(cap, dtype=torch.float32, device=u.device)
+        rows = max(1, _SoftcappedCrossEntropy.PIECE // u.size(1))
+        for r in range(0, u.size(0), rows):
+            piece, index = u[r:r + rows], targets[r:r + rows, None]
+            logits = torch.tanh(piece.float()).mul_(cap)  # fp32 even when u is bf16
+            e = torch.exp(logits)
+            row_sum = e.sum(dim=-1)
+            loss[r:r + rows] = row_sum.log() - logits.gather(1, index).squeeze(1)
+            if want_grad:  # d loss / d u = (softmax - onehot(target)) * (cap^2 - L^2) / cap, over u's own memory
+                p = e.mul_((1 / row_sum)[:, None])
+                p.scatter_add_(1, index, p.new_full(index.shape, -1.0))
+                piece.copy_(p.mul_(torch.addcmul(cap_tensor, logits, logits, value=-1 / cap)))
+        if want_grad:
+            ctx.save_for_backward(x, w, u)
+            ctx.cap, ctx.weight_dtype = cap, weight.dtype
         return loss
 
     @staticmethod
-    def backward(ctx, grad):
-        if ctx.used:  # the backward overwrites e, so a second one (retain_graph=True) would be wrong
-            raise RuntimeError("softcapped_cross_entropy: backward through the same loss twice is not supported")
-        ctx.used = True
-        logits, e, row_sum, index, valid = ctx.saved_tensors
-        weight = (grad * valid / row_sum)[:, None]  # per row: upstream gradient, 0 if ignored, softmax's 1/sum
-        g = e.mul_(weight)  # grad * softmax, in e's memory
-        g.scatter_add_(1, index, -grad[:, None] * valid[:, None])  # - grad * onehot(target)
-        g.mul_(torch.addcmul(torch.tensor(ctx.cap, dtype=logits.dtype), logits, logits, value=-1 / ctx.cap))
-        return g.to(ctx.u_dtype), None, None
+    def backward(ctx, grad_loss):
+        x, w, g = ctx.saved_tensors
+        upstream = grad_loss.float()
+        if upstream.numel() and bool((upstream == upstream[0]).all()):  # a sum or a mean: one factor, which goes into the matmuls' alpha
+            scaled, alpha = g, upstream[0].item() / ctx.cap
+        else:  # a weight per row (RL's advantages)
+            scaled, alpha = (g * upstream[:, None]).to(g.dtype), 1 / ctx.cap
+        grad_x = torch.addmm(g.new_zeros(()), scaled, w, beta=0, alpha=alpha) if ctx.needs_input_grad[0] else None
+        grad_w = torch.addmm(g.new_zeros(()), scaled.t(), x, beta=0, alpha=alpha).to(ctx.weight_dtype) \
+            if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None
 
 
 def softcapped_cross_entropy(x, weight, targets, cap):
@@ -51,8 +69,10 @@ def softcapped_cross_entropy(x, weight, targets, cap):
         # the head only where there is a target: in chat data (the assistant's tokens) about half of the rows
         loss = softcapped_cross_entropy(x.index_select(0, keep), weight, targets.index_select(0, keep), cap)
         return loss.new_zeros(targets.shape).index_copy(0, keep, loss)
-    u = torch.addmm(x.new_zeros(()), x, weight.t(), beta=0, alpha=1 / cap)  # z / cap in the matmul itself
-    return _SoftcappedCrossEntropy.apply(u, targets, cap)
+    if torch.is_autocast_enabled(x.device.type):  # the head's matmul in the compute dtype, as autocast would run it
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _SoftcappedCrossEntropy.apply(x, weight, targets, cap, want_grad)
 
 
 @torch.no_grad()

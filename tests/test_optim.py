@@ -245,3 +245,31 @@ def test_one_schedule_with_each_stages_defaults():
     set_learning_rates([adam, muon], 0.5, 0.9)
     assert adam.param_groups[0]["lr"] == pytest.approx(0.05) and muon.param_groups[0]["lr"] == pytest.approx(0.005)
     assert muon.param_groups[0]["momentum"] == 0.9 and "momentum" not in adam.param_groups[0]
+
+
+@pytest.mark.parametrize("shape, fused", [((37, 64), True), ((37, 192), True), ((37, 100), False), ((37,), False)])
+def test_adamw_update_of_a_slice_of_rows_is_the_whole_tensors(shape, fused):
+    """adamw_update_ on each rank's rows (DistAdamW) gives bit for bit what it gives on the whole tensor (AdamW), with
+    torch's fused kernel where nanochat.adamw.fused_exactly says so and op by op elsewhere; either agrees with
+    torch.optim.AdamW to fp32 rounding."""
+    from nanochat.adamw import adamw_update_, fused_exactly
+    gen = torch.Generator().manual_seed(0)
+    p, g, m = (torch.randn(shape, generator=gen) for _ in range(3))
+    v = torch.rand(shape, generator=gen) * 0.01
+    assert fused_exactly(p) == fused
+    settings = dict(t=3, lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)
+    whole = [t.clone() for t in (p, m, v)]
+    adamw_update_(whole[0], g, whole[1], whole[2], **settings)
+    for world_size in (2, 3, 7):
+        rows = -(-shape[0] // world_size)
+        sliced = [t.clone() for t in (p, m, v)]
+        for start in range(0, shape[0], rows):
+            part = slice(start, start + rows)
+            adamw_update_(sliced[0][part], g[part], sliced[1][part], sliced[2][part], **settings)
+        assert all(torch.equal(a, b) for a, b in zip(sliced, whole)), world_size
+    reference = torch.nn.Parameter(p.clone())
+    torch_adamw = torch.optim.AdamW([reference], lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)
+    torch_adamw.state[reference] = {"step": torch.tensor(2.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    reference.grad = g.clone()
+    torch_adamw.step()
+    torch.testing.assert_close(whole[0], reference.detach(), rtol=1e-6, atol=1e-6)
