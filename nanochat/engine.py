@@ -112,7 +112,7 @@ def decode_weights(model, dtype=None):
     return weights_of(model)
 
 
-@torch.inference_mode()  # as no_grad, and no view or version tracking either: less time per op, most of a step's time
+@torch.no_grad()
 def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
     """
     model(idx[:, None], kv_cache=kv_cache)[:, -1] for one new token per row, the same gpt.hidden_states without
