@@ -5,7 +5,9 @@
 #   gpu  one node with CUDA GPUs (made for 8xH100): ClimbMix, vocab 65536, a depth-20 model, CORE, the real chat
 #        mixture, SFT, RL on GSM8K, chat evaluations; every download at the start
 #   cpu  any machine (made for 2 CPU cores, ~20 min for everything): the embedded pydocs corpus, a small tokenizer
-#        and a depth-4 model, the offline tasks for midtraining, SFT, RL and the evaluations; no download
+#        and a depth-4 model, the offline tasks for midtraining, SFT, RL and the evaluations; no download.
+#        NANOCHAT_DATASET=NAME pretrains on a corpus of your own instead (built first with `python -m
+#        nanochat.dataset --from=PATH --name=NAME`: README, "Train on your own text")
 # Options (environment): WANDB_RUN=<name> logs to wandb (needs `wandb login`); NANOCHAT_BASE_DIR (default
 # ~/.cache/nanochat) is where data, tokenizer, checkpoints and the report go (the finished report.md and its
 # curves are also copied into the directory you run this script from); NPROC = processes per node
@@ -134,7 +136,7 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
     $RUN -m scripts.chat_eval -- -i rl -a $RL_TASKS $CHAT_EVAL_SIZES
     CHAT_SOURCE=rl
 else
-    export NANOCHAT_DATASET=pydocs
+    export NANOCHAT_DATASET="${NANOCHAT_DATASET:-pydocs}"  # or a corpus of your own, by its name
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || sysctl -n hw.ncpu)}"  # one process, every core
     # Sizes; each can be set from the environment (e.g. BASE_STEPS=240 bash speedrun.sh). Measured stage times of
     # the defaults on a 2-core VM: bench/RESULTS.md ("CPU speedrun").

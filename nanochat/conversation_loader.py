@@ -13,6 +13,8 @@ from collections import deque
 
 import torch
 
+from nanochat.common import UserError
+
 
 def padded_batch(rows, pad_id, device):
     """
@@ -28,6 +30,15 @@ def padded_batch(rows, pad_id, device):
         inputs[r, :len(ids) - 1] = row[:-1]
         targets[r, :len(ids) - 1] = torch.where(torch.tensor(mask[1:], dtype=torch.bool), row[1:], -1)
     return inputs.to(device, torch.int32), targets.to(device)
+
+
+def check_rank_shares(train_size, val_size, world_size):
+    """Every rank must read at least one training and one validation conversation (rank r reads r, r + W, ...):
+    UserError naming the counts otherwise."""
+    if min(train_size, val_size) < world_size:
+        raise UserError(f"{train_size} training and {val_size} validation conversations for {world_size} ranks: every "
+                         f"rank needs one of each (of a --conversations file, the first n // 20 are validation); use "
+                         f"fewer processes or more conversations")
 
 
 class ConversationLoader:

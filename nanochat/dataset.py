@@ -1,5 +1,7 @@
 """
-The pretraining corpora (fineweb-edu, climbmix, pydocs): getting them onto disk as parquet shards, and reading them back.
+The pretraining corpora (fineweb-edu, climbmix, pydocs, and yours): getting them onto disk as parquet shards, and
+reading them back. Yours: `python -m nanochat.dataset --from=PATH --name=NAME`, built by nanochat/corpus_build.py
+(where the shard format is written down, and pydocs is built).
 
 $NANOCHAT_DATASET picks the corpus (read at every call). All lie in <base_dir>/base_data/<corpus>/ as
 shard_NNNNN.parquet files with one `text` column, in row groups of ~1024 documents; the LAST shard of the dataset
@@ -13,22 +15,19 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-import pyarrow as pa
 import pyarrow.parquet as pq
-from filelock import FileLock
 
-from nanochat.common import (UserError, atomic_write, download_file_with_lock, file_sha256, get_base_dir,
-                             setup_default_logging)
+from nanochat.common import UserError, download_file_with_lock, file_sha256, get_base_dir, setup_default_logging
 from nanochat.configurator import closest
-from nanochat.pydocs import pydocs_documents
+from nanochat.corpus_build import (SHARD_RE, SPLITS, build_own_corpus, build_pydocs, check_shard, read_checksums,
+                                   read_manifest, record_checksums, shard_name)
 
 logger = logging.getLogger("nanochat.dataset")  # not __name__: that is "__main__" under `python -m`
 
-CORPORA = ("fineweb-edu", "climbmix", "pydocs")
+CORPORA = ("fineweb-edu", "climbmix", "pydocs")  # built in; a corpus of your own has a name of its own
 DEFAULT_CORPUS = "fineweb-edu"
 
 # The corpora downloaded from the Hugging Face hub: {name: (URL of its shards, number of shards)}. Each was shuffled
@@ -40,70 +39,35 @@ HUB_CORPORA = {
     # shard_06542), where it cut the time to a GPT-2-grade model by 27% (its LEADERBOARD.md: 2h46m -> 2h01m)
     "climbmix": ("https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main", 6543),
 }
-
-
-# -----------------------------------------------------------------------------
-# The shard format both corpora share
-
-SHARD_RE = re.compile(r"^shard_(\d{5})\.parquet$")
-ROW_GROUP_SIZE = 1024  # documents per row group: the unit the dataloader reads and strides over
-PYDOCS_VAL_DOCS = 1024  # documents in pydocs's validation shard: one row group
-PYDOCS_SHARD_DOCS = 2 * ROW_GROUP_SIZE  # documents per pydocs training shard: two row groups
-
-
-def shard_name(index):
-    return f"shard_{index:05d}.parquet"
-
-
-def check_shard(path):
-    """
-    Raise IOError unless `path` is a readable parquet file with a string `text` column. Reads only the footer
-    (a few KB, at the file's end: a truncated file fails here).
-    """
-    try:
-        schema = pq.ParquetFile(path).schema_arrow
-    except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) or OSError, depending on the damage
-        raise IOError(f"{path} is not a valid parquet file: {e}") from e
-    text_type = schema.field("text").type if "text" in schema.names else None
-    if text_type is None or not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
-        raise IOError(f"{path} has no string column `text` (columns: {', '.join(schema.names)})")
-
-
-CHECKSUMS = "SHA256SUMS"  # beside the shards: "<sha256>  <shard name>" per line, written when a shard is written
-
-
-def read_checksums(directory):
-    """{shard name: sha256} recorded in <directory>/SHA256SUMS ({} if none)."""
-    try:
-        with open(os.path.join(directory, CHECKSUMS), encoding="utf-8") as f:
-            return {name: digest for digest, name in (line.split() for line in f if line.strip())}
-    except (OSError, ValueError):
-        return {}
-
-
-def write_checksums(directory, digests):
-    """Write <directory>/SHA256SUMS listing {shard name: sha256} (the format of the `sha256sum` tool)."""
-    with atomic_write(os.path.join(directory, CHECKSUMS), "w") as f:
-        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
-
-
-def record_checksums(directory, digests):
-    """Add {shard name: sha256} to <directory>/SHA256SUMS, under a lock (parallel downloads record at once)."""
-    with FileLock(os.path.join(directory, CHECKSUMS + ".lock")):
-        write_checksums(directory, dict(read_checksums(directory), **digests))
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # the name of a corpus of your own: a directory's
 
 
 # -----------------------------------------------------------------------------
 # The corpora
 
 
+def own_manifest(name):
+    """The manifest of the corpus of your own called `name` (a dict), or None if there is none."""
+    if not NAME_RE.match(name) or name in CORPORA:
+        return None
+    return read_manifest(os.path.join(get_base_dir(), "base_data", name))
+
+
+def own_corpora():
+    """Names of the corpora of your own built in this base dir."""
+    parent = os.path.join(get_base_dir(), "base_data")
+    return sorted(n for n in (os.listdir(parent) if os.path.isdir(parent) else []) if own_manifest(n) is not None)
+
+
 def dataset_name():
     """The selected corpus: $NANOCHAT_DATASET, `fineweb-edu` when unset. Anything else is a UserError."""
     name = os.environ.get("NANOCHAT_DATASET") or DEFAULT_CORPUS
-    if name not in CORPORA:
-        hint = closest(name, CORPORA)
-        raise UserError(f"NANOCHAT_DATASET={name!r} is not a corpus; use one of {', '.join(CORPORA)}"
-                        + (f" (did you mean {hint[0]}?)" if hint else ""))
+    if name not in CORPORA and own_manifest(name) is None:
+        known = CORPORA + tuple(own_corpora())
+        hint = closest(name, known)
+        raise UserError(f"NANOCHAT_DATASET={name!r} is not a corpus; use one of {', '.join(known)}"
+                        + (f" (did you mean {hint[0]}?)" if hint else "")
+                        + f", or build it from your files: `python -m nanochat.dataset --from=DIR --name={name}`")
     return name
 
 
@@ -117,6 +81,8 @@ def fetch_command():
     name = dataset_name()
     if name == "pydocs":
         return "NANOCHAT_DATASET=pydocs python -m nanochat.dataset"
+    if name not in CORPORA:  # yours: build it again from the files it was built from
+        return f"NANOCHAT_DATASET={name} python -m nanochat.dataset"
     return "python -m nanochat.dataset -n 8" if name == DEFAULT_CORPUS else f"NANOCHAT_DATASET={name} python -m nanochat.dataset -n 8"
 
 
@@ -180,6 +146,14 @@ def list_parquet_files(split):
             raise UserError(f"the pydocs corpus at {directory} has no shards; delete that directory and run "
                             f"`{fetch_command()}`")
         val_index = max(shards)  # built all at once, atomically: the last shard present is the last shard
+    elif name not in CORPORA:
+        directory = data_dir()
+        shards = _local_shards(directory)
+        val_index = own_manifest(name)["shards"] - 1  # also built whole; the manifest says how many
+        missing = [shard_name(i) for i in range(val_index) if i not in shards]
+        if missing:
+            raise UserError(f"{name} is incomplete: {', '.join(missing[:3])} missing in {directory}; build it again "
+                            f"with `{fetch_command()}`")
     else:
         directory = data_dir()
         shards = _local_shards(directory)
@@ -227,58 +201,6 @@ def parquets_iter_batched(split, start=0, step=1):
         raise ValueError(f"need start >= 0 and step >= 1, got start={start}, step={step}")
     for path, index in list_row_groups(split)[start::step]:
         yield read_row_group(path, index)
-
-
-# -----------------------------------------------------------------------------
-# pydocs: build
-
-
-def _write_pydocs(directory):
-    """Write the shards into `directory`: training shards of 2 row groups, then one validation shard."""
-    docs = pydocs_documents()
-    if len(docs) < 2 * PYDOCS_VAL_DOCS:
-        raise RuntimeError(f"pydocs found only {len(docs)} documents: is Python's standard library there?")
-    train, val = docs[:-PYDOCS_VAL_DOCS], docs[-PYDOCS_VAL_DOCS:]
-    shards = [train[i:i + PYDOCS_SHARD_DOCS] for i in range(0, len(train), PYDOCS_SHARD_DOCS)] + [val]
-    os.makedirs(directory)
-    for index, shard in enumerate(shards):
-        table = pa.table({"text": pa.array(shard, type=pa.string())})
-        # the same bytes on every build: no timestamps in parquet metadata, a fixed codec
-        pq.write_table(table, os.path.join(directory, shard_name(index)), row_group_size=ROW_GROUP_SIZE,
-                       compression="zstd")
-    write_checksums(directory, {shard_name(i): file_sha256(os.path.join(directory, shard_name(i))) for i in range(len(shards))})
-    return len(docs), sum(len(d) for d in docs), len(shards)
-
-
-def build_pydocs():
-    """
-    <base_dir>/base_data/pydocs, built first if missing (list_parquet_files calls it). The directory exists only
-    complete: one build under a file lock (torchrun's ranks wait for it), renamed into place when done; a killed
-    build's `pydocs.tmp<pid>` is deleted by the next. To rebuild, delete the directory (docs/data.md).
-    """
-    final = os.path.join(get_base_dir(), "base_data", "pydocs")
-    if os.path.isdir(final):
-        return final
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    with FileLock(final + ".lock"):
-        if os.path.isdir(final):  # built by whoever held the lock before us
-            return final
-        for name in os.listdir(parent):  # we hold the lock: a temp dir here is a dead builder's
-            if name.startswith("pydocs.tmp"):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        tmp = f"{final}.tmp{os.getpid()}"
-        logger.info(f"Building the pydocs corpus from the docs of Python {sys.version.split()[0]} in {final}")
-        t0 = time.time()
-        try:
-            docs, chars, shards = _write_pydocs(tmp)
-            os.rename(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-        logger.info(f"Built pydocs: {docs:,} docs, {chars / 1e6:.2f}M chars, {shards} shards "
-                    f"in {time.time() - t0:.1f}s")
-    return final
 
 
 def hub_num_shards():
@@ -368,19 +290,53 @@ def download_shards(num_train_shards, workers=4):
 # Command line
 
 
+def _build_own(name, sources, field, split, skip_bad):
+    """Build (or find unchanged) the corpus of your own `name` from `sources`; log what happened."""
+    if name in CORPORA:
+        raise UserError(f"--name={name} is a built-in corpus; choose another name for yours")
+    if not NAME_RE.match(name):
+        raise UserError(f"--name={name!r}: use letters, digits, '.', '_' and '-' (it names a directory), e.g. --name=my-notes")
+    t0 = time.time()
+    directory = os.path.join(get_base_dir(), "base_data", name)
+    manifest, built = build_own_corpus(directory, name, sources, field=field, split=split, skip_bad=skip_bad)
+    logger.info(f"{name}: {'built' if built else 'unchanged (the same documents), nothing written'} in "
+                f"{time.time() - t0:.1f}s: {manifest['documents']:,} docs, {manifest['characters']:,} chars "
+                f"({manifest['utf8_bytes']:,} UTF-8 bytes), {manifest['shards'] - 1} train shard(s) + 1 val shard "
+                f"of {manifest['val_documents']:,} docs")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m nanochat.dataset",
-        description="Get the pretraining corpus selected by $NANOCHAT_DATASET (fineweb-edu | climbmix | pydocs) into "
-                    "<base_dir>/base_data/<corpus>. fineweb-edu, climbmix: download the first N training shards and the "
-                    "fixed validation shard. pydocs: build it from this Python's documentation (-n and -w unused).")
+        description="Get the pretraining corpus selected by $NANOCHAT_DATASET (fineweb-edu | climbmix | pydocs | yours) "
+                    "into <base_dir>/base_data/<corpus>. fineweb-edu, climbmix: download the first N training shards and "
+                    "the fixed validation shard. pydocs: build it from this Python's documentation. Yours: build it from "
+                    "your files with --from and --name (then NANOCHAT_DATASET=NAME selects it); without them, build it "
+                    "again from the files it was built from (nothing changes when they did not).")
     parser.add_argument("-n", "--num-files", type=int, default=None,
                         help="fineweb-edu, climbmix: number of training shards to download, -1 = all (1822, 6542)")
     parser.add_argument("-w", "--num-workers", type=int, default=4, help="parallel downloads (default 4)")
+    parser.add_argument("--from", dest="sources", action="append", default=[], metavar="PATH",
+                        help="your text: a file or a directory (walked), repeatable; .txt .md .rst (one document per "
+                             "file), .jsonl (one per line), .parquet (one per row)")
+    parser.add_argument("--name", default="", help="the name of the corpus built from --from (a directory name)")
+    parser.add_argument("--field", default="text", help="the field of a .jsonl line, the column of a .parquet file "
+                                                        "(default text)")
+    parser.add_argument("--split", default="file", choices=SPLITS,
+                        help="a text file is one document (file, the default) or one per paragraph (paragraph)")
+    parser.add_argument("--skip_bad", "--skip-bad", action="store_true",
+                        help="skip files that are empty, binary or not UTF-8 (default: stop at the first, naming it)")
     args = parser.parse_args(argv)
     setup_default_logging()
-    name = dataset_name()
     t0 = time.time()
+    if args.sources or args.name:
+        if not (args.sources and args.name):
+            raise UserError("--from=PATH and --name=NAME go together: the files to build your corpus from, and its name")
+        if args.num_files is not None:
+            raise UserError("-n is for the hub corpora; a corpus of your own is built whole from --from")
+        _build_own(args.name, args.sources, args.field, args.split, args.skip_bad)
+        os.environ["NANOCHAT_DATASET"] = args.name  # for the summary below
+    name = dataset_name()
     if name == "pydocs":
         if args.num_files is not None:
             logger.warning("-n is ignored for pydocs: the corpus is built whole")
@@ -399,7 +355,14 @@ def main(argv=None):
             else:
                 logger.info(f"pydocs is already built in {data_dir()} and its shards are intact (delete that directory to rebuild it)")
         build_pydocs()
-    else:
+    elif name not in CORPORA and not args.sources:  # yours, selected by $NANOCHAT_DATASET: from its recorded files
+        manifest = own_manifest(name)
+        gone = [p for p in manifest["sources"] if not os.path.exists(p)]
+        if gone:
+            raise UserError(f"{name} was built from {', '.join(gone)}, which is gone: build it from where your files "
+                            f"are now, `python -m nanochat.dataset --from=PATH --name={name}`")
+        _build_own(name, manifest["sources"], manifest["field"], manifest["split"], manifest["skip_bad"])
+    elif name in HUB_CORPORA:
         if args.num_files is None:
             raise UserError("say how many training shards to download: -n 8 is enough to train the tokenizer, "
                             f"-n -1 downloads all {hub_num_shards() - 1} (plus the validation shard)")
@@ -420,10 +383,14 @@ def main(argv=None):
         row_groups += pf.num_row_groups
         if name == "pydocs":  # counting a hub corpus's characters would read every shard; pydocs is small
             chars += sum(len(t) for t in pf.read(columns=["text"]).column("text").to_pylist())
+    chars = own_manifest(name)["characters"] if name not in CORPORA else chars
     size = sum(os.path.getsize(p) for p in train + val)
-    chars_text = f", {chars:,} chars" if name == "pydocs" else ""
+    chars_text = f", {chars:,} chars" if chars else ""
     print(f"{name}: {len(train)} train shard(s) + 1 val shard ({os.path.basename(val[0])}), "
           f"{row_groups} row groups, {docs:,} docs{chars_text}, {size / 2**20:.1f} MB in {directory}")
+    if name not in CORPORA:
+        print(f"Next: NANOCHAT_DATASET={name} python -m scripts.tok_train, then the other stages with NANOCHAT_DATASET={name} "
+              f"(README, \"Train on your own text\")")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ from nanochat.common import UserError, _use_color, atomic_write, get_base_dir
 logger = logging.getLogger(__name__)
 
 # How text is cut into pieces before BPE (merges never cross a piece boundary), for training (rustbpe) and encoding
-# (tiktoken) alike: GPT-4's pattern with numbers in runs of at most 2 digits (docs/tokenizer.md explains it)
-SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+# (tiktoken) alike: GPT-4's pattern with numbers in runs of at most 2 digits, and combining marks (\p{M}: Hindi's
+# vowel signs, Thai's tone marks) counted as letters, as GPT-4o's pattern does (docs/tokenizer.md explains it)
+SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{M}\p{N}]?+[\p{L}\p{M}]+|\p{N}{1,2}| ?[^\s\p{L}\p{M}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 
 # Appended after the BPE tokens, in this order: <|bos|> gets id n_bpe, <|user_start|> n_bpe + 1, ...
 SPECIAL_TOKENS = [

@@ -45,9 +45,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.chat_scoring import Progress, score_categorical, score_generative
 from nanochat.common import UserError, duration, print0
 from tasks.registry import build_tasks, chatcore_baselines, find, placed
+from tasks.scoring import Progress, score_categorical, score_generative
 
 # -----------------------------------------------------------------------------
 # Config (override as --key=value; -i and -a are short for --source and --task_name; --help lists them)

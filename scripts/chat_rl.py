@@ -22,7 +22,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.chat_scoring import Progress
 from nanochat.common import Interrupted, UserError, format_value, interruptible, print0, sum_over_ranks
 from nanochat.configurator import check_config, configure
 from nanochat.conversation_loader import padded_batch
@@ -32,6 +31,7 @@ from nanochat.losses import count_step_targets, group_advantages, policy_gradien
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from tasks.registry import stage_mixture
+from tasks.scoring import Progress
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)

@@ -5,6 +5,11 @@ the start of a conversation and is padded to the longest row of its batch).
 
     python -m scripts.chat_sft --mixture=offline                  # anywhere, no downloads (the offline tasks)
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_sft  # the real mixture (ARC, GSM8K, SmolTalk, ...)
+    python -m scripts.chat_sft --mixture=custom --conversations=docs/examples/conversations.jsonl  # your own alone
+
+Your own conversations (--conversations=FILE), as in scripts/mid_train.py: the first max(1, n // 20) of the file's n
+conversations are validation, the rest training; --mixture=custom trains on them alone, with real or offline they
+are one more task of that mixture.
 
 Written like scripts/mid_train.py: every rank runs all of it, rank 0 prints and saves, and what happens around
 the training loop (start or resume, save, stop, finish) is nanochat/stage.py's.
@@ -22,16 +27,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.chat_scoring import score_categorical
 from nanochat.common import UserError, format_value, gather_from_ranks, interruptible, print0
 from nanochat.configurator import check_config, configure
-from nanochat.conversation_loader import ConversationLoader
+from nanochat.conversation_loader import ConversationLoader, check_rank_shares
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
-from tasks.registry import stage_mixture, stage_tasks
+from tasks.registry import check_conversations, conversations_split, stage_mixture, stage_tasks
+from tasks.scoring import score_categorical
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -61,7 +66,8 @@ save_every = -1  # steps between checkpoints (<= 0: only the final one)
 resume_from_step = -1  # resume from this step's checkpoint in chatsft_checkpoints/<model_tag> (-1 = start from the source)
 overwrite = False  # a fresh run into a model_tag that holds SFT checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model (for rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
-mixture = "real"  # real (ARC, GSM8K, SmolTalk, ...; downloads) | offline (the offline tasks, no downloads): tasks/registry.py
+mixture = "real"  # real (ARC, GSM8K, SmolTalk...; downloads) | offline (the offline tasks) | custom (--conversations alone): tasks/registry.py
+conversations = ""  # JSONL of your own conversations (tasks/customjson.py): custom's data; with real/offline one more task
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
 dry_run = False  # run everything but write no checkpoint and no report
@@ -71,7 +77,8 @@ check_config(config, positive=["max_seq_len", "device_batch_size", "examples_per
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
-                      "mixture": ("real", "offline"), "source": ("mid", "base")})
+                      "mixture": ("real", "offline", "custom"), "source": ("mid", "base")})
+check_conversations(mixture, conversations)  # custom without a file, a missing file, under 2 conversations: refused now
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
 # -----------------------------------------------------------------------------
@@ -106,19 +113,25 @@ print0(f"Examples per step {examples_per_step} => gradient accumulation steps: {
 # -----------------------------------------------------------------------------
 # 5. Data: a deterministic shuffled mixture of conversations, and the multiple-choice tasks whose accuracy is followed:
 # which tasks, how much of each, in tasks/registry.py ("sft/real/train", "sft/offline/train" (examples midtraining
-# did not read), "sft/real/metrics", ...; `python -m tasks.registry` lists them). No silent fallback from one
-# mixture to the other.
-train_dataset = stage_mixture("sft", mixture, "train", identity_file=identity_file)
-val_dataset = stage_mixture("sft", mixture, "val")
-metric_tasks = dict(stage_tasks("sft", mixture, "metrics"))  # {name: task}
+# did not read), "sft/custom/train", "sft/real/metrics", ...; `python -m tasks.registry` lists them). No silent
+# fallback from one mixture to the other.
+train_dataset = stage_mixture("sft", mixture, "train", identity_file=identity_file, conversations=conversations)
+val_dataset = stage_mixture("sft", mixture, "val", conversations=conversations)
+# {name: task}; custom: none (free-text conversations have no choices to score), so no accuracy is followed
+metric_tasks = dict(stage_tasks("sft", mixture, "metrics", conversations=conversations))
 # One whole conversation per row, padded to the longest of the micro-batch (nanochat/conversation_loader.py)
 loader_args = dict(packed=False, rank=ddp_rank, world_size=ddp_world_size)
 train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,
                                   **loader_args)
 print0(f"Mixture {mixture}: {train_loader.size:,} training conversations (of {len(train_dataset):,}), {len(val_dataset):,} validation")
+if conversations:
+    own_val, own_train = conversations_split(conversations)
+    print0(f"Your conversations ({conversations}): {own_train:,} training, {own_val:,} validation (its first max(1, n // 20))")
+check_rank_shares(train_loader.size, len(val_dataset), ddp_world_size)  # rank r reads conversations r, r + W, ...
 # What decides which conversations step N reads (the world size too: rank r reads r, r+W, r+2W, ...)
-data_settings = dict(mixture=mixture, max_conversations=max_conversations, device_batch_size=device_batch_size,
-                     examples_per_step=examples_per_step, max_seq_len=max_seq_len, world_size=ddp_world_size)
+data_settings = dict(mixture=mixture, conversations=conversations, max_conversations=max_conversations,
+                     device_batch_size=device_batch_size, examples_per_step=examples_per_step, max_seq_len=max_seq_len,
+                     world_size=ddp_world_size)
 eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * examples_per_step * max_seq_len)
                  // (device_batch_size * max_seq_len * ddp_world_size))
 
@@ -182,7 +195,7 @@ while True:
             print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{f' (the {source} model, before SFT)' if step == 0 else ''}")
             stage.log(step, val_bpb=val_bpb)
 
-        if last_step or (eval_metrics_every > 0 and step > 0 and step % eval_metrics_every == 0):
+        if metric_tasks and (last_step or (eval_metrics_every > 0 and step > 0 and step % eval_metrics_every == 0)):
             orig_model.eval()
             metrics = evaluate_metrics()
             print0(f"Step {step:05d} | " + " | ".join(f"{name} accuracy: {acc:.4f}" for name, acc in metrics.items()))
@@ -242,6 +255,10 @@ stage.report("Chat SFT", step, [
      **{f"{name} accuracy": acc for name, acc in ({} if stopped_early else metrics).items()},
      "Total training time (min)": loop.total_training_time / 60},
 ])
-eval_args, rl_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")
-sys.exit(stage.finish(step, f"python -m scripts.chat_eval -i sft{eval_args}, then python -m scripts.chat_rl{rl_args} "
-                            f"(or talk to it: python -m scripts.chat_cli)"))
+if mixture == "custom":  # chat_eval scores none of your conversations, and RL needs problems it can reward
+    next_steps = "talk to it: python -m scripts.chat_cli"
+else:
+    eval_args, rl_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")
+    next_steps = (f"python -m scripts.chat_eval -i sft{eval_args}, then python -m scripts.chat_rl{rl_args} "
+                  f"(or talk to it: python -m scripts.chat_cli)")
+sys.exit(stage.finish(step, next_steps))

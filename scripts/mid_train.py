@@ -5,6 +5,11 @@ choice questions and calculator tool use (<|python_start|> ... <|python_end|>, <
 
     python -m scripts.mid_train --mixture=offline            # anywhere, no downloads (synthetic tasks)
     torchrun --standalone --nproc_per_node=8 -m scripts.mid_train   # the real mixture (SmolTalk, MMLU, GSM8K, ...)
+    python -m scripts.mid_train --mixture=custom --conversations=docs/examples/conversations.jsonl  # your own alone
+
+Your own conversations (--conversations=FILE, one JSON array of messages per line: tasks/customjson.py): the first
+max(1, n // 20) of the file's n conversations are validation, the rest training; --mixture=custom trains on them
+alone (e.g. a model in another language), with real or offline they are one more task of that mixture.
 
 Written like scripts/base_train.py: every rank runs all of it, rank 0 prints and saves, and what happens around
 the training loop (start or resume, save, stop, finish) is nanochat/stage.py's.
@@ -20,14 +25,14 @@ import torch
 
 from nanochat.common import UserError, format_value, gather_from_ranks, print0
 from nanochat.configurator import check_config, configure
-from nanochat.conversation_loader import ConversationLoader
+from nanochat.conversation_loader import ConversationLoader, check_rank_shares
 from nanochat.dataloader import grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
-from tasks.registry import stage_mixture
+from tasks.registry import check_conversations, conversations_split, stage_mixture
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -54,7 +59,8 @@ save_every = -1  # steps between checkpoints (<= 0: only the final one)
 resume_from_step = -1  # resume from this step's checkpoint in mid_checkpoints/<model_tag> (-1 = start from the base model)
 overwrite = False  # a fresh run into a model_tag that holds midtraining checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
-mixture = "real"  # real (SmolTalk, MMLU, GSM8K, ...; downloads) | offline (synthetic, no downloads): tasks/registry.py
+mixture = "real"  # real (SmolTalk, MMLU, GSM8K...; downloads) | offline (synthetic) | custom (--conversations alone): tasks/registry.py
+conversations = ""  # JSONL of your own conversations (tasks/customjson.py): custom's data; with real/offline one more task
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
 train_on_all_tokens = False  # False: loss only on the tokens the chat mask marks (assistant); True: every token
@@ -65,7 +71,8 @@ check_config(config, positive=["max_seq_len", "device_batch_size", "total_batch_
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
-                      "mixture": ("real", "offline")})
+                      "mixture": ("real", "offline", "custom")})
+check_conversations(mixture, conversations)  # custom without a file, a missing file, under 2 conversations: refused now
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
 # -----------------------------------------------------------------------------
@@ -98,19 +105,23 @@ grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max
 
 # -----------------------------------------------------------------------------
 # 5. Data: a deterministic shuffled mixture of chat tasks: which tasks, how much of each, in tasks/registry.py
-# ("mid/real/train", "mid/offline/train"; `python -m tasks.registry` lists them). No silent fallback from one
-# mixture to the other.
-train_dataset = stage_mixture("mid", mixture, "train", identity_file=identity_file)
-val_dataset = stage_mixture("mid", mixture, "val")
+# ("mid/real/train", "mid/offline/train", "mid/custom/train"; `python -m tasks.registry` lists them). No silent
+# fallback from one mixture to the other.
+train_dataset = stage_mixture("mid", mixture, "train", identity_file=identity_file, conversations=conversations)
+val_dataset = stage_mixture("mid", mixture, "val", conversations=conversations)
 # Conversations packed into rows: a conversation longer than a row continues in the next one (nanochat/conversation_loader.py)
 loader_args = dict(packed=True, rank=ddp_rank, world_size=ddp_world_size, train_on_all_tokens=train_on_all_tokens)
 train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,
                                   **loader_args)
 print0(f"Mixture {mixture}: {train_loader.size:,} training conversations (of {len(train_dataset):,}), {len(val_dataset):,} validation")
+if conversations:
+    own_val, own_train = conversations_split(conversations)
+    print0(f"Your conversations ({conversations}): {own_train:,} training, {own_val:,} validation (its first max(1, n // 20))")
+check_rank_shares(train_loader.size, len(val_dataset), ddp_world_size)  # rank r reads conversations r, r + W, ...
 # What decides which conversations step N reads (here the world size too: rank r reads r, r+W, r+2W, ...)
-data_settings = dict(mixture=mixture, max_conversations=max_conversations, device_batch_size=device_batch_size,
-                     max_seq_len=max_seq_len, total_batch_size=total_batch_size, world_size=ddp_world_size,
-                     train_on_all_tokens=train_on_all_tokens)
+data_settings = dict(mixture=mixture, conversations=conversations, max_conversations=max_conversations,
+                     device_batch_size=device_batch_size, max_seq_len=max_seq_len, total_batch_size=total_batch_size,
+                     world_size=ddp_world_size, train_on_all_tokens=train_on_all_tokens)
 eval_tokens = eval_tokens if eval_tokens > 0 else 20 * total_batch_size  # as in base_train
 eval_steps = max(1, eval_tokens // (device_batch_size * max_seq_len * ddp_world_size))
 
@@ -227,6 +238,12 @@ stage.report("Midtraining", step, [
      "Final validation bpb": final_bpb, "Total training time (min)": loop.total_training_time / 60,
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)"},
 ])
-eval_args, sft_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")
-sys.exit(stage.finish(step, f"python -m scripts.chat_eval -i mid{eval_args}, then python -m scripts.chat_sft{sft_args} "
-                            f"(or talk to it: python -m scripts.chat_cli --source=mid)"))
+sft_args = f" --mixture={mixture}" if mixture != "real" else ""
+sft_args += f" --conversations={conversations}" if conversations else ""
+if mixture == "custom":  # chat_eval scores the registry's tasks, none of your conversations
+    next_steps = f"python -m scripts.chat_sft{sft_args} (or talk to it: python -m scripts.chat_cli --source=mid)"
+else:
+    eval_args = " -a offline" if mixture == "offline" else ""
+    next_steps = (f"python -m scripts.chat_eval -i mid{eval_args}, then python -m scripts.chat_sft{sft_args} "
+                  f"(or talk to it: python -m scripts.chat_cli --source=mid)")
+sys.exit(stage.finish(step, next_steps))

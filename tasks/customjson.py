@@ -13,6 +13,15 @@ are skipped. The whole file is checked when the task is built, and a bad line ra
 file and the line number, so a typo fails at start-up and not hours into training.
 
 Generative, with no automatic evaluation (evaluate() raises NotImplementedError).
+
+Training on a file of your own: docs/examples/conversations.jsonl is one (12 short conversations about the command
+line, in English and Chinese). `--conversations=FILE` of mid_train and chat_sft reads such a file; the first
+max(1, n // 20) of its n conversations are held out for validation (tasks/registry.py):
+
+    python -m tasks.customjson docs/examples/conversations.jsonl          # check it, print a few
+    python -m scripts.mid_train --mixture=custom --conversations=docs/examples/conversations.jsonl   # the file alone
+    python -m scripts.chat_sft --mixture=custom --conversations=docs/examples/conversations.jsonl
+    python -m scripts.mid_train --mixture=offline --conversations=FILE    # the offline tasks plus the file
 """
 
 import argparse

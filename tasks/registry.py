@@ -17,6 +17,11 @@ An entry (ChatTask) says, for one task:
   times it is listed (2: its examples twice, oversampled). The offline tasks' test split ("offline/test") is Offline
   ChatCORE (chat_eval -a offline) and the validation of the offline stages, each on the tasks it trains on.
 
+Your own conversations (--conversations=FILE of mid_train and chat_sft, a CustomJSON file: tasks/customjson.py) are
+the task Conversations: the whole of a custom mixture (--mixture=custom: the file alone, e.g. for a model in another
+language), and one more task, the last, of a real or offline mixture when the file is given. Its rule, the same in
+every mixture: the first max(1, n // 20) of the file's n conversations are validation, the rest training.
+
 Adding a task: write its module (a Task subclass, see tasks/common.py), and add its ChatTask to TASKS. Nothing else
 needs to change: the scripts, the report card, prefetch and the tests' file server all read this list
 (tests/test_task_registry.py registers a task at runtime and checks that each of them sees it).
@@ -54,6 +59,11 @@ MIXTURES = {
     "sft/offline/metrics": "its multiple-choice accuracy during training",
     "rl/offline/train": "scripts/chat_rl.py --mixture=offline: other examples again",
     "offline/test": "chat_eval -a offline, Offline ChatCORE; the offline stages' validation",
+    "mid/custom/train": "scripts/mid_train.py --mixture=custom --conversations=FILE; with real or offline: added to theirs",
+    "mid/custom/val": "its validation bpb (the first max(1, n // 20) conversations of FILE)",
+    "sft/custom/train": "scripts/chat_sft.py --mixture=custom --conversations=FILE; with real or offline: added to theirs",
+    "sft/custom/val": "its validation bpb",
+    "sft/custom/metrics": "none: free-text conversations have no choices to score",
 }
 
 
@@ -99,6 +109,39 @@ def _identity(split, identity_file="", **kwargs):
     if split == "jsonl":
         return CustomJSON(identity_jsonl(identity_file), **kwargs)
     return Identity(split=split, **kwargs)
+
+
+def conversations_split(conversations):
+    """
+    (validation, training): how many conversations of the file `conversations` (--conversations) each part gets, by
+    the fixed rule: the first max(1, n // 20) are validation, the rest training. UserError for a missing file or one
+    of fewer than 2 conversations (one of each part). Counts non-blank lines (CustomJSON checks them when built).
+    """
+    if not os.path.isfile(conversations):
+        raise UserError(f"--conversations={conversations}: no such file")
+    with open(conversations, encoding="utf-8") as f:
+        n = sum(1 for line in f if line.strip())
+    if n < 2:
+        raise UserError(f"--conversations={conversations} holds {n} conversation(s), it needs at least 2: the first "
+                        f"max(1, n // 20) are held out for validation, the rest are trained on")
+    held_out = max(1, n // 20)
+    return held_out, n - held_out
+
+
+def check_conversations(kind, conversations=""):
+    """The scripts' check of --mixture and --conversations, at start-up: custom needs a file; a given file must hold at
+    least 2 conversations (conversations_split). UserError otherwise."""
+    if kind == "custom" and not conversations:
+        raise UserError("--mixture=custom trains on your own conversations alone: give their file with "
+                        "--conversations=PATH (JSONL, one JSON array of messages per line: tasks/customjson.py)")
+    if conversations:
+        conversations_split(conversations)
+
+
+def _conversations(split, conversations=""):
+    # split "val": the first max(1, n // 20) conversations of the file; "train": the rest (conversations_split)
+    held_out, _ = conversations_split(conversations)
+    return CustomJSON(conversations, stop=held_out) if split == "val" else CustomJSON(conversations, start=held_out)
 
 
 TASKS = [
@@ -162,6 +205,13 @@ TASKS = [
         # all 791: a small model answers them at chance, and 99 of them moved Offline ChatCORE by +-0.007 between two
         # models of one pipeline, as much as a stage's gain (bench/RESULTS.md)
         "offline/test": at(4, "test")}),
+    # Your own conversations (--conversations=FILE): a custom mixture's only task; added to a real or offline mixture
+    # by stage_tasks, since it is there only when a file is given
+    ChatTask("Conversations", _conversations, settings=("conversations",), places={
+        "mid/custom/train": at(0, "train"),
+        "mid/custom/val": at(0, "val"),
+        "sft/custom/train": at(0, "train"),
+        "sft/custom/val": at(0, "val")}),
 ]
 
 
@@ -213,24 +263,32 @@ def build_tasks(mixture, **settings):
     return out
 
 
-def stage_tasks(stage, kind, part, **settings):
+def stage_tasks(stage, kind, part, conversations="", **settings):
     """
     [(name, Task)] that `stage` (mid | sft | rl) reads for `part` (train | val | metrics) of the `kind` (real |
-    offline) mixture: its own mixture, except that an offline stage validates on the offline test split of the
-    tasks it trains on.
+    offline | custom) mixture: its own mixture, except that an offline stage validates on the offline test split of
+    the tasks it trains on. `conversations` (--conversations, a file): the custom mixture's only task; with real or
+    offline, one more task, last (its place in "<stage>/custom/<part>").
     """
     check_choice("stage", stage, ("mid", "sft", "rl"))
-    check_choice("mixture", kind, ("real", "offline"))
     check_choice("part", part, ("train", "val", "metrics"))
+    check_choice("mixture", kind, ("real", "offline", "custom") if stage != "rl" else ("real", "offline"))
+    check_conversations(kind, conversations)
+    if kind == "custom":
+        return build_tasks(f"{stage}/custom/{part}", conversations=conversations)
     if kind == "offline" and part == "val":
         trained = {task.name for task in placed(f"{stage}/offline/train")}
-        return [(name, task) for name, task in build_tasks("offline/test", **settings) if name in trained]
-    return build_tasks(f"{stage}/{kind}/{part}", **settings)
+        tasks = [(name, task) for name, task in build_tasks("offline/test", **settings) if name in trained]
+    else:
+        tasks = build_tasks(f"{stage}/{kind}/{part}", **settings)
+    if conversations:
+        tasks += build_tasks(f"{stage}/custom/{part}", conversations=conversations)
+    return tasks
 
 
 def stage_mixture(stage, kind, part, **settings):
-    """What a stage reads (stage_tasks): one task as it is (nothing to mix: SFT's real validation, RL's GSM8K), or a
-    TaskMixture of them (seed 42, the same every run)."""
+    """What a stage reads (stage_tasks): one task as it is (nothing to mix: SFT's real validation, RL's GSM8K, a custom
+    mixture), or a TaskMixture of them (seed 42, the same every run)."""
     tasks = [task for _, task in stage_tasks(stage, kind, part, **settings)]
     return tasks[0] if len(tasks) == 1 else TaskMixture(tasks)
 

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from helpers import run_script
-from nanochat.chat_scoring import Progress
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
@@ -26,6 +25,7 @@ from scripts.chat_eval import expand_short_flags, load_tasks, mean_centered, sco
 from tasks.common import Task, render_mc
 from tasks.humaneval import HumanEval, build_program, extract_code
 from tasks.registry import chatcore_baselines
+from tasks.scoring import Progress
 
 @pytest.fixture(scope="module")
 def tok(small_tokenizer_dir):

@@ -1,5 +1,5 @@
 """
-Tests of nanochat/dataset.py: the pydocs corpus (offline, deterministic, atomic), the FineWeb-Edu download
+Tests of nanochat/dataset.py and corpus_build.py: the pydocs corpus (offline, deterministic, atomic), the FineWeb-Edu download
 path against a local server (fixed validation shard, skip what is there, replace what is damaged), and the
 reading API (listing, row groups, rank striding).
 """
@@ -14,9 +14,9 @@ import pytest
 
 import nanochat.common
 from helpers import run_script
-from nanochat import dataset, pydocs
+from nanochat import corpus_build, dataset, pydocs
 from nanochat.common import UserError
-from nanochat.dataset import ROW_GROUP_SIZE
+from nanochat.corpus_build import ROW_GROUP_SIZE
 
 
 
@@ -84,7 +84,7 @@ def test_pydocs_layout_and_content(pydocs_corpus):
         meta = pq.ParquetFile(path).metadata
         sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         assert all(n == ROW_GROUP_SIZE for n in sizes[:-1]) and 0 < sizes[-1] <= ROW_GROUP_SIZE
-    assert pq.ParquetFile(val[0]).metadata.num_rows == dataset.PYDOCS_VAL_DOCS
+    assert pq.ParquetFile(val[0]).metadata.num_rows == corpus_build.PYDOCS_VAL_DOCS
 
     train_docs = [d for p in train for d in pq.read_table(p).column("text").to_pylist()]
     val_docs = pq.read_table(val[0]).column("text").to_pylist()
@@ -146,7 +146,7 @@ def test_pydocs_entries_are_kept_per_base_dir_and_a_damaged_copy_is_collected_ag
 
 def _small_pydocs(monkeypatch, n=3000):
     docs = [f"Small document number {i}: Return the value." for i in range(n)]
-    monkeypatch.setattr(dataset, "pydocs_documents", lambda: list(docs))
+    monkeypatch.setattr(corpus_build, "pydocs_documents", lambda: list(docs))
     return docs
 
 
@@ -154,13 +154,13 @@ def test_pydocs_built_on_demand_once_under_concurrency(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     docs = _small_pydocs(monkeypatch)
     calls = []
-    real_write = dataset._write_pydocs
+    real_write = corpus_build._write_pydocs
 
     def counting_write(directory):
         calls.append(directory)
         return real_write(directory)
 
-    monkeypatch.setattr(dataset, "_write_pydocs", counting_write)
+    monkeypatch.setattr(corpus_build, "_write_pydocs", counting_write)
     results, errors = [], []
 
     def reader():
@@ -188,7 +188,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     _small_pydocs(monkeypatch)
     final = os.path.join(nanochat.common.get_base_dir(), "base_data", "pydocs")
-    real_write = dataset._write_pydocs
+    real_write = corpus_build._write_pydocs
 
     def crashing_write(directory):
         os.makedirs(directory)
@@ -196,7 +196,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
             f.write(b"half a shard")
         raise RuntimeError("killed midway")
 
-    monkeypatch.setattr(dataset, "_write_pydocs", crashing_write)
+    monkeypatch.setattr(corpus_build, "_write_pydocs", crashing_write)
     with pytest.raises(RuntimeError):
         dataset.list_parquet_files("train")
     assert not os.path.exists(final)
@@ -205,7 +205,7 @@ def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
     os.makedirs(stale)
     with open(os.path.join(stale, "shard_00000.parquet"), "wb") as f:
         f.write(b"half a shard")
-    monkeypatch.setattr(dataset, "_write_pydocs", real_write)
+    monkeypatch.setattr(corpus_build, "_write_pydocs", real_write)
     assert dataset.list_parquet_files("val") == [os.path.join(final, "shard_00001.parquet")]
     assert not os.path.exists(stale)
     assert sorted(os.listdir(os.path.dirname(final))) == ["pydocs", "pydocs.lock"]

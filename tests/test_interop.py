@@ -32,7 +32,7 @@ CONVERSATIONS = [
      {"role": "user", "content": "And 3 x 3?"}, {"role": "assistant", "content": "9"}],
 ]
 TEXTS = ["Hello world", "def f(x):\n    return x**2  # square\n", "  leading   and trailing   \n\n\n\t\t",
-         "héllo wörld, 中文字符, Ελληνικά", "emoji 🎉🚀👍🏽 mixed", "digits 1234567890 3.14159 1e-10",
+         "héllo wörld, 中文字符, Ελληνικά", "संकेत नमस्ते, ยอมรับข้อตกลง, 日本語のテキスト", "emoji 🎉🚀👍🏽 mixed", "digits 1234567890 3.14159 1e-10",
          "\r\n\r\nwindows\r\nlines", "'s 't 're 've 'm 'll 'd THEY'LL", "", " ", "x" * 300]
 
 

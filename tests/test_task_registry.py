@@ -103,7 +103,7 @@ def test_wrong_names_and_places_are_user_errors(monkeypatch):
         registry.register(ChatTask("Echo", Echo, places={"mid/real/test": at(9, "test")}))
     with pytest.raises(UserError, match="unknown mixture 'mid/real/metrics'"):
         registry.stage_mixture("mid", "real", "metrics")
-    with pytest.raises(UserError, match="mixture must be one of real, offline, got 'synthetic'"):
+    with pytest.raises(UserError, match="mixture must be one of real, offline, custom, got 'synthetic'"):
         registry.stage_mixture("sft", "synthetic", "train")
     with pytest.raises(UserError, match="HumanEval split must be one of test, got 'train'"):
         registry.find("HumanEval").build(split="train")
@@ -111,10 +111,10 @@ def test_wrong_names_and_places_are_user_errors(monkeypatch):
 
 def test_only_the_registry_names_the_tasks():
     """What reads the registry builds no task of its own: it imports no task module (tasks.<name>), only the registry
-    (and tasks.common's helpers)."""
+    (and tasks.common's helpers, tasks.scoring's scorers)."""
     readers = ["scripts/mid_train.py", "scripts/chat_sft.py", "scripts/chat_rl.py", "scripts/chat_eval.py",
                "nanochat/report.py", "tasks/prefetch.py", "tasks/offline.py", "tests/helpers.py", "tests/conftest.py"]
     for path in readers:
         with open(os.path.join(REPO_ROOT, path)) as f:
             imported = set(re.findall(r"^\s*(?:from|import) (tasks\S*)", f.read(), re.MULTILINE))  # `from tasks import x`: tasks
-        assert imported <= {"tasks.registry", "tasks.common"}, (path, imported)
+        assert imported <= {"tasks.registry", "tasks.common", "tasks.scoring"}, (path, imported)

@@ -9,10 +9,11 @@ import os
 import random
 
 import pytest
+import regex
 import rustbpe
 from pydoc_data.topics import topics
 
-from helpers import run_script
+from helpers import REPO_ROOT, run_script
 from nanochat.common import UserError
 from nanochat.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, get_token_bytes, get_tokenizer,
                                 get_tokenizer_dir)
@@ -57,6 +58,25 @@ def test_round_trip_exact(tok):
         ids = tok.encode(text)
         assert tok.decode(ids) == text
         assert all(0 <= i < tok.get_vocab_size() for i in ids)
+
+
+def test_split_pattern_keeps_words_of_every_script_whole():
+    # combining marks (Hindi's vowel signs, Thai's tone marks) belong to their word; scripts without spaces are cut
+    # at punctuation only (GPT-4's pattern gives 'स', 'ंक', 'ेत' for the first word: docs/tokenizer.md)
+    pieces = regex.findall(SPLIT_PATTERN, "संकेत नमस्ते ยอมรับข้อตกลง 文件系统，配置文件。 Ελληνικά")
+    assert pieces == ["संकेत", " नमस्ते", " ยอมรับข้อตกลง", " 文件系统", "，配置文件", "。", " Ελληνικά"]
+
+
+def test_chinese_merges_learned_and_round_trip():
+    # real Chinese text (the Vim tutor, tests/fixtures/own_text/SOURCE): merges of several characters are learned
+    with open(os.path.join(REPO_ROOT, "tests", "fixtures", "own_text", "zh", "vimtutor.txt"), encoding="utf-8") as f:
+        text = f.read()
+    tokenizer = Tokenizer.train_from_iterator(iter(text.split("\n\n")), 1024)
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    han = [t for t in (tokenizer.decode([i]) for i in set(ids)) if len(t) >= 2 and all("\u4e00" <= c <= "\u9fff" for c in t)]
+    assert len(han) >= 50, han  # words such as 光标, 命令, 插入
+    assert len(text.encode()) / len(ids) > 2.0  # bytes per token: 1.0 would be no merge at all
 
 
 def test_lone_surrogates_replaced(tok):

@@ -2,7 +2,8 @@
 Scoring a chat model on a task's problems (categorical or generative), and the progress line of a long scoring.
 
 Used by scripts/chat_eval.py, chat_sft.py (multiple-choice accuracy) and chat_rl.py (pass@k); how each kind of task is
-scored, and why: scripts/chat_eval.py's docstring (and docs/evaluation.md).
+scored, and why: scripts/chat_eval.py's docstring (and docs/evaluation.md). It lives beside the tasks because it is
+their other half: a task says what a right answer is (evaluate, reward), this runs the model on its problems.
 """
 
 import time
