@@ -243,7 +243,11 @@ class _Slot:
             if self.unit_pos == len(self.my_units):
                 self.epoch, self.unit_pos = self.epoch + 1, 0
                 self.my_units = self._epoch_units(self.epoch)
-                print0(f"Data slot {self.slot} ({self.split}): starting epoch {self.epoch}")
+                if self.split == "train":
+                    print0(f"Data slot {self.slot} ({self.split}): starting epoch {self.epoch}")
+                elif self.epoch == 1:  # an evaluation stops here (losses.evaluate_bpb)
+                    print0(f"Data slot {self.slot} (val): read to its end: the validation split is smaller than one "
+                           f"evaluation, which counts it once")
 
     def take_tokens(self, n):
         """The next n+1 tokens; advances by n (the last token is also the first of the next call)."""

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import Interrupted, interruptible, is_distributed, per_rank
+from nanochat.common import Interrupted, any_rank, interruptible, is_distributed, per_rank
 
 
 class _SoftcappedCrossEntropy(torch.autograd.Function):
@@ -81,6 +81,8 @@ def evaluate_bpb(model, batches, steps, token_bytes, stop=None):
     model(x, y, loss_reduction="none") -> per-token loss; `batches` yields (x, y); `steps` batches per rank;
     token_bytes: (vocab,) tensor of bytes per token id, on the model's device. Returns a float.
     stop: asked before every batch (a stage's StopRequest); when it says so, Interrupted on every rank.
+    A split smaller than `steps` batches (a corpus of your own) is counted once, not again and again: when `batches`
+    is the pretraining loader, the evaluation ends when it has started reading its split again on every rank.
     """
     device = token_bytes.device
     acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
@@ -98,6 +100,8 @@ def evaluate_bpb(model, batches, steps, token_bytes, stop=None):
             num_bytes = torch.where(valid, token_bytes[torch.where(valid, y, 0)], 0)
             total_nats += (loss * (num_bytes > 0)).sum().to(acc_dtype)
             total_bytes += num_bytes.sum()
+            if hasattr(batches, "epoch") and not any_rank(batches.epoch == 0)[0]:
+                break
     if is_distributed():
         dist.all_reduce(total_nats)
         dist.all_reduce(total_bytes)

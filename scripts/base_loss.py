@@ -34,7 +34,8 @@ sequence_len = model.config.sequence_len
 token_bytes = get_token_bytes(device=device, directory=tokenizer.directory)  # the model's own tokenizer's
 tokens_per_step = device_batch_size * sequence_len * ddp_world_size
 steps = max(1, split_tokens // tokens_per_step)
-print0(f"Evaluating {steps} batches of {device_batch_size} x {sequence_len} tokens per rank x {ddp_world_size} rank(s) per split")
+print0(f"Evaluating {steps} batches of {device_batch_size} x {sequence_len} tokens per rank x {ddp_world_size} rank(s) per split "
+       f"(fewer where a split is smaller: each is counted at most once)")
 
 bpb_results = {}
 for split in ("train", "val"):

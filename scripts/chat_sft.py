@@ -168,6 +168,7 @@ def evaluate_metrics():
 # -----------------------------------------------------------------------------
 # 7. The training loop: the same two-level loop as base_train and mid_train. A step's micro-batches are fetched
 # before it runs (its targets are counted before the first backward); `next_data_state` is where they start.
+step_start = train_loader.progress(stage.start_step, num_iterations)  # how far the run is where a step's data begins
 next_data_state, step_batches = train_loader.next_step(grad_accum_steps)
 x, y = step_batches[0]
 print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
@@ -216,9 +217,10 @@ while True:
             loss, loss_sum = supervised_loss(model, x, y, step_targets, ddp_world_size)
         step_loss_sum += loss_sum
         loss.backward()
+    # The schedule follows how far the run is where this step's data began: in steps, or for a run of one epoch, in
+    # conversations of this rank's share read before it (a file that fits in one step still trains at lr 1)
+    (done, total), step_start = step_start, train_loader.progress(step + 1, num_iterations)
     next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
-    # How far the run is: in steps, or for a run of one epoch, in conversations of this rank's share read so far
-    done, total = train_loader.progress(step, num_iterations)
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
     grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # clip, update, zero the gradients: see base_train
@@ -231,7 +233,7 @@ while True:
     loop.smooth_train_loss, debiased_loss = smoothed_loss(loop.smooth_train_loss, train_loss, step)
     if step - start_step > 10:
         loop.total_training_time += dt
-    progress = step / num_iterations if num_iterations > 0 else done / total  # after this step
+    progress = step_start[0] / step_start[1]  # after this step
     print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
            f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
            f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | total time: {loop.total_training_time / 60:.2f}m")

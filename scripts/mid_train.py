@@ -143,6 +143,7 @@ print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
 # 7. The training loop: the same two-level loop as base_train (steps, and micro-steps inside a step). A step's
 # micro-batches are fetched before it runs: its loss is normalised by its number of supervised targets, which
 # must be known before the first backward. `next_data_state` is where they start (a checkpoint saves it).
+step_start = train_loader.progress(stage.start_step, num_iterations)  # how far the run is where a step's data begins
 next_data_state, step_batches = train_loader.next_step(grad_accum_steps)
 x, y = step_batches[0]
 # Every rank says what it got: (device_batch_size, max_seq_len) of ITS OWN conversations, not x world_size
@@ -190,9 +191,10 @@ while True:
             loss, loss_sum = supervised_loss(model, x, y, step_targets, ddp_world_size)
         step_loss_sum += loss_sum
         loss.backward()  # .backward() adds into .grad: the micro-steps' parts add up to the step's gradient
+    # The schedule follows how far the run is where this step's data began: in steps, or for a run of one epoch, in
+    # conversations of this rank's share read before it (a file that fits in one step still trains at lr 1)
+    (done, total), step_start = step_start, train_loader.progress(step + 1, num_iterations)
     next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
-    # How far the run is: in steps, or for a run of one epoch, in conversations of this rank's share read so far
-    done, total = train_loader.progress(step, num_iterations)
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     # The optimizers are new (midtraining does not load the base run's optimizer state): Muon's momentum buffers
     # start at zero, so its momentum warms up again, 0.85 -> 0.95 over the first 300 steps, then stays 0.95
@@ -213,7 +215,7 @@ while True:
     if step - start_step > 10:  # the first steps include compilation and warm-up: keep them out of the time
         loop.total_training_time += dt
         mfus.append(mfu)
-    progress = step / num_iterations if num_iterations > 0 else done / total  # after this step
+    progress = step_start[0] / step_start[1]  # after this step
     print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
            f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} "
            f"| dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {loop.total_training_time / 60:.2f}m")

@@ -102,13 +102,20 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(base_model):
 
 
 def test_cpu_speedrun_smoke(pydocs_corpus, isolated_env, tmp_path):
-    """The cpu profile of speedrun.sh end to end, shrunk to seconds (NANOCHAT_SMOKE=1), run from another directory.
-    The pydocs corpus is there already (its build from nothing: test_dataset): `python -m nanochat.dataset` checks it."""
+    """The cpu profile of speedrun.sh end to end, shrunk to seconds (NANOCHAT_SMOKE=1), run from another directory,
+    pretraining on a corpus of your own (NANOCHAT_DATASET=tutor: the Vim tutors, tests/fixtures/own_text), which
+    `python -m nanochat.dataset` checks against its files. The same profile on pydocs, the corpus the tests use
+    everywhere else, differs only in that name; the gpu profile's smoke runs on pydocs (test_gpu_smoke)."""
+    built = run_script("-m", "nanochat.dataset", f"--from={os.path.join(REPO_ROOT, 'tests', 'fixtures', 'own_text')}",
+                       "--name=tutor", "--split=paragraph")
+    assert built.returncode == 0, built.stderr[-2000:]
     repo_report = os.path.join(REPO_ROOT, "report.md")
     repo_report_before = os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None
-    result = run_script(os.path.join(REPO_ROOT, "speedrun.sh"), cwd=tmp_path, env=speedrun_env(OMP_NUM_THREADS=CORES), timeout=600)
+    result = run_script(os.path.join(REPO_ROOT, "speedrun.sh"), cwd=tmp_path,
+                        env=speedrun_env(OMP_NUM_THREADS=CORES, NANOCHAT_DATASET="tutor"), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (isolated_env / "report" / "report.md").read_text()
+    assert "- dataset: tutor" in report and "| tutor val " in report  # the tokenizer learned and was measured on it
     for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss",
                     "## Base model evaluation", "## Midtraining", "## Chat evaluation mid", "## Chat SFT",
                     "## Chat evaluation sft", "## Chat RL", "## Chat evaluation rl", "### Report card",
