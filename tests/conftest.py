@@ -65,7 +65,7 @@ def hub(file_server, monkeypatch):
 @pytest.fixture(scope="session")
 def pydocs_dir(tmp_path_factory):
     """
-    The pydocs corpus (nanochat.pydocs.build_pydocs), built once per test session (~5-7 s on 2 cores) into
+    The pydocs corpus (nanochat.corpus_build.build_pydocs), built once per test session (~5-7 s on 2 cores) into
     a shared temporary base dir. Returns that corpus directory (`<shared base>/base_data/pydocs`).
     Treat it as read-only; tests get a private copy through `pydocs_corpus`.
     """
