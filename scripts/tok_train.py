@@ -31,12 +31,15 @@ print0(f"Training a tokenizer of {vocab_size:,} tokens ({len(SPECIAL_TOKENS)} sp
 # -----------------------------------------------------------------------------
 # The text: documents of the train split, in order, cropped, until max_chars
 
-seen = {"chars": 0, "docs": 0}  # filled in by the iterator as rustbpe consumes it
+seen = {"chars": 0, "docs": 0, "cropped_docs": 0, "cropped_chars": 0}  # filled in as rustbpe consumes the iterator
 
 
 def text_iterator():
     for batch in parquets_iter_batched("train"):
         for doc in batch:
+            if len(doc) > doc_cap:  # counted: a corpus of whole books would otherwise train on their first pages only
+                seen["cropped_docs"] += 1
+                seen["cropped_chars"] += len(doc) - doc_cap
             doc = doc[:min(doc_cap, max_chars - seen["chars"])]
             seen["chars"] += len(doc)
             seen["docs"] += 1
@@ -58,6 +61,12 @@ tokenizer_dir = get_tokenizer_dir()
 tokenizer.save(tokenizer_dir)
 
 print0(f"Trained on {seen['docs']:,} documents, {seen['chars']:,} chars in {train_time:.2f}s ({chars_per_s:,.0f} chars/s)")
+if seen["cropped_docs"]:
+    share = seen["cropped_chars"] / (seen["cropped_chars"] + seen["chars"])
+    print0(f"{seen['cropped_docs']:,} documents were longer than doc_cap={doc_cap:,}: {seen['cropped_chars']:,} chars "
+           f"({100 * share:.0f}% of the text read) not trained on"
+           + ("; for a corpus of long files, build it with --split=paragraph (python -m nanochat.dataset) or raise "
+              "--doc_cap" if share > 0.1 else ""))
 print0(f"Vocab size: {tokenizer.get_vocab_size():,} ({tokenizer.get_vocab_size() - 256 - len(SPECIAL_TOKENS):,} merges "
        f"+ 256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
 print0(f"Saved to {tokenizer_dir}")

@@ -264,3 +264,12 @@ def test_pretraining_on_it_resumes_exactly(texts, monkeypatch):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = (torch.load(os.path.join(checkpoints, tag, "model_000006.pt")) for tag in ("full", "resumed"))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=0) for k in a)
+
+
+def test_tok_train_says_how_much_of_long_documents_it_did_not_see(texts):
+    # one document per file (the default): each tutor is one document, longer than doc_cap
+    build(f"--from={texts}", "--name=whole")
+    result = run_script("-m", "scripts.tok_train", "--vocab_size=512", "--doc_cap=5000", env={"NANOCHAT_DATASET": "whole"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"1 documents were longer than doc_cap=5,000: [\d,]+ chars \(\d+% of the text read\) not trained "
+                     r"on; for a corpus of long files, build it with --split=paragraph", result.stdout), result.stdout
