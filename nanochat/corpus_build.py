@@ -189,7 +189,7 @@ def build_own_corpus(final, name, sources, field="text", split="file", skip_bad=
     1) are the validation shard, the others training shards of OWN_SHARD_DOCS. The same documents give the same
     corpus (nothing is written again); changed ones rebuild the whole corpus. Returns (manifest, built now?).
     """
-    sources = [os.path.abspath(p) for p in sources]
+    sources = [os.path.abspath(os.path.expanduser(p)) for p in sources]  # --from=~/notes: no shell expands that ~
     docs = read_documents(sources, field=field, split=split, skip_bad=skip_bad)
     random.Random(0).shuffle(docs)  # so that every shard, and the validation shard, mixes all the files
     num_val = max(1, len(docs) // OWN_VAL_EVERY)
@@ -263,8 +263,10 @@ def source_files(paths):
                             + (f"; it holds {_count_text(other)}" if other else ""))
     if other:
         logger.info(f"Skipped {sum(other.values())} files of other kinds: {_count_text(other)}")
-    unique = list(dict.fromkeys((os.path.realpath(p), k) for p, k in found))  # a file named twice is read once
-    return [(os.path.relpath(p) if not os.path.isabs(p) else p, k) for p, k in unique]
+    unique = {}  # a file named twice (or reached through a link too) is read once, under the first name found
+    for path, kind in found:
+        unique.setdefault(os.path.realpath(path), (path, kind))
+    return list(unique.values())
 
 
 def _count_text(counts):
@@ -326,8 +328,12 @@ def file_documents(path, kind, field="text", split="file"):
     if kind == "parquet":
         docs = _parquet_documents(path, field)
     else:
-        with open(path, "rb") as f:
-            text = decode_text(path, f.read())
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:  # unreadable (permissions, a broken link): the file's problem, skippable like the others
+            raise UserError(f"{path} cannot be read ({e.strerror})") from None
+        text = decode_text(path, data)
         if kind == "jsonl":
             docs = _jsonl_documents(path, text, field)
         elif split == "paragraph":

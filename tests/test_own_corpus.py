@@ -114,7 +114,7 @@ def test_running_it_again_changes_nothing_and_changed_files_rebuild(texts, monke
     assert written_at("tutor") == stamps
 
 
-@pytest.mark.parametrize("case", ["empty", "binary", "gb18030", "no-text-files", "missing", "jsonl-field",
+@pytest.mark.parametrize("case", ["empty", "binary", "gb18030", "no-text-files", "missing", "broken-link", "jsonl-field",
                                   "parquet-column", "too-little", "built-in-name", "bad-name", "name-alone"])
 def test_bad_input_is_one_line_and_loses_nothing(case, texts, tmp_path):
     bad = tmp_path / "bad"
@@ -137,6 +137,9 @@ def test_bad_input_is_one_line_and_loses_nothing(case, texts, tmp_path):
     elif case == "missing":
         args[0] = f"--from={tmp_path / 'nowhere'}"
         fragments = ["nowhere: no such file or directory"]
+    elif case == "broken-link":  # a file that is listed but cannot be read
+        os.symlink(tmp_path / "gone.txt", bad / "link.txt")
+        fragments = ["link.txt cannot be read (No such file or directory)", "--skip_bad"]
     elif case == "jsonl-field":
         (bad / "a.jsonl").write_text('{"text": "ok"}\n{"content": "no text field"}\n')
         fragments = ["a.jsonl line 2 has no field 'text'", "its fields: content", "--field="]
@@ -161,6 +164,12 @@ def test_bad_input_is_one_line_and_loses_nothing(case, texts, tmp_path):
     for fragment in fragments:
         assert fragment in str(e.value), (fragment, str(e.value))
     assert not os.path.exists(os.path.join(os.environ["NANOCHAT_BASE_DIR"], "base_data", "mine"))
+
+
+def test_a_home_relative_path(texts, monkeypatch):
+    monkeypatch.setenv("HOME", str(texts.parent))  # --from=~/...: the shell leaves a ~ after "=" as it is
+    manifest = build("--from=~/texts", "--name=tutor", "--split=paragraph")
+    assert manifest["sources"] == [str(texts)]
 
 
 def test_skip_bad_builds_from_the_rest(texts):
