@@ -228,6 +228,7 @@ def readme_commands():
     return out
 
 
+@pytest.mark.slow
 def test_the_readme_from_your_files_to_chat(tmp_path):
     env = {}
     outputs = {}
@@ -254,6 +255,7 @@ def test_the_readme_from_your_files_to_chat(tmp_path):
     answer.stdout.encode("utf-8")  # printable text (a lone surrogate would raise here)
 
 
+@pytest.mark.slow
 def test_pretraining_on_it_resumes_exactly(texts, monkeypatch):
     """The loader's position in a corpus of your own is saved and restored like any other: resumed at step 3 of 6,
     the run ends with the uninterrupted run's weights (fp32: exact up to its rounding)."""
