@@ -199,14 +199,16 @@ def build_own_corpus(final, name, sources, field="text", split="file", skip_bad=
                         f"characters; 1 in {OWN_VAL_EVERY} (at least one, and never all) are held out, and need "
                         f"{OWN_VAL_MIN_CHARS:,} characters: add text" + (", or split it with --split=paragraph (a document "
                         "per paragraph)" if split == "file" else ""))
-    digest = hashlib.sha256()
+    digest, utf8_bytes = hashlib.sha256(), 0
     for d in docs:  # the documents, in order, are the corpus: the fingerprint says whether they changed
-        digest.update(f"{len(d)}:".encode() + d.encode())
+        data = d.encode()
+        digest.update(f"{len(d)}:".encode() + data)
+        utf8_bytes += len(data)
     command = "python -m nanochat.dataset " + " ".join(f"--from={p}" for p in sources) + f" --name={name}" + \
         (f" --field={field}" if field != "text" else "") + (f" --split={split}" if split != "file" else "") + \
         (" --skip_bad" if skip_bad else "")
     manifest = dict(name=name, sources=sources, field=field, split=split, skip_bad=skip_bad, fingerprint=digest.hexdigest(),
-                    documents=len(docs), characters=sum(map(len, docs)), utf8_bytes=sum(len(d.encode()) for d in docs),
+                    documents=len(docs), characters=sum(map(len, docs)), utf8_bytes=utf8_bytes,
                     val_documents=num_val, shards=(len(train) + OWN_SHARD_DOCS - 1) // OWN_SHARD_DOCS + 1, command=command)
 
     def unchanged():
