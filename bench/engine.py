@@ -1,6 +1,6 @@
 """
 Decoding benchmark: the Engine (nanochat/engine.py: KV cache, engine.decode_step) against naive generation
-(GPT.generate, which re-runs the whole sequence at every step), on this machine.
+(engine.generate_naive, which re-runs the whole sequence at every step), on this machine.
 
     python bench/engine.py                                  # depth 4, vocab 8192, context 2048, CPU, 1 and 2 threads
     python bench/engine.py --threads=1 --repeats=5
@@ -44,7 +44,7 @@ os.environ["NANOCHAT_DATASET"] = "pydocs"
 from nanochat.common import print0
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
-from nanochat.engine import Engine, KVCache, decode_step, decode_weights
+from nanochat.engine import Engine, KVCache, decode_step, decode_weights, generate_naive
 from nanochat.gpt import GPT, config_from_depth, weights_of
 from nanochat.hardware import autocast_dtype
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
@@ -59,7 +59,7 @@ batch_sizes = "1,8"  # comma-separated num_samples values for the engine
 temperature = 1.0  # sampling temperature (0 = greedy)
 threads = "1,2"  # comma-separated torch thread counts to measure with (0 = leave torch's default)
 repeats = 3  # runs per measurement; the median is reported
-naive = True  # also time naive generation (GPT.generate) at batch 1
+naive = True  # also time naive generation (engine.generate_naive) at batch 1
 device_type = "cpu"  # cpu | cuda
 compare = ""  # comma-separated checkouts of other code to measure against this one, interleaved
 rounds = 5  # with compare: rounds, each running every tree once
@@ -152,7 +152,7 @@ def run_naive(seed):
     sync()
     t0 = time.perf_counter()
     with autocast:
-        n = sum(1 for _ in model.generate(prompt, new_tokens, temperature=temperature, seed=seed))
+        n = sum(1 for _ in generate_naive(model, prompt, new_tokens, temperature=temperature, seed=seed))
     sync()
     return time.perf_counter() - t0, n
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from nanochat.common import UserError
 from nanochat.execution import use_calculator
-from nanochat.gpt import attention, hidden_states, sample_next_token, softcapped, weights_of
+from nanochat.gpt import attention, hidden_states, softcapped, weights_of
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -97,7 +97,8 @@ class KVCache:
 
 
 # -----------------------------------------------------------------------------
-# One decoding step: gpt.py's blocks, their keys and values written into the cache
+# One decoding step: gpt.py's blocks, their keys and values written into the cache; the next token's sampling;
+# naive generation (no cache), the reference
 
 
 @torch.no_grad()
@@ -142,6 +143,43 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
     kv_cache.advance()
     return softcapped(F.linear(x[:, -1], weights.lm_head))
 
+
+def sample_next_token(logits, rng, temperature=1.0, top_k=None):
+    """
+    Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng unused).
+    Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits only when top_k is
+    a positive int (None or 0: the whole vocabulary), by inverse transform sampling (docs/model.md). All randomness
+    comes from `rng` (a torch.Generator on the logits' device); the global RNG is not touched.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    indices = None
+    if top_k and top_k < logits.size(-1):
+        logits, indices = torch.topk(logits, top_k, dim=-1)
+    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
+    total = cdf[:, -1:]  # 1 up to rounding
+    u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype) * total
+    # u < total: rounding could land u on it, past every token (a zero-probability token is never chosen)
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    choice = torch.searchsorted(cdf, u, right=True)  # the first token whose cumulative probability exceeds u
+    return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)
+
+
+
+@torch.no_grad()
+def generate_naive(model, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
+    """
+    Naive sampling, the whole sequence through model.forward again each step (no KV cache): yields `max_tokens`
+    token ids (int), one at a time. The quick samples of base training, and the Engine's reference (the same
+    sample_next_token, the same seed: the same tokens up to float rounding).
+    """
+    device = model.lm_head.weight.device
+    rng = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    for _ in range(max_tokens):
+        next_id = sample_next_token(model(ids)[:, -1, :], rng, temperature, top_k)
+        ids = torch.cat((ids, next_id[:, None]), dim=1)
+        yield next_id.item()
 
 # -----------------------------------------------------------------------------
 # Streaming text

@@ -48,6 +48,7 @@ class GPTConfig:
 
 SOFTCAP = 15.0  # logits = SOFTCAP * tanh(logits / SOFTCAP): in (-15, 15), smooth (docs/model.md)
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block's input (as HEAD does)
+RMS_EPS = torch.finfo(torch.float32).eps  # the eps F.rms_norm(x, shape) uses for fp32 and bf16 inputs alike
 
 
 def check_shapes(config):
@@ -116,6 +117,8 @@ def weights_of(model, prep=lambda w: w):
 
 def norm(x):
     """Parameter-free RMSNorm over the last dimension (F.rms_norm's default eps: float32's machine epsilon)."""
+    if x.requires_grad and x.device.type == "cpu":
+        return _RMSNorm.apply(x, 1.0)
     return F.rms_norm(x, (x.size(-1),))
 
 
@@ -131,6 +134,45 @@ def apply_rotary_emb(x, cos, sin):
     d = x.shape[3] // 2
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
+
+
+# Training on a CPU the norms are a Function with its gradient written out, in fewer passes over memory than torch's
+# separate ops, which nothing fuses there (docs/model.md); inference runs the separate ops (equal: tests/test_gpt.py).
+class _RMSNorm(torch.autograd.Function):
+    """scale * norm(x); given cos, sin: scale * norm(apply_rotary_emb(x, cos, sin)) (a rotation keeps the rms).
+    With r = 1 / rms(x) and a = the gradient turned back by the rotation: dx = scale * (r a - r^3 mean(a x) x)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, cos=None, sin=None):
+        acc = torch.promote_types(x.dtype, torch.float32)  # the reduction in fp32 (fp64 for fp64)
+        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square_().div_(x.size(-1)).add_(RMS_EPS).rsqrt_()
+        ctx.save_for_backward(x, r, cos, sin)
+        ctx.scale = scale
+        return (x if cos is None else _rotate(x, cos, sin)) * (r * scale).to(x.dtype)  # bf16 * fp32 ran 3x as slow
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, r, cos, sin = ctx.saved_tensors
+        a = grad if cos is None else _rotate(grad, cos, sin, -1)
+        k = (a * x).mean(dim=-1, keepdim=True, dtype=r.dtype).mul_(r ** 3 * ctx.scale)
+        return (a * (r * ctx.scale).to(a.dtype)).sub_(x * k.to(x.dtype)), None, None, None
+
+
+def _rotate(x, cos, sin, sign=1):
+    """apply_rotary_emb(x, cos, sign * sin) into a new tensor, in four ops (sign -1: the rotation turned back)."""
+    d = x.size(-1) // 2
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x[..., :d], cos, out=y[..., :d]).addcmul_(x[..., d:], sin, value=sign)
+    torch.mul(x[..., d:], cos, out=y[..., d:]).addcmul_(x[..., :d], sin, value=-sign)
+    return y
+
+
+def rotary_norm(x, cos, sin, scale=1.0):
+    """scale * norm(apply_rotary_emb(x, cos, sin)): the QK norm after rotary."""
+    if x.requires_grad and x.device.type == "cpu":
+        return _RMSNorm.apply(x, scale, cos, sin)
+    y = norm(apply_rotary_emb(x, cos, sin))
+    return y * scale if scale != 1.0 else y
 
 
 def value_gate(w_gate, x):
@@ -167,9 +209,7 @@ def block(x, w, ve, cos_sin, attend, config):
     qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
     if ve is not None:  # the token's own value embedding, mixed in per head (ResFormer-style)
         v = v + value_gate(w.ve_gate, h) * ve.view(B, T, Hkv, D)
-    qk = norm(apply_rotary_emb(qk, *cos_sin))  # QK norm after rotary, every head of q and k in one op each (per head)
-    if config.qk_scale != 1.0:
-        qk = qk * config.qk_scale
+    qk = rotary_norm(qk, *cos_sin, config.qk_scale)  # QK norm after rotary, every head of q and k at once (per head)
     q, k = qk[:, :, :H], qk[:, :, H:]
     y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, D)
     x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), w.attn_proj)
@@ -237,12 +277,8 @@ class GPT(nn.Module):
     def init_weights(self, seed=42, recipe="2025"):
         """
         The initial weights, from a generator of their own seeded with `seed` (the same on every rank and in every run,
-        whatever drew from the global RNG before), then the rotary tables. Both c_proj zero, so every block starts as
-        the identity (why: docs/model.md). recipe "2025": wte N(0, 1); c_q, c_k, c_v, c_fc uniform with std
-        1/sqrt(fan_in) * min(1, sqrt(fan_out/fan_in)); lm_head zero, so the initial loss is exactly ln(vocab_size).
-        recipe "2026" (karpathy/nanochat HEAD): wte N(0, 0.8); c_q, c_k, c_v uniform with std 1/sqrt(n_embd), c_fc 0.4x
-        that; lm_head N(0, 0.001). Either way value embeddings uniform with std 1/sqrt(n_embd) (2026's c_v init), their
-        gates U(0, 0.02), the layer scalars resid 1.15 -> 1.05, x0 0.20 -> 0.05 over the depth (HEAD's values).
+        whatever drew from the global RNG before), then the rotary tables. Both c_proj zero: every block starts as the
+        identity. recipe "2025" or "2026" (karpathy/nanochat HEAD's); the distributions and why: docs/model.md.
         """
         if recipe not in self.INIT_RECIPES:
             raise ValueError(f"init recipe must be one of {self.INIT_RECIPES}, got {recipe!r}")
@@ -412,39 +448,3 @@ class GPT(nn.Module):
         forward(idx, kv_cache=kv_cache)[:, -1] without the head at the other positions.
         """
         return softcapped(self.lm_head(self._final_hidden(idx, kv_cache)[:, -1]))
-
-    @torch.no_grad()
-    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
-        """
-        Naive sampling, the whole sequence again each step (no KV cache): yields `max_tokens` token ids (int), one at a
-        time. The quick samples of training, and the Engine's reference (the same sample_next_token).
-        """
-        device = self.lm_head.weight.device
-        rng = torch.Generator(device=device).manual_seed(seed)
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        for _ in range(max_tokens):
-            logits = self.forward(ids)[:, -1, :]
-            next_id = sample_next_token(logits, rng, temperature, top_k)
-            ids = torch.cat((ids, next_id[:, None]), dim=1)
-            yield next_id.item()
-
-
-def sample_next_token(logits, rng, temperature=1.0, top_k=None):
-    """
-    Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng unused).
-    Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits only when top_k is
-    a positive int (None or 0: the whole vocabulary), by inverse transform sampling (docs/model.md). All randomness
-    comes from `rng` (a torch.Generator on the logits' device); the global RNG is not touched.
-    """
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    indices = None
-    if top_k and top_k < logits.size(-1):
-        logits, indices = torch.topk(logits, top_k, dim=-1)
-    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
-    total = cdf[:, -1:]  # 1 up to rounding
-    u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype) * total
-    # u < total: rounding could land u on it, past every token (a zero-probability token is never chosen)
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    choice = torch.searchsorted(cdf, u, right=True)  # the first token whose cumulative probability exceeds u
-    return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)

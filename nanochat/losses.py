@@ -19,7 +19,7 @@ from nanochat.common import Interrupted, any_rank, interruptible, is_distributed
 class _SoftcappedCrossEntropy(torch.autograd.Function):
     """
     x (rows, C), the head's weight (vocab, C), targets (rows,), every one >= 0 -> per-row loss (rows,) in fp32 of
-    cap * tanh(x @ weight^T / cap). With want_grad the forward also finds d loss / d u (u = z / cap) for every logit,
+    cap * tanh(x @ weight^T / cap). With want_grad the forward also finds d loss / d (z / cap) for every logit,
     a piece of rows at a time while the piece is in cache, and keeps it in the matmul's output; the backward is then
     two matmuls (docs/losses.md).
     """
@@ -29,17 +29,19 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, cap, want_grad):
         w = weight.to(x.dtype)  # what autocast does for a matmul: the head in the compute dtype
-        u = torch.addmm(x.new_zeros(()), x, w.t(), beta=0, alpha=1 / cap)  # z / cap in the matmul itself
+        # 2z / cap in the matmul itself: cap * tanh(z / cap) = cap * (2 sigmoid(2z / cap) - 1), and a CPU runs
+        # torch's sigmoid ~5x as fast as its tanh (docs/losses.md)
+        u = torch.addmm(x.new_zeros(()), x, w.t(), beta=0, alpha=2 / cap)
         loss = torch.empty(u.size(0), dtype=torch.float32, device=u.device)
         cap_tensor = torch.tensor(cap, dtype=torch.float32, device=u.device)
         rows = max(1, _SoftcappedCrossEntropy.PIECE // u.size(1))
         for r in range(0, u.size(0), rows):
             piece, index = u[r:r + rows], targets[r:r + rows, None]
-            logits = torch.tanh(piece.float()).mul_(cap)  # fp32 even when u is bf16
+            logits = torch.sigmoid(piece.float()).mul_(2 * cap).sub_(cap)  # fp32 even when u is bf16
             e = torch.exp(logits)
             row_sum = e.sum(dim=-1)
             loss[r:r + rows] = row_sum.log() - logits.gather(1, index).squeeze(1)
-            if want_grad:  # d loss / d u = (softmax - onehot(target)) * (cap^2 - L^2) / cap, over u's own memory
+            if want_grad:  # d loss / d (z / cap) = (softmax - onehot(target)) * (cap^2 - L^2) / cap, over u's memory
                 p = e.mul_((1 / row_sum)[:, None])
                 p.scatter_add_(1, index, p.new_full(index.shape, -1.0))
                 piece.copy_(p.mul_(torch.addcmul(cap_tensor, logits, logits, value=-1 / cap)))

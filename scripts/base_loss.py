@@ -11,6 +11,7 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.engine import generate_naive
 from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.losses import evaluate_bpb
 from nanochat.report import get_report
@@ -50,7 +51,7 @@ if ddp_rank == 0:
                "The opposite of hot is", "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
     for prompt in prompts:
         with autocast_ctx:
-            ids = list(model.generate(tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
+            ids = list(generate_naive(model, tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
         samples.append(prompt + tokenizer.decode(ids))
         print0(f"  {samples[-1]!r}")
 

@@ -29,6 +29,7 @@ from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
 from nanochat.dataset import dataset_name
+from nanochat.engine import generate_naive
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import evaluate_bpb, smoothed_loss
@@ -239,7 +240,7 @@ while True:
                 if stage.stop():
                     raise Interrupted
                 with autocast_ctx:
-                    ids = list(orig_model.generate(tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
+                    ids = list(generate_naive(orig_model, tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
                 print0(f"  sample: {prompt!r} -> {tokenizer.decode(ids)!r}")
     model.train()  # and orig_model: model is it, or (compiled) holds it
 

@@ -105,12 +105,13 @@ RECIPE_2026 = ["--rope_base=100000", "--qk_scale=1.2", "--layer_scalars=True", "
 def test_bf16_two_ranks_equal_one_rank_and_resume_is_exact(trained_tokenizer, isolated_env, monkeypatch, recipe):
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     monkeypatch.setenv("NANOCHAT_PEAK_FLOPS", "1e11")  # a CPU without native bf16 would spend a while measuring it
+    recipe = [*recipe, "--grad_clip=0.5"]  # below these runs' gradient norms (~0.6-1.0): clipping takes part
     single = base_train(*recipe, "--num_iterations=6", "--model_tag=single", "--save_every=3")
     assert single.returncode == 0, single.stderr
     assert "Compute dtype: bfloat16 (NANOCHAT_DTYPE=bfloat16" in single.stdout
     assert "gradient accumulation steps: 2" in single.stdout
     single_losses = train_losses(isolated_env, "single")
-    assert max(m["grad_norm"] for m in metrics(isolated_env, "single") if "grad_norm" in m) > 1.0  # clipping took part
+    assert max(m["grad_norm"] for m in metrics(isolated_env, "single") if "grad_norm" in m) > 0.5  # clipping took part
     ddp = run_script("-m", "scripts.base_train", *with_defaults(TINY, [*recipe, "--num_iterations=6", "--model_tag=ddp"]), nproc=2)
     assert ddp.returncode == 0, ddp.stderr
     assert "gradient accumulation steps: 1" in ddp.stdout

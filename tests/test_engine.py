@@ -12,8 +12,7 @@ import torch
 
 from helpers import bigram_model, build_once, engine_stream
 from nanochat.common import UserError
-from nanochat.engine import Engine, KVCache, TextStreamer, decode_step, decode_weights
-from nanochat.gpt import sample_next_token
+from nanochat.engine import Engine, KVCache, TextStreamer, decode_step, decode_weights, generate_naive, sample_next_token
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import Tokenizer
 
@@ -69,9 +68,9 @@ def tiny(small_tokenizer_dir, pydocs_dir, tmp_path_factory):
 
 
 def naive_until_end(model, engine, prompt, max_tokens, **kwargs):
-    """GPT.generate (no cache), cut after the first token that ends a sample, as the engine stops there."""
+    """engine.generate_naive (no cache), cut after the first token that ends a sample, as the engine stops there."""
     out = []
-    for token in model.generate(prompt, max_tokens, **kwargs):
+    for token in generate_naive(model, prompt, max_tokens, **kwargs):
         out.append(token)
         if token in engine.end_tokens:
             break
@@ -279,7 +278,7 @@ def test_sampling_depends_only_on_the_seed(tiny):
 
 
 def test_sampling_matches_naive_sampling(tiny):
-    # both pick tokens with the same function and the same seed: one sample follows GPT.generate exactly
+    # both pick tokens with the same function and the same seed: one sample follows generate_naive exactly
     model, tokenizer, prompts = tiny
     engine = Engine(model, tokenizer)
     prompt = prompts[2][:15]

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.engine import KVCache, decode_step, decode_weights
-from nanochat.gpt import GPT, SOFTCAP, GPTConfig, config_from_depth
+from nanochat.engine import KVCache, decode_step, decode_weights, generate_naive
+from nanochat.gpt import GPT, SOFTCAP, GPTConfig, _RMSNorm, apply_rotary_emb, config_from_depth, rotary
 from nanochat.losses import softcapped_cross_entropy
 
 
@@ -111,7 +111,7 @@ def test_generate_greedy_matches_argmax():
     model = make_model()
     torch.nn.init.normal_(model.lm_head.weight, std=0.5)
     prompt = [1, 2, 3]
-    out = list(model.generate(prompt, max_tokens=5, temperature=0.0))
+    out = list(generate_naive(model, prompt, max_tokens=5, temperature=0.0))
     ids = list(prompt)
     for _ in range(5):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
@@ -208,6 +208,70 @@ def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol)
     (loss * upstream).sum().backward(retain_graph=True)  # the backward leaves what it kept as it was: a second one
     (loss * upstream).sum().backward()                  # adds the same gradient again
     torch.testing.assert_close(x.grad, 2 * first)
+
+
+CPU_FUNCTIONS = {  # name: (gpt's Function for training on a CPU, the separate ops it stands for)
+    "norm": (lambda x, c, s: _RMSNorm.apply(x, 1.0), lambda x, c, s: F.rms_norm(x, (x.size(-1),))),
+    "qk norm, scale 1.2": (lambda x, c, s: _RMSNorm.apply(x, 1.2, c, s), lambda x, c, s: 1.2 * F.rms_norm(apply_rotary_emb(x, c, s), (8,))),
+    "qk norm, scale 1": (lambda x, c, s: _RMSNorm.apply(x, 1.0, c, s), lambda x, c, s: F.rms_norm(apply_rotary_emb(x, c, s), (8,))),
+}
+
+
+@pytest.mark.parametrize("name", CPU_FUNCTIONS)
+def test_cpu_training_functions_equal_the_separate_ops(name):
+    """gpt.py's autograd Function for training on a CPU (fewer passes over memory) against the expressions they stand
+    for: torch's gradcheck in float64; in fp32 output and gradient equal to float64's within fp32 rounding, in bf16
+    within the separate ops' own bf16 error; on a strided slice, as block() gives them q and k."""
+    fused, separate = CPU_FUNCTIONS[name]
+    torch.manual_seed(0)
+    B, T, H, D = 2, 16, 3, 8
+    cos, sin = rotary(torch.arange(T)[None], D, 10000.0)
+    x64 = torch.randn(B, T, H, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: fused(x, cos.double(), sin.double()), (x64,))
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 0.05)):
+        qkv = torch.randn(B, T, H + 2, D, dtype=dtype) * 3
+        grad = torch.randn(B, T, H, D, dtype=dtype)
+        results = []
+        for fn, dt in ((separate, torch.float64), (separate, dtype), (fused, dtype)):
+            x = qkv.detach().to(dt).requires_grad_()
+            y = fn(x[:, :, :H], cos.to(dt), sin.to(dt))
+            y.backward(grad.to(dt))
+            results.append((y.double(), x.grad.double()))
+        (want_y, want_g), (sep_y, sep_g), (got_y, got_g) = results
+        scale = want_y.abs().max() + want_g.abs().max()
+        assert (got_y - want_y).abs().max() < tol * scale and (got_g - want_g).abs().max() < tol * scale
+        assert (got_y - want_y).abs().max() <= 2 * (sep_y - want_y).abs().max() + tol * scale / 10
+        assert (got_g - want_g).abs().max() <= 2 * (sep_g - want_g).abs().max() + tol * scale / 10
+
+
+def test_training_on_a_cpu_through_the_functions_equals_the_separate_ops(monkeypatch):
+    """A model of the 2026 parts (qk_scale 1.2) trained on a CPU in fp32 goes through gpt.py's Functions; with the
+    separate ops put back in their place, the loss equals it within 1e-6 and every gradient within fp32 rounding.
+    Evaluation (no gradient) runs the separate ops themselves: the same logits exactly."""
+    import nanochat.gpt as gpt
+    model = make_model(**PARTS_2026)
+    with torch.no_grad():  # not the initialisation's zero projections: every path carries a gradient
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    idx, targets = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    calls = []
+    monkeypatch.setattr(gpt._RMSNorm, "apply", lambda *a, f=gpt._RMSNorm.apply: calls.append("norm") or f(*a))
+    fused = model(idx, targets)
+    fused.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert len(calls) == 2 * 3 + 2  # per layer the block's two norms and its qk norm; x0 and the final norm
+    with torch.no_grad():
+        logits = model(idx)
+    model.zero_grad()
+    monkeypatch.setattr(gpt, "norm", lambda x: F.rms_norm(x, (x.size(-1),)))
+    monkeypatch.setattr(gpt, "rotary_norm", lambda x, c, s, scale: scale * gpt.norm(apply_rotary_emb(x, c, s)))
+    separate = model(idx, targets)
+    separate.backward()
+    assert abs(fused.item() - separate.item()) < 1e-6
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    with torch.no_grad():
+        assert torch.equal(model(idx), logits)
 
 
 def test_cpu_loss_applies_the_head_to_the_rows_with_a_target_only():
