@@ -136,8 +136,11 @@ class Muon(torch.optim.Optimizer):
                     directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]))
                 if len(batch) == 1:
                     updates = [zeropower_via_newtonschulz5(directions[0], group["ns_steps"], group["ns_dtype"])]
-                else:
-                    updates = zeropower_via_newtonschulz5(torch.stack(directions), group["ns_steps"], group["ns_dtype"]).unbind(0)
+                else:  # stacked straight into the compute dtype, and the updates applied in it: no fp32 round trips
+                    stacked = torch.empty((len(batch), *batch[0].shape), dtype=group["ns_dtype"], device=batch[0].device)
+                    for i, direction in enumerate(directions):
+                        stacked[i].copy_(direction)
+                    updates = zeropower_via_newtonschulz5(stacked, group["ns_steps"], group["ns_dtype"]).unbind(0)
                 for p, update in zip(batch, updates):
                     _apply_update(p, update, group)
         return loss
