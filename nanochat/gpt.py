@@ -83,16 +83,16 @@ def build_parameters(model, config):
     """Every parameter of a GPT of `config`, as attributes of `model` (our GPT, or the exported transformers model) under
     the checkpoints' names: transformer.wte, transformer.h.<i>..., lm_head, the layer scalars, value_embeds.<i>."""
     check_shapes(config)
+    table = lambda rows, cols: nn.Embedding(rows, cols, _weight=torch.empty(rows, cols))  # left undrawn: docs/model.md
     model.transformer = nn.ModuleDict(dict(
-        wte=nn.Embedding(config.vocab_size, config.n_embd),
+        wte=table(config.vocab_size, config.n_embd),
         h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
     ))
     model.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
     if config.layer_scalars:  # the identity until initialised: x = 1 * x + 0 * x0
         model.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
         model.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
-    kv_width = config.n_kv_head * (config.n_embd // config.n_head)
-    model.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv_width)
+    model.value_embeds = nn.ModuleDict({str(i): table(config.vocab_size, config.n_kv_head * (config.n_embd // config.n_head))
                                         for i in range(config.n_layer) if has_value_embeds(config, i)})
 
 
