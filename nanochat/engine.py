@@ -165,7 +165,6 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None):
     return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)
 
 
-
 @torch.no_grad()
 def generate_naive(model, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
     """
@@ -180,6 +179,7 @@ def generate_naive(model, tokens, max_tokens, temperature=1.0, top_k=None, seed=
         next_id = sample_next_token(model(ids)[:, -1, :], rng, temperature, top_k)
         ids = torch.cat((ids, next_id[:, None]), dim=1)
         yield next_id.item()
+
 
 # -----------------------------------------------------------------------------
 # Streaming text

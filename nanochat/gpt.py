@@ -4,8 +4,8 @@ The GPT model: a decoder-only transformer (rotary, QK norm, GQA, ReLU², untied 
 The architecture is written once, in the part between the two ARCHITECTURE lines (torch only): the config, the
 parameters, one block's arithmetic (block) and the transformer around it (hidden_states). Training (GPT.forward),
 decoding (engine.decode_step) and the transformers export (modeling_nanochat_gpt.py, written with this part's text in
-it) all run it; they differ only in where keys and values go (`attend`). Then GPT: init, loss, FLOPs, optimizers, naive
-sampling. The choices, initialisation, memory and FLOPs: docs/model.md.
+it) all run it; they differ only in where keys and values go (`attend`). Then GPT: init, loss, FLOPs, optimizers, the
+prompt's prefill (the rest of decoding: engine.py). The choices, initialisation, memory and FLOPs: docs/model.md.
 """
 
 import math
@@ -117,7 +117,7 @@ def weights_of(model, prep=lambda w: w):
 
 def norm(x):
     """Parameter-free RMSNorm over the last dimension (F.rms_norm's default eps: float32's machine epsilon)."""
-    if x.requires_grad and x.device.type == "cpu":
+    if x.requires_grad and x.device.type == "cpu" and not torch.compiler.is_compiling():
         return _RMSNorm.apply(x, 1.0)
     return F.rms_norm(x, (x.size(-1),))
 
@@ -137,7 +137,7 @@ def apply_rotary_emb(x, cos, sin):
 
 
 # Training on a CPU the norms are a Function with its gradient written out, in fewer passes over memory than torch's
-# separate ops, which nothing fuses there (docs/model.md); inference runs the separate ops (equal: tests/test_gpt.py).
+# separate ops, which nothing fuses there unless compiled (docs/model.md); inference and torch.compile run the ops.
 class _RMSNorm(torch.autograd.Function):
     """scale * norm(x); given cos, sin: scale * norm(apply_rotary_emb(x, cos, sin)) (a rotation keeps the rms).
     With r = 1 / rms(x) and a = the gradient turned back by the rotation: dx = scale * (r a - r^3 mean(a x) x)."""
@@ -169,7 +169,7 @@ def _rotate(x, cos, sin, sign=1):
 
 def rotary_norm(x, cos, sin, scale=1.0):
     """scale * norm(apply_rotary_emb(x, cos, sin)): the QK norm after rotary."""
-    if x.requires_grad and x.device.type == "cpu":
+    if x.requires_grad and x.device.type == "cpu" and not torch.compiler.is_compiling():
         return _RMSNorm.apply(x, scale, cos, sin)
     y = norm(apply_rotary_emb(x, cos, sin))
     return y * scale if scale != 1.0 else y

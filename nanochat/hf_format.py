@@ -18,10 +18,9 @@ from dataclasses import fields
 import torch
 
 from nanochat.common import UserError
-from nanochat.gpt import GPT, SOFTCAP, GPTConfig
+from nanochat.gpt import GPT, RMS_EPS, SOFTCAP, GPTConfig
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer
 
-RMS_NORM_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm(x, shape) uses for fp32/bf16/fp16 inputs
 GPT_FIELDS = {field.name: field for field in fields(GPTConfig)}  # rope_base's default: HF's default rope_theta too
 # GPTConfig's fields for transformers' NanoChat: the sizes it holds as they are (those of 2025), the rotary base it
 # holds as rope_theta, and the rest (the 2026 parts, and any field added since), which it holds only at GPTConfig's
@@ -82,7 +81,7 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
         "vocab_size": c["vocab_size"], "hidden_size": c["n_embd"], "intermediate_size": 4 * c["n_embd"],
         "num_hidden_layers": c["n_layer"], "num_attention_heads": c["n_head"], "num_key_value_heads": c["n_kv_head"],
         "max_position_embeddings": c["sequence_len"],
-        "hidden_act": "relu2", "attention_dropout": 0.0, "attention_bias": False, "rms_norm_eps": RMS_NORM_EPS,
+        "hidden_act": "relu2", "attention_dropout": 0.0, "attention_bias": False, "rms_norm_eps": RMS_EPS,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(c["rope_base"])},
         "final_logit_softcapping": SOFTCAP, "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
         "bos_token_id": special["<|bos|>"],
@@ -130,7 +129,7 @@ def model_config_from_hf(config, where):
     eps = config.get("rms_norm_eps", 1e-6)
     if not (isinstance(eps, (int, float)) and 0 <= eps <= 1e-5):
         # F.rms_norm adds 1.2e-7; an epsilon up to 1e-5 changes unit-scale activations by < 1e-5 relative
-        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_NORM_EPS:.3g}: cannot import it")
+        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_EPS:.3g}: cannot import it")
     if not (isinstance(theta, (int, float)) and theta > 0):
         raise UserError(f"{where} has rope_theta={theta!r}: not a rotary base, cannot import it")
     return dict(model_config, rope_base=float(theta))
@@ -197,7 +196,7 @@ def model_config_from_remote(config, where):
             raise UserError(f"{where} has {key}={value!r}; nanochat's GPT computes {key}={ours!r}: cannot import it")
     eps = config.get("rms_norm_eps")
     if eps is not None and not (isinstance(eps, (int, float)) and 0 <= eps <= 1e-5):
-        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_NORM_EPS:.3g}: cannot import it")
+        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_EPS:.3g}: cannot import it")
     return model_config
 
 
