@@ -243,6 +243,7 @@ def test_training_on_a_cpu_through_the_functions_equals_the_separate_ops(monkeyp
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own import
 def test_torch_compile_on_a_cpu_trains_as_eager():
     """--compile=true on a CPU: torch.compile runs the separate ops (it fuses them itself; the Function's writes into
     slices broke its tracing), and one training step gives eager's loss and gradients within fp32 rounding."""
