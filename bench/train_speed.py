@@ -40,7 +40,7 @@ config = configure(globals())
 
 env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, NANOCHAT_DATASET="pydocs",
            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-if not os.path.exists(os.path.join(base_dir, "tokenizer", "tokenizer.pkl")):
+if not os.path.exists(os.path.join(base_dir, "tokenizer", "tokenizer.tiktoken")):
     for argv in (["-m", "nanochat.dataset"], ["-m", "scripts.tok_train", f"--vocab_size={vocab_size}"]):
         result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
