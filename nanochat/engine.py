@@ -133,11 +133,11 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
         cos, sin = model.cos[0, positions][:, None].to(dtype), model.sin[0, positions][:, None].to(dtype)
     mask = None if key_mask is None else key_mask[..., :pos + 1]
 
-    def attend(i, q, k, v):  # this position's keys and values into the cache, then attend over all of it
+    def attend(i, q, k, v, window):  # this position's keys and values into the cache, then attend over all of it
         k_cache, v_cache = kv_cache.k_layers[i], kv_cache.v_layers[i]  # (B, Hkv, capacity, D)
         k_cache[:, :, pos] = k[:, :, 0]
         v_cache[:, :, pos] = v[:, :, 0]
-        return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask)
+        return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask, window)
 
     x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
     kv_cache.advance()

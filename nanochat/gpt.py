@@ -16,11 +16,10 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from nanochat.common import UserError, is_distributed, print0
-from nanochat.hardware import autocast_dtype
-from nanochat.losses import softcapped_cross_entropy
+from nanochat.hardware import autocast_dtype, fp8_fits, fp8_linear
+from nanochat.losses import next_token_loss, softcapped_cross_entropy
 
 # ============================= ARCHITECTURE (export_model copies from here to its end) =============================
 # It uses torch, nn, F, namedtuple, dataclass, asdict and partial alone (what the exported file imports)
@@ -41,6 +40,7 @@ class GPTConfig:
     qk_scale: float = 1.0  # q and k multiplied by this after their RMSNorm (2026: 1.2, attention logits x1.44)
     layer_scalars: bool = False  # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0: the normed embedding)
     value_embeds: bool = False  # every other layer (the last included) adds a gated token embedding to its values
+    window_pattern: str = "L"  # per layer, tiled, the last layer L: L sees the whole context, S its last quarter (HEAD: SSSL)
 
     def to_dict(self):
         return asdict(self)
@@ -58,6 +58,16 @@ def check_shapes(config):
                          f"pairs), and n_head by n_kv_head {config.n_kv_head}")
     if config.value_embeds and config.n_embd < VE_GATE_CHANNELS:
         raise ValueError(f"value embeddings need n_embd >= {VE_GATE_CHANNELS}, got {config.n_embd}")
+    if not config.window_pattern or set(config.window_pattern) - set("SL"):
+        raise ValueError(f"window_pattern is a string of S (short window) and L (long), e.g. SSSL; got {config.window_pattern!r}")
+
+
+def layer_windows(config):
+    """Per layer, how many earlier tokens its attention sees (a query at i sees keys i - w .. i), None for all of them:
+    window_pattern tiled over the layers, the last one L; S = sequence_len / 4 rounded up to 128 (HEAD's rule: 512 of 2048)."""
+    short = -(-config.sequence_len // 512) * 128
+    pattern = [config.window_pattern[i % len(config.window_pattern)] for i in range(config.n_layer - 1)] + ["L"]
+    return [short if c == "S" else None for c in pattern]
 
 
 def has_value_embeds(config, layer_idx):
@@ -98,19 +108,20 @@ def build_parameters(model, config):
 
 # The tensors hidden_states() and the head read: the parameters (weights_of), or copies. Per layer its matrices (out,
 # in) as nn.Linear keeps them, c_q, c_k and c_v stacked by torch.cat into qkv (one matmul instead of three; the
-# gradient flows through the cat to each); ve_gate and ve_table None in a layer without a value embedding.
-LayerWeights = namedtuple("LayerWeights", "qkv attn_proj c_fc mlp_proj ve_gate ve_table")
+# gradient flows through the cat to each); ve_gate and ve_table None in a layer without a value embedding; `linear`
+# how the block's activations meet its four matrices (F.linear; in fp8 when training with --fp8, GPT._final_hidden).
+LayerWeights = namedtuple("LayerWeights", "qkv attn_proj c_fc mlp_proj ve_gate ve_table linear", defaults=(F.linear,))
 Weights = namedtuple("Weights", "wte layers lm_head resid_lambdas x0_lambdas")  # layers: [LayerWeights]
 
 
-def weights_of(model, prep=lambda w: w):
+def weights_of(model, prep=lambda w: w, linear=F.linear):
     """The Weights of a model made by build_parameters; `prep` maps each matrix (default: the parameter itself)."""
     layers = []
     for i, block in enumerate(model.transformer.h):
         attn, mlp = block.attn, block.mlp
         ve = (prep(attn.ve_gate.weight), model.value_embeds[str(i)].weight) if attn.ve_gate is not None else (None, None)
         qkv = prep(torch.cat([attn.c_q.weight, attn.c_k.weight, attn.c_v.weight]))
-        layers.append(LayerWeights(qkv, *(prep(lin.weight) for lin in (attn.c_proj, mlp.c_fc, mlp.c_proj)), *ve))
+        layers.append(LayerWeights(qkv, *(prep(lin.weight) for lin in (attn.c_proj, mlp.c_fc, mlp.c_proj)), *ve, linear))
     return Weights(model.transformer.wte.weight, layers, prep(model.lm_head.weight),
                    getattr(model, "resid_lambdas", None), getattr(model, "x0_lambdas", None))
 
@@ -180,19 +191,25 @@ def value_gate(w_gate, x):
     return 3 * torch.sigmoid(F.linear(x[..., :VE_GATE_CHANNELS], w_gate)).unsqueeze(-1)
 
 
-def attention(q, k, v, key_mask=None):
+def attention(q, k, v, key_mask=None, window=None):
     """
     q (B, H, Tq, D) attends over k, v (B, Hkv, Tk, D), whose first Tk - Tq positions are a cached prefix: causal
     when there is none (training, a prefill), all of it for one new token, all of the prefix and causal within a
     chunk of new tokens. key_mask (B, 1, 1, Tk) bool: False on keys a row must not see (padding before its prompt).
+    window (layer_windows): a query sees only its own key and the `window` before it (None: no limit).
     """
     Tq, Tk = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
-    if Tq == Tk and key_mask is None:
+    window = window if window is not None and window < Tk - 1 else None  # a window that covers everything is none
+    if Tq == Tk and key_mask is None and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if Tq == 1:
+    if Tq == 1:  # one new token: the keys it sees are the last window + 1
+        k, v, key_mask = (k, v, key_mask) if window is None else (k[:, :, -window - 1:], v[:, :, -window - 1:],
+                                                                   None if key_mask is None else key_mask[..., -window - 1:])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, enable_gqa=gqa)
-    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+    query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
+    back = query_pos - torch.arange(Tk, device=q.device)  # (Tq, Tk): how far back each key is from each query
+    mask = (back >= 0) if window is None else (back >= 0) & (back <= window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if key_mask is None else mask & key_mask, enable_gqa=gqa)
 
 
@@ -200,35 +217,35 @@ def block(x, w, ve, cos_sin, attend, config):
     """
     One transformer block: x (B, T, n_embd) -> x + attention(norm(x)), then + MLP(norm(.)). `w`: the layer's
     LayerWeights; `ve` (B, T, kv width) its value embedding or None; `attend(q, k, v)` (B, heads, T, D) -> (B, H, T, D):
-    where the keys and values go (nowhere, a KV cache, transformers' cache), then attention().
+    where the keys and values go (nowhere, a KV cache, transformers' cache), then attention() with the layer's window.
     """
     B, T, _ = x.size()
     H, Hkv, D = config.n_head, config.n_kv_head, config.n_embd // config.n_head
     h = norm(x)
-    qkv = F.linear(h, w.qkv).view(B, T, H + 2 * Hkv, D)  # the H query heads, then Hkv key heads, then Hkv value heads
+    qkv = w.linear(h, w.qkv).view(B, T, H + 2 * Hkv, D)  # the H query heads, then Hkv key heads, then Hkv value heads
     qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
     if ve is not None:  # the token's own value embedding, mixed in per head (ResFormer-style)
         v = v + value_gate(w.ve_gate, h) * ve.view(B, T, Hkv, D)
     qk = rotary_norm(qk, *cos_sin, config.qk_scale)  # QK norm after rotary, every head of q and k at once (per head)
     q, k = qk[:, :, :H], qk[:, :, H:]
     y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, D)
-    x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), w.attn_proj)
-    return x + F.linear(F.relu(F.linear(norm(x), w.c_fc)).square(), w.mlp_proj)  # ReLU² MLP
+    x = x + w.linear(y.transpose(1, 2).reshape(B, T, H * D), w.attn_proj)
+    return x + w.linear(F.relu(w.linear(norm(x), w.c_fc)).square(), w.mlp_proj)  # ReLU² MLP
 
 
 def hidden_states(w, idx, cos_sin, attend, config):
     """
     The transformer without its head: token ids idx (B, T) -> the final normed hidden states (B, T, n_embd), computed
     in cos_sin's dtype (the compute dtype: under autocast the residual stream too, docs/model.md). `w`: Weights;
-    `attend(layer, q, k, v)`: see block().
+    `attend(layer, q, k, v, window)`: see block() (window: layer_windows(), for attention()).
     """
     dtype = cos_sin[0].dtype
     x = x0 = norm(F.embedding(idx, w.wte).to(dtype))
-    for i, layer in enumerate(w.layers):
+    for i, (layer, window) in enumerate(zip(w.layers, layer_windows(config))):
         if config.layer_scalars:
             x = w.resid_lambdas[i].to(dtype) * x + w.x0_lambdas[i].to(dtype) * x0
         ve = F.embedding(idx, layer.ve_table).to(dtype) if layer.ve_table is not None else None
-        x = block(x, layer, ve, cos_sin, partial(attend, i), config)
+        x = block(x, layer, ve, cos_sin, partial(attend, i, window=window), config)
     return norm(x)
 
 
@@ -240,12 +257,8 @@ def softcapped(logits):
 
 
 def config_from_depth(depth, vocab_size=65536, sequence_len=2048, **parts):
-    """
-    The GPTConfig of a model `depth` layers deep: width 64 * depth; heads ceil(width / 128) where that divides the
-    width (128 wide at every even depth; narrower at depths 1, 3, 7, 15, 31: 64, 96, 112, 120, 124 wide), else heads =
-    depth, 64 wide (the other odd depths, e.g. 5: 5 of 64); kv heads = heads. Depth 20: 1280 wide, 10 heads
-    (docs/model.md). `parts`: the other GPTConfig fields (rope_base, qk_scale, layer_scalars, value_embeds).
-    """
+    """The GPTConfig of a model `depth` layers deep: width 64 * depth, heads ceil(width / 128) (128 wide at even depths;
+    the odd ones: docs/model.md), kv heads = heads. `parts`: the other GPTConfig fields (rope_base, ..., window_pattern)."""
     if not isinstance(depth, int) or depth < 1:
         raise UserError(f"depth must be a positive integer, got {depth!r}")
     n_embd = 64 * depth
@@ -260,11 +273,10 @@ class GPT(nn.Module):
     """Built on the meta device, materialised where it will live, initialised once: `with torch.device("meta"): model =
     GPT(config)`, then `model.to_empty(device=device)` and `model.init_weights()`."""
 
-    LOGITS_CHUNK_ELEMENTS = 2**27  # above this many logits (512 MiB in fp32) the loss is computed in chunks
-
     def __init__(self, config):
         super().__init__()
         self.config = config
+        self.fp8 = False  # training steps multiply the blocks' matrices in float8 (base_train --fp8; nanochat/hardware.py)
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
         self.rotary_len = config.sequence_len * 10
@@ -326,21 +338,7 @@ class GPT(nn.Module):
         x = self._final_hidden(idx, kv_cache)
         if targets is None:
             return softcapped(self.lm_head(x))
-        flat_x, flat_targets = x.view(-1, x.size(-1)), targets.reshape(-1)
-        if flat_x.size(0) * self.config.vocab_size <= self.LOGITS_CHUNK_ELEMENTS:
-            per_token = self._per_token_loss(flat_x, flat_targets)
-        else:
-            # checkpointed chunks of rows: all the logits at once would be training's biggest tensors (docs/model.md)
-            rows = max(1, self.LOGITS_CHUNK_ELEMENTS // self.config.vocab_size)
-            loss_of = (lambda xc, tc: checkpoint(self._per_token_loss, xc, tc, use_reentrant=False)) \
-                if torch.is_grad_enabled() else self._per_token_loss
-            per_token = torch.cat([loss_of(xc, tc) for xc, tc in zip(flat_x.split(rows), flat_targets.split(rows))])
-        if loss_reduction == "none":
-            return per_token  # (B*T,), 0 at ignored targets
-        if loss_reduction == "sum":
-            return per_token.sum()
-        # "mean" over the targets that count; all masked (possible in chat data) gives 0, not 0/0 = NaN
-        return per_token.sum() / (flat_targets != -1).sum().clamp(min=1)
+        return next_token_loss(self._per_token_loss, x, targets, self.config.vocab_size, loss_reduction)
 
     def last_logits(self, idx, last):
         """
@@ -359,10 +357,13 @@ class GPT(nn.Module):
         # under autocast the residual stream (and the rotary tables) in the compute dtype too: docs/model.md
         dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else self.lm_head.weight.dtype
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
-        attend = lambda i, q, k, v: attention(q, k, v)  # training: nothing kept
+        attend = lambda i, q, k, v, window: attention(q, k, v, window=window)  # training: nothing kept
         if kv_cache is not None:  # the new keys and values into the cache, then attention over all of it
-            attend = lambda i, q, k, v: attention(q, *kv_cache.insert_kv(i, k, v))
-        return hidden_states(weights_of(self), idx, cos_sin, attend, self.config)
+            attend = lambda i, q, k, v, window: attention(q, *kv_cache.insert_kv(i, k, v), window=window)
+        linear = F.linear  # evaluation never in fp8; training with self.fp8, the matrices torch._scaled_mm takes
+        if self.fp8 and torch.is_grad_enabled():
+            linear = lambda x, w: fp8_linear(x, w) if fp8_fits(w) else F.linear(x, w)
+        return hidden_states(weights_of(self, linear=linear), idx, cos_sin, attend, self.config)
 
     def _per_token_loss(self, x, targets):
         if x.device.type == "cpu":  # the same loss in fewer passes over the logits (nanochat/losses.py says why)
@@ -377,16 +378,15 @@ class GPT(nn.Module):
     def estimate_flops(self):
         """
         Training FLOPs per token, forward + backward, at T = sequence_len: 6 * (parameters except the lookup tables) +
-        12 * n_layer * n_head * head_dim * T for attention (the full T x T square). Derivation: docs/model.md.
+        12 * n_head * head_dim * T per layer for attention (the full T x T square; a window w: T x min(w, T)). docs/model.md.
         """
         cfg = self.config
         lookups = [self.transformer.wte.weight] + [t.weight for t in self.value_embeds.values()]
         n_matmul = self.num_params() - sum(w.numel() for w in lookups)
-        head_dim = cfg.n_embd // cfg.n_head
-        return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.sequence_len
+        T = cfg.sequence_len
+        return 6 * n_matmul + sum(12 * cfg.n_embd * (T if w is None else min(w, T)) for w in layer_windows(cfg))
 
-    # ------------------------------------------------------------------------------------------
-    # optimizers
+    # ---------------------------------------------- optimizers ----------------------------------------------
 
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, matrix_weight_decay=0.0,
                          scalar_lr=0.5):
@@ -438,8 +438,7 @@ class GPT(nn.Module):
                f"cautious weight decay {matrix_weight_decay}")
         return optimizers
 
-    # ------------------------------------------------------------------------------------------
-    # decoding with a KV cache: the prompt here; then one token at a time, engine.decode_step
+    # ------------- decoding with a KV cache: the prompt here; then one token at a time, engine.decode_step -------------
 
     @torch.no_grad()
     def prefill(self, idx, kv_cache):

@@ -185,7 +185,7 @@ def model_config_from_remote(config, where):
     if missing:
         raise UserError(f"{where} lacks {', '.join(missing)}: not a config.json of export_model --layout=remote")
     model_config = {name: config.get(name, f.default) for name, f in GPT_FIELDS.items()}
-    kinds = {int: int, float: (int, float), bool: bool}  # JSON writes 100000.0 as it likes
+    kinds = {int: int, float: (int, float), bool: bool, str: str}  # JSON writes 100000.0 as it likes
     wrong = [f"{k}={v!r}" for k, v in model_config.items()
              if isinstance(v, bool) != (GPT_FIELDS[k].type is bool) or not isinstance(v, kinds[GPT_FIELDS[k].type])]
     if wrong:

@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from nanochat.common import Interrupted, any_rank, interruptible, is_distributed, per_rank
 
@@ -75,6 +76,29 @@ def softcapped_cross_entropy(x, weight, targets, cap):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return _SoftcappedCrossEntropy.apply(x, weight, targets, cap, want_grad)
+
+
+LOGITS_CHUNK_ELEMENTS = 2**27  # above this many logits (512 MiB in fp32) the loss is computed in chunks of rows
+
+
+def next_token_loss(per_token_loss, x, targets, vocab_size, reduction="mean"):
+    """
+    GPT.forward's loss: x (B, T, C) the final hidden states, targets (B, T) (-1 = ignore), per_token_loss(x rows,
+    their targets) -> (rows,) the model's loss per row. Above LOGITS_CHUNK_ELEMENTS logits in checkpointed chunks of
+    rows (all the logits at once would be training's biggest tensors: docs/model.md). reduction "mean" over the
+    counted targets (all masked, possible in chat data, gives 0, not 0/0), "sum", or "none" ((B*T,), 0 where ignored).
+    """
+    flat_x, flat_targets = x.view(-1, x.size(-1)), targets.reshape(-1)
+    rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab_size)
+    if flat_x.size(0) <= rows:
+        per_token = per_token_loss(flat_x, flat_targets)
+    else:
+        loss_of = (lambda xc, tc: checkpoint(per_token_loss, xc, tc, use_reentrant=False)) if torch.is_grad_enabled() \
+            else per_token_loss
+        per_token = torch.cat([loss_of(xc, tc) for xc, tc in zip(flat_x.split(rows), flat_targets.split(rows))])
+    if reduction == "none":
+        return per_token
+    return per_token.sum() if reduction == "sum" else per_token.sum() / (flat_targets != -1).sum().clamp(min=1)
 
 
 @torch.no_grad()

@@ -97,9 +97,9 @@ class NanoChatGPTForCausalLM(PreTrainedModel, GenerationMixin):
         dtype = self.transformer.wte.weight.dtype
         cos_sin = [table.to(dtype) for table in rotary(position_ids, cfg.n_embd // cfg.n_head, cfg.rope_base)]
         if cache is None:
-            attend = lambda i, q, k, v: attention(q, k, v)
+            attend = lambda i, q, k, v, window: attention(q, k, v, window=window)
         else:
-            attend = lambda i, q, k, v: attention(q, *cache.update(k, v, i))
+            attend = lambda i, q, k, v, window: attention(q, *cache.update(k, v, i), window=window)
         x = hidden_states(weights_of(self), input_ids, cos_sin, attend, cfg)
         if isinstance(logits_to_keep, int):
             x = x[:, -logits_to_keep:] if logits_to_keep else x

@@ -19,8 +19,8 @@ The tokenizer may instead sit in a tokenizer/ subdirectory, or in ../../tokenize
 
 Its architecture is ours (same forward pass, same names), so the weights load as they are once the padding is cut.
 Later versions of that code (2026: value embeddings, per-layer scalars, sliding windows) add settings and weights
-that this reader, which knows the 2025 layout only, refuses, naming them: our GPT has the first two as options
-(gpt.GPTConfig) but no sliding windows, and their checkpoints are not mapped onto it.
+that this reader, which knows the 2025 layout only, refuses, naming them: our GPT has the three as options
+(gpt.GPTConfig; window_pattern follows HEAD's rule), but their checkpoints are not mapped onto it.
 """
 
 import json

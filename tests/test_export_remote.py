@@ -26,6 +26,8 @@ transformers = pytest.importorskip("transformers")
 
 MODELS = {  # model_tag: (GPTConfig parts, init recipe)
     "r26": (dict(rope_base=100000.0, qk_scale=1.2, layer_scalars=True, value_embeds=True), "2026"),
+    # sliding windows (layers 0 and 1 see 128 earlier tokens, layer 2 all), at a context of 160 where they bind
+    "win": (dict(window_pattern="S", sequence_len=160), "2025"),
     "rope": (dict(rope_base=100000.0), "2025"),
 }
 
@@ -39,8 +41,8 @@ def recipe_base(small_tokenizer_dir, tmp_path_factory):
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
         tokenizer = get_tokenizer()
         for tag, (parts, recipe) in MODELS.items():
-            config = GPTConfig(sequence_len=64, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=4, n_kv_head=2,
-                               n_embd=64, **parts)
+            config = GPTConfig(**dict(dict(sequence_len=64, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=4,
+                                           n_kv_head=2, n_embd=64), **parts))
             torch.manual_seed(0)
             model = GPT(config)
             model.init_weights(recipe=recipe)
@@ -146,6 +148,26 @@ def test_remote_model_matches_our_logits_and_greedy_tokens(recipe_base, remote_m
             assert lengths == [len(prompt)] + [1] * 19
     finally:
         hook.remove()
+
+
+def test_windowed_model_exports_with_its_modeling_file(recipe_base, exports, tmp_path_factory):
+    """Sliding windows have no field in transformers' NanoChat config: the remote layout, whose copy of gpt.py's
+    attention applies them, on the full context and through its cache past the window."""
+    import transformers.dynamic_module_utils as modules
+    model, tokenizer, _ = ours(recipe_base, "win")
+    assert json.loads((exports("win") / "config.json").read_text())["window_pattern"] == "S"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(modules, "HF_MODULES_CACHE", str(tmp_path_factory.mktemp("hf_modules_win")))
+        remote = transformers.AutoModelForCausalLM.from_pretrained(exports("win"), trust_remote_code=True,
+                                                                   dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (2, 160))
+    with torch.no_grad():
+        logits = model(ids)
+        assert (logits - remote(ids).logits).abs().max().item() <= 1e-5
+        first = remote(ids[:, :140], use_cache=True)
+        one = remote(ids[:, 140:141], cache=first.cache, use_cache=True)
+    assert (torch.cat([first.logits, one.logits], 1) - logits[:, :141]).abs().max().item() <= 1e-5
 
 
 def test_remote_model_refuses_padding(remote_model):

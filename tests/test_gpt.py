@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanochat import losses
 from nanochat.engine import KVCache, decode_step, decode_weights, generate_naive
 from nanochat.gpt import GPT, SOFTCAP, GPTConfig, _RMSNorm, apply_rotary_emb, config_from_depth, rotary
 
@@ -167,7 +168,7 @@ def test_chunked_loss_equals_whole_batch_loss(monkeypatch):
     whole.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    monkeypatch.setattr(GPT, "LOGITS_CHUNK_ELEMENTS", 256 * 40)  # 40 rows per chunk: uneven split of 128 rows
+    monkeypatch.setattr(losses, "LOGITS_CHUNK_ELEMENTS", 256 * 40)  # 40 rows per chunk: uneven split of 128 rows
     chunked = model(idx, targets)
     chunked.backward()
     assert torch.allclose(whole, chunked, rtol=1e-6)
@@ -367,6 +368,8 @@ def off_its_default(field):
         return not field.default
     if field.type is float:
         return field.default * 1.2
+    if field.name == "window_pattern":
+        return "S"  # every layer but the last with a short window (128 tokens at the test's context of 160)
     raise AssertionError(f"GPTConfig.{field.name} ({field.type}): add a value other than its default here")
 
 
@@ -378,7 +381,7 @@ def test_the_architecture_part_alone_computes_gpts_logits_with_every_field_off_i
 
     from nanochat.hf_format import MODEL_CONFIG_KEYS, architecture_source, modeling_source
     parts = {f.name: off_its_default(f) for f in fields(GPTConfig) if f.name not in MODEL_CONFIG_KEYS}
-    model = make_model(n_layer=3, n_head=4, n_kv_head=2, **parts)
+    model = make_model(n_layer=3, n_head=4, n_kv_head=2, sequence_len=160, **parts)  # long enough for the window to bind
     model.init_weights(recipe="2026")
     randomize_zero_init(model)
     architecture = {}
@@ -389,10 +392,10 @@ def test_the_architecture_part_alone_computes_gpts_logits_with_every_field_off_i
     alone = torch.nn.Module()
     architecture["build_parameters"](alone, config)
     alone.load_state_dict(model.state_dict())  # the same names, every one of them
-    idx = torch.randint(0, 256, (2, 32))
+    idx = torch.randint(0, 256, (2, 160))
     with torch.no_grad():
-        cos_sin = architecture["rotary"](torch.arange(32)[None], 16, config.rope_base)
-        attend = lambda i, q, k, v: architecture["attention"](q, k, v)
+        cos_sin = architecture["rotary"](torch.arange(160)[None], 16, config.rope_base)
+        attend = lambda i, q, k, v, window: architecture["attention"](q, k, v, window=window)
         x = architecture["hidden_states"](architecture["weights_of"](alone), idx, cos_sin, attend, config)
         torch.testing.assert_close(architecture["softcapped"](alone.lm_head(x)), model(idx), rtol=0, atol=0)
     exported = modeling_source()  # the modeling file as exported: that text in place of its import, nothing of nanochat

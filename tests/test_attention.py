@@ -1,0 +1,122 @@
+"""
+Sliding-window attention (GPTConfig.window_pattern, issue 37 item 3): gpt.attention's masks against attention
+written out in float64, position by position; the per-layer windows; a windowed model's cached paths (prefill, a
+chunk after a prefix, one token at a time, the Engine's right-aligned rows of different lengths) against the full
+forward and naive generation, at lengths where the window binds.
+"""
+
+import math
+
+import pytest
+import torch
+
+from nanochat.engine import Engine, KVCache, decode_step, decode_weights, generate_naive
+from nanochat.gpt import GPT, GPTConfig, attention, check_shapes, layer_windows
+from nanochat.tokenizer import Tokenizer
+
+
+def written_out(q, k, v, window=None, key_mask=None):
+    """Attention in float64, one query and key at a time: query i of Tq is at position Tk - Tq + i and sees key j
+    when j <= its position, its position - j <= window (if any), and key_mask allows j."""
+    B, H, Tq, D = q.shape
+    Tk, rep = k.size(2), H // k.size(1)
+    k, v = k.double().repeat_interleave(rep, dim=1), v.double().repeat_interleave(rep, dim=1)
+    out = torch.zeros(B, H, Tq, D, dtype=torch.float64)
+    for b in range(B):
+        for i in range(Tq):
+            pos = Tk - Tq + i
+            seen = [j for j in range(Tk) if j <= pos and (window is None or pos - j <= window)
+                    and (key_mask is None or bool(key_mask[b, 0, 0, j]))]
+            scores = torch.einsum("hd,hjd->hj", q[b, :, i].double(), k[b, :, seen]) / math.sqrt(D)  # (H, len(seen))
+            out[b, :, i] = torch.einsum("hj,hjd->hd", torch.softmax(scores, dim=-1), v[b, :, seen])
+    return out
+
+
+CASES = {  # name: (Tq, Tk, window, padding of each row (a key_mask) or None)
+    "training, window 3": (12, 12, 3, None),
+    "training, window 0 (itself only)": (12, 12, 0, None),
+    "training, no window": (12, 12, None, None),
+    "training, window covering everything": (12, 12, 11, None),
+    "chunk after a prefix, window 4": (5, 14, 4, None),
+    "one token, window 4": (1, 14, 4, None),
+    "one token, padded rows, window 6": (1, 14, 6, [0, 9]),
+    "chunk, padded rows, window 2": (4, 14, 2, [0, 3]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_attention_with_a_window_equals_attention_written_out(name):
+    Tq, Tk, window, padding = CASES[name]
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, Tq, 8), torch.randn(2, 2, Tk, 8), torch.randn(2, 2, Tk, 8)
+    key_mask = None if padding is None else torch.arange(Tk)[None, None, None, :] >= torch.tensor(padding)[:, None, None, None]
+    got = attention(q, k, v, key_mask, window)
+    torch.testing.assert_close(got.double(), written_out(q, k, v, window, key_mask), rtol=0, atol=1e-5)
+    if window is not None and window < Tk - 1:  # the window binds here: attention without it differs
+        assert (got - attention(q, k, v, key_mask)).abs().max() > 1e-3
+
+
+def test_layer_windows_tile_the_pattern_and_end_long():
+    config = GPTConfig(sequence_len=2048, n_layer=6, window_pattern="SSSL")
+    assert layer_windows(config) == [512, 512, 512, None, 512, None]  # tiled; the last layer always sees everything
+    assert layer_windows(GPTConfig(sequence_len=200, n_layer=3, window_pattern="S")) == [128, 128, None]  # 50 -> 128
+    assert layer_windows(GPTConfig(n_layer=4)) == [None] * 4  # the default, "L": no windows
+    for bad in ("", "SXL", "ssl"):
+        with pytest.raises(ValueError, match="window_pattern"):
+            check_shapes(GPTConfig(window_pattern=bad))
+
+
+def windowed_model(window_pattern="SL", T=160):
+    """A model whose S layers see 128 earlier tokens (the shortest window) and whose sequences are longer."""
+    torch.manual_seed(0)
+    config = GPTConfig(sequence_len=T, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, window_pattern=window_pattern)
+    model = GPT(config)
+    model.init_weights()
+    for name, p in model.named_parameters():  # the zero-initialised projections and head get weight
+        if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            torch.nn.init.normal_(p, std=0.3)
+    return model.eval()
+
+
+def test_flops_count_the_window():
+    windowed, full = windowed_model("SL", T=1024), windowed_model("L", T=1024)
+    # layer 0 sees 256 of 1024 positions: its attention term 12 * n_embd * 256 instead of 12 * n_embd * 1024
+    assert full.estimate_flops() - windowed.estimate_flops() == 12 * 32 * (1024 - 256)
+
+
+def test_windowed_model_cached_paths_equal_its_full_forward():
+    model, full_model = windowed_model(), windowed_model("L")
+    idx = torch.randint(0, 256, (2, 160))
+    with torch.no_grad():
+        full = model(idx)
+        assert (full - full_model(idx))[:, 140:].abs().max() > 1e-3  # the window binds at these positions
+        cache = KVCache(batch_size=2, n_kv_head=2, max_len=160, head_dim=8, n_layer=2, device="cpu", dtype=torch.float32)
+        pieces = [model(idx[:, :100], kv_cache=cache), model(idx[:, 100:140], kv_cache=cache)]  # a prefill, a chunk
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, :140], rtol=0, atol=1e-5)
+        weights = decode_weights(model)
+        for t in range(140, 160):  # one token at a time, past the window of 128
+            torch.testing.assert_close(decode_step(model, idx[:, t], cache, weights), full[:, t], rtol=0, atol=1e-5)
+
+
+def test_engine_decodes_a_windowed_model_as_naive_generation(small_tokenizer_dir):
+    """Prompts of 150 and 131 tokens decoded together (right-aligned, the shorter one padded) for 20 greedy tokens,
+    through the window of 128: each equals naive generation of its prompt alone."""
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=192, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2,
+                          n_embd=32, window_pattern="SL"))
+    model.init_weights()
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            torch.nn.init.normal_(p, std=0.3)
+    model.eval()
+    engine = Engine(model, tokenizer)
+    prompts = [torch.randint(300, 500, (n,)).tolist() for n in (150, 131)]
+    columns = [column for column, _ in engine.generate_many(prompts, max_tokens=20, temperature=0)]
+    for p, prompt in enumerate(prompts):
+        expected = []
+        for token in generate_naive(model, prompt, max_tokens=20, temperature=0.0):
+            expected.append(token)
+            if token in engine.end_tokens:
+                break
+        assert [column[p] for column in columns][:len(expected)] == expected
