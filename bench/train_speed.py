@@ -7,6 +7,7 @@ not change the speed), as a dry run. Depth 20 with the speedrun's 32 rows, depth
 
     python bench/train_speed.py                                  # depths 20 and 24 on the GPU
     python bench/train_speed.py --depths=20 --steps=40
+    python bench/train_speed.py --depths=24 --rows=16 --extra="--fp8=True --window_pattern=SSSL"
     python bench/train_speed.py --depths=2 --rows=2 --max_seq_len=128 --device_type=cpu --steps=4   # plumbing, CPU
 
 Prints per depth: tokens/s and MFU (medians over the steps after the first `skip`, as base_train computes them against
@@ -35,6 +36,7 @@ vocab_size = 65536  # the speedrun's vocabulary
 steps = 30  # steps per depth
 skip = 5  # first steps left out of the medians (compile, allocator warm-up)
 device_type = "cuda"
+extra = ""  # more base_train settings for every run, space-separated (e.g. "--fp8=True --window_pattern=SSSL")
 base_dir = os.path.join(tempfile.gettempdir(), "nanochat_train_speed")  # corpus and tokenizer (built if missing)
 config = configure(globals())
 
@@ -53,7 +55,7 @@ for depth, B in zip(depth_list, row_list):
     argv = ["-m", "scripts.base_train", f"--depth={depth}", f"--max_seq_len={max_seq_len}", f"--device_batch_size={B}",
             f"--total_batch_size={B * max_seq_len}", f"--num_iterations={steps}", "--eval_every=-1",
             f"--eval_tokens={B * max_seq_len}", "--core_metric_every=-1", "--sample_every=-1", "--dry_run=True",
-            "--run=dummy", f"--model_tag=speed{depth}", f"--device_type={device_type}"]
+            "--run=dummy", f"--model_tag=speed{depth}", f"--device_type={device_type}", *extra.split()]
     t0, first_step, out = time.time(), None, []
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # the time to the first step line: start-up, data, torch.compile and the step itself

@@ -31,7 +31,7 @@ from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_dat
 from nanochat.dataset import dataset_name
 from nanochat.engine import generate_naive
 from nanochat.gpt import GPT, config_from_depth
-from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
+from nanochat.hardware import autocast_context, compile_model, device_time, fp8_supported, get_peak_flops
 from nanochat.losses import evaluate_bpb, smoothed_loss
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth, lr_multiplier,
                             muon_momentum, step_optimizers)
@@ -43,13 +43,14 @@ from nanochat.tokenizer import get_token_bytes, get_tokenizer
 # defaults, as measured: bench/RESULTS.md, "Moved from base_train's config block" and the sections it names.
 run = "dummy"  # wandb run name ("dummy" = no wandb)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
-# model (gpt.GPTConfig). With qk_scale != 1, layer_scalars or value_embeds it exports with remote code only (README)
+# model (gpt.GPTConfig). With qk_scale != 1, layer_scalars, value_embeds or windows it exports with remote code only (README)
 depth = 20  # the one size dial: width 64*depth, heads 128 wide; an odd depth gets others (7 -> 4 of 112: gpt.config_from_depth)
 max_seq_len = 2048  # tokens per row (context length)
 rope_base = 10000.0  # rotary base (HEAD: 100000; no gain measured at 512 tokens of context)
 qk_scale = 1.2  # scale of q and k after their RMSNorm (1 = the 2025 model)
 layer_scalars = False  # learned per-layer multipliers of the residual stream and of the embedding added back in (measured worse here)
 value_embeds = True  # every other layer's values get a gated token embedding (adds vocab x width per such layer)
+window_pattern = "L"  # attention windows per layer, tiled, the last L: L the whole context, S its last quarter (HEAD: SSSL; not measured here yet)
 init_recipe = "2026"  # initial weights: 2025 (lm_head zero) | 2026 (karpathy/nanochat HEAD's scales): GPT.init_weights
 # training horizon: the first of these that is > 0 decides the number of optimizer steps
 num_iterations = -1  # explicit number of steps
@@ -83,6 +84,7 @@ resume_from_step = -1  # resume from this step's checkpoint of model_tag (-1 = s
 model_tag = ""  # checkpoint directory name under base_checkpoints/ (default d<depth>)
 overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
+fp8 = False  # training steps multiply the blocks' matrices in float8 (nanochat/hardware.py); not yet measured on a GPU, so off
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 init_seed = 42  # seeds the initial weights (the same on every rank)
 bos_aligned = True  # start every row at a document start: best-fit packing, no token dropped
@@ -102,6 +104,8 @@ weight_decay = decay_by_depth(EMBEDDING_WEIGHT_DECAY_BY_DEPTH, depth) if weight_
 matrix_weight_decay = decay_by_depth(MATRIX_WEIGHT_DECAY_BY_DEPTH, depth) if matrix_weight_decay == -1 else matrix_weight_decay
 if not (rope_base > 1 and qk_scale > 0):
     raise UserError(f"--rope_base must be > 1 and --qk_scale > 0, got {rope_base!r} and {qk_scale!r}")
+if not window_pattern or set(window_pattern) - set("SL"):
+    raise UserError(f"--window_pattern is a string of S (short window) and L (whole context), e.g. SSSL; got {window_pattern!r}")
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 model_tag = check_model_tag(model_tag or f"d{depth}")
 
@@ -120,7 +124,8 @@ tokenizer = get_tokenizer()
 token_bytes = get_token_bytes(device=device)
 vocab_size = tokenizer.get_vocab_size()
 model_config = config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len, rope_base=rope_base,
-                                 qk_scale=qk_scale, layer_scalars=layer_scalars, value_embeds=value_embeds)
+                                 qk_scale=qk_scale, layer_scalars=layer_scalars, value_embeds=value_embeds,
+                                 window_pattern=window_pattern)
 print0(f"Model: depth {depth} -> n_embd {model_config.n_embd}, {model_config.n_head} heads of "
        f"{model_config.n_embd // model_config.n_head}, vocab {vocab_size:,}, context {max_seq_len}")
 with torch.device("meta"):  # build without allocating, then materialise on the device and initialise once
@@ -128,6 +133,9 @@ with torch.device("meta"):  # build without allocating, then materialise on the 
 model.to_empty(device=device)
 model.init_weights(seed=init_seed, recipe=init_recipe)  # identical on every rank and in every run: drawn from a generator of its own, seeded
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
+if fp8:  # on any device (a CPU emulates it: that tests the arithmetic); where it is native, fp8_supported says
+    model.fp8 = True
+    print0(f"fp8: the blocks' matmuls in float8 while training, evaluation in {compute_dtype}; this device: {fp8_supported(device_type)[1]}")
 model, use_compile = compile_model(orig_model, compile, device_type)
 num_params = orig_model.num_params()
 # the tokens:params ratio counts the parameters that compute: value-embedding tables are lookups (at depth 20 they would

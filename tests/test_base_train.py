@@ -71,7 +71,8 @@ def test_help_and_one_line_errors(trained_tokenizer):
     assert "-1 = by depth" in listed["--weight_decay"] and "-1 = by depth" in listed["--matrix_weight_decay"]
     for bad, message in [("--matrix_weight_decay=-2", "--matrix_weight_decay must be >= 0, or -1 for 'by depth', got -2.0"),
                          ("--weight_decay=-0.5", "--weight_decay must be >= 0, or -1 for 'by depth', got -0.5"),
-                         ("--qk_scale=0", "--rope_base must be > 1 and --qk_scale > 0"), ("--init_recipe=2024", "--init_recipe must be one of")]:
+                         ("--qk_scale=0", "--rope_base must be > 1 and --qk_scale > 0"), ("--init_recipe=2024", "--init_recipe must be one of"),
+                         ("--window_pattern=SXL", "--window_pattern is a string of S (short window) and L")]:
         result = base_train(bad)
         assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
     bad_key = base_train("--dpeth=2")
