@@ -38,6 +38,8 @@ class UserError(Exception):
 def _user_error_hook(exc_type, exc, tb, _previous=sys.excepthook):
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    if exc_type.__name__ == "OutOfMemoryError":  # torch's (a GPU's memory): a size to lower, not a bug to report
+        exc_type, exc = UserError, UserError(f"out of memory ({'. '.join(str(exc).split('. ')[:2])}): lower --device_batch_size")
     if issubclass(exc_type, (UserError, KeyboardInterrupt)):  # Ctrl-C: a script without a stop protocol (evals, chat)
         text = f"error: {exc}" if issubclass(exc_type, UserError) else "interrupted (Ctrl-C)"
         print(f"{prefix}{text}", file=sys.stderr, flush=True)
@@ -92,9 +94,7 @@ def setup_default_logging(level=logging.INFO):
 
 
 def print0(s="", **kwargs):
-    """print() on rank 0 only: under torchrun every process runs the same script, and each line would come world_size
-    times, interleaved, and world_size times the output to write (a cluster's job log, often on a shared filesystem:
-    64 ranks, 64 copies of every step line); rank 0 speaks for the run. Works before compute_init (RANK: torchrun's)."""
+    """print() on rank 0 only (under torchrun every rank runs the script: 64 ranks, 64 copies of each line); any time."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(s, flush=True, **kwargs)
 

@@ -78,6 +78,17 @@ def test_incomplete_env_in_a_script_prints_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: distributed launch is incomplete"), result.stderr
 
 
+def test_out_of_memory_in_a_script_prints_one_line_that_says_what_to_lower():
+    # torch's OutOfMemoryError (a GPU's; raised here as the allocator raises it): a size to change, not a traceback
+    code = ("from nanochat.common import setup_default_logging; import torch; setup_default_logging(); raise "
+            "torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 "
+            "GiB of which 1.03 GiB is free.\\nIncluding non-PyTorch memory...')")
+    result = run_script("-c", code, env={"RANK": "1", "WORLD_SIZE": "8"})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "[rank 1] error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB): lower --device_batch_size"], result.stderr
+
+
 def test_torchrun_on_mps_is_refused(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
