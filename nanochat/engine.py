@@ -139,9 +139,17 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
         v_cache[:, :, pos] = v[:, :, 0]
         return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask, window)
 
-    x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
+    if torch.is_autocast_enabled(idx.device.type) and weights.lm_head.dtype == dtype:
+        # the matrices are copies in the compute dtype already (decode_weights on a CPU): autocast would only add
+        # its check to each of the step's ~300 ops
+        with torch.autocast(idx.device.type, enabled=False):
+            x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
+            logits = softcapped(F.linear(x[:, -1], weights.lm_head))
+    else:
+        x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
+        logits = softcapped(F.linear(x[:, -1], weights.lm_head))
     kv_cache.advance()
-    return softcapped(F.linear(x[:, -1], weights.lm_head))
+    return logits
 
 
 def sample_next_token(logits, rng, temperature=1.0, top_k=None):
