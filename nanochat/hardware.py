@@ -1,6 +1,6 @@
 """
-What the hardware decides: the compute dtype, the peak FLOP/s behind MFU, whether to torch.compile, and when
-its queued work is done (device_time: the clock of a training step).
+What the hardware decides: the compute dtype, the peak FLOP/s behind MFU, whether to torch.compile, when its
+queued work is done (device_time: the clock of a training step), and fp8 matmuls (fp8_linear: base_train --fp8).
 
 compute_dtype is decided once per process (rank 0's decision under torchrun) and followed by training, Muon, the
 evaluations and the Engine; weights and optimizer state stay fp32. The rules and why: docs/hardware.md.
@@ -269,10 +269,8 @@ def device_time(device):
 # ---------------------------------------------------------------------------------------------
 # fp8 matmuls: the linear layers' three matmuls (forward, grad of the input, grad of the weight) in float8
 
-# Whether the --fp8 setting's "auto" turns fp8 on: nowhere yet. fp8_supported says where it can run natively, not
-# that it pays; auto waits for a GPU measurement of training speed. --fp8=True runs it anywhere (a CPU emulates it:
-# for testing the arithmetic).
-FP8_AUTO = False
+# base_train --fp8 turns it on (off by default until a GPU measures its training speed). fp8_supported says where it
+# runs natively, not that it pays; --fp8=True runs it anywhere (a CPU emulates it: for testing the arithmetic).
 FP8_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
 FP8_AMAX_FLOOR = 1e-12  # an all-zero tensor's scale stays finite (and its cast stays zero)
 
