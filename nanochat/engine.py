@@ -12,6 +12,7 @@ import codecs
 import math
 import operator
 from collections import deque
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -139,13 +140,10 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
         v_cache[:, :, pos] = v[:, :, 0]
         return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask, window)
 
-    if torch.is_autocast_enabled(idx.device.type) and weights.lm_head.dtype == dtype:
-        # the matrices are copies in the compute dtype already (decode_weights on a CPU): autocast would only add
-        # its check to each of the step's ~300 ops
-        with torch.autocast(idx.device.type, enabled=False):
-            x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
-            logits = softcapped(F.linear(x[:, -1], weights.lm_head))
-    else:
+    # matrices already copies in the compute dtype (decode_weights on a CPU): autocast would only add its check to
+    # each of the step's ~300 ops, so it is off for the step
+    copies = torch.is_autocast_enabled(idx.device.type) and weights.lm_head.dtype == dtype
+    with torch.autocast(idx.device.type, enabled=False) if copies else nullcontext():
         x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
         logits = softcapped(F.linear(x[:, -1], weights.lm_head))
     kv_cache.advance()
