@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from nanochat.common import UserError
 from nanochat.execution import use_calculator
 from nanochat.gpt import attention, hidden_states, softcapped, weights_of
+from nanochat.hardware import native_bf16_gemv, onednn_off
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -103,13 +104,16 @@ class KVCache:
 
 
 @torch.no_grad()
-def decode_weights(model, dtype=None):
+def decode_weights(model, dtype=None, row_major=False):
     """
     The gpt.Weights decode_step reads. On CUDA the parameters themselves; on CPU copies of the matrices in `dtype`
-    (default the weights') stored column-major, which streams faster (docs/model.md); the lookup tables (wte, value
-    embeddings) are looked up, not multiplied: kept as they are. Copies are stale once the weights change.
+    (default the weights') stored column-major, which streams faster through oneDNN and MKL (docs/model.md), or with
+    row_major, for torch's own kernels (hardware.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte,
+    value embeddings) are looked up, not multiplied: kept as they are. Copies are stale once the weights change.
     """
     if model.lm_head.weight.device.type == "cpu":
+        if row_major:
+            return weights_of(model, lambda w: w.detach().to(dtype or w.dtype, copy=True))
         return weights_of(model, lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t())
     return weights_of(model)
 
@@ -141,9 +145,11 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
         return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask, window)
 
     # matrices already copies in the compute dtype (decode_weights on a CPU): autocast would only add its check to
-    # each of the step's ~300 ops, so it is off for the step
+    # each of the step's ~300 ops, so it is off for the step. Row-major copies on a CPU are multiplied by torch's own
+    # kernels, with oneDNN off (decode_weights(row_major=True), where hardware.native_bf16_gemv measured it faster)
     copies = torch.is_autocast_enabled(idx.device.type) and weights.lm_head.dtype == dtype
-    with torch.autocast(idx.device.type, enabled=False) if copies else nullcontext():
+    native = idx.device.type == "cpu" and weights.lm_head.is_contiguous()
+    with torch.autocast(idx.device.type, enabled=False) if copies else nullcontext(), onednn_off() if native else nullcontext():
         x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
         logits = softcapped(F.linear(x[:, -1], weights.lm_head))
     kv_cache.advance()
@@ -255,16 +261,18 @@ class Engine:
         self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
         self._weights, self._weights_key = None, None
 
-    def _decode_weights(self):
+    def _decode_weights(self, rows=None):
         """
-        decode_weights(model) in the dtype in use, made again only when that dtype or a parameter changed since
-        the last call (its identity, or its version counter, which torch bumps at every in-place change).
+        decode_weights(model) in the dtype in use, for decoding `rows` rows (row-major copies where native_bf16_gemv
+        says so), made again only when the dtype, the layout or a parameter changed since the last call (its
+        identity, or its version counter, which torch bumps at every in-place change).
         """
         head = self.model.lm_head.weight
         dtype = torch.get_autocast_dtype(head.device.type) if torch.is_autocast_enabled(head.device.type) else head.dtype
-        key = (dtype, *((id(p), p._version) for p in self.model.parameters()))
+        row_major = rows is not None and head.device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_gemv(rows)
+        key = (dtype, row_major, *((id(p), p._version) for p in self.model.parameters()))
         if key != self._weights_key:
-            self._weights, self._weights_key = decode_weights(self.model, dtype), key
+            self._weights, self._weights_key = decode_weights(self.model, dtype, row_major), key
         return self._weights
 
     def _check_arguments(self, tokens, num_samples, max_tokens, temperature, top_k, seed):
@@ -378,7 +386,7 @@ class Engine:
                 key_mask = None if key_mask is None else key_mask[keep]
                 in_cache = [in_cache[k] for k in running]
             if weights is None:  # made after the first token is out, so they do not delay it
-                weights = self._decode_weights()
+                weights = self._decode_weights(len(in_cache))
             positions = None if padding is None else cache.pos - padding
             logits = decode_step(model, torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device), cache,
                                        weights, positions, key_mask)

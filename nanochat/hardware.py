@@ -1,6 +1,7 @@
 """
 What the hardware decides: the compute dtype, the peak FLOP/s behind MFU, whether to torch.compile, when its
-queued work is done (device_time: the clock of a training step), and fp8 matmuls (fp8_linear: base_train --fp8).
+queued work is done (device_time: the clock of a training step), whose kernels decode one row in bf16 on a CPU
+(native_bf16_gemv), and fp8 matmuls (fp8_linear: base_train --fp8).
 
 compute_dtype is decided once per process (rank 0's decision under torchrun) and followed by training, Muon, the
 evaluations and the Engine; weights and optimizer state stay fp32. The rules and why: docs/hardware.md.
@@ -12,10 +13,11 @@ import os
 import platform
 import subprocess
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from filelock import FileLock
 
 from nanochat.common import UserError, atomic_write, get_base_dir, is_distributed
@@ -267,6 +269,78 @@ def device_time(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# Decoding one or two rows in bf16 on a CPU: whose kernels multiply the matrices
+
+# torch sends every bf16 matmul on a CPU to oneDNN, whose cost per call, not the arithmetic, is most of a
+# matrix-vector product: in a decoding step, where each product follows a norm or a residual add, a one-sample step
+# of depth 4 ran 1.8x as fast with oneDNN off (torch's own kernels, the matrices row-major), two rows 1.2x, four
+# rows 0.8x (a Zen 4 with avx512_bf16; bench/RESULTS.md). Other CPUs may differ, so a probe decides.
+NATIVE_GEMV_MAX_ROWS = 2  # more rows than this: oneDNN, unprobed
+NATIVE_GEMV_MIN_SPEEDUP = 1.2  # torch's own kernels only when clearly faster (this VM's runs vary by ~10%)
+
+
+def native_bf16_gemv(rows):
+    """
+    Whether a bf16 decoding step of `rows` rows on this CPU runs faster with oneDNN off (onednn_off). Measured
+    (_gemv_probe) once per CPU model, thread count and torch version, kept in <base_dir>/decode_matmuls.json, so
+    every run on a machine decodes through the same kernels (their results differ in the last bit).
+    """
+    if rows > NATIVE_GEMV_MAX_ROWS:
+        return False
+    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    speedups, _ = _kept_per_machine("decode_matmuls.json", key, lambda known: known or _gemv_probe())
+    return speedups[str(rows)] >= NATIVE_GEMV_MIN_SPEEDUP
+
+
+def _gemv_probe(width=512, vocab=8192, layers=2, rounds=5, calls=5):
+    """
+    {rows: oneDNN's time / torch's own kernels' time} for 1..NATIVE_GEMV_MAX_ROWS rows, over a chain shaped like a
+    decoding step (per layer: norm, q/k/v matrix, output projection, norm, MLP; then the head) in bf16, each kernel
+    family with its own layout (oneDNN column-major as decode_weights stores it, torch's own row-major), in turns;
+    the best of `rounds` x `calls` each. Random matrices from a private generator (the global RNG does not move).
+    """
+    rng = torch.Generator().manual_seed(0)
+    shapes = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers + [(vocab, width)]
+    row_major = [(torch.randn(shape, generator=rng) * shape[1] ** -0.5).to(torch.bfloat16) for shape in shapes]
+    column_major = [w.t().contiguous().t() for w in row_major]
+
+    def step(x, ws):
+        for i in range(layers):
+            qkv, proj, fc, down = ws[4 * i:4 * i + 4]
+            x = x + F.linear(F.linear(F.rms_norm(x, (width,)), qkv)[..., :width], proj)
+            x = x + F.linear(F.relu(F.linear(F.rms_norm(x, (width,)), fc)).square(), down)
+        return F.linear(F.rms_norm(x, (width,)), ws[-1])
+
+    speedups = {}
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):  # the step's own ops, as decode_step runs them
+        for rows in range(1, NATIVE_GEMV_MAX_ROWS + 1):
+            x = torch.randn(rows, 1, width, generator=rng).to(torch.bfloat16)
+            best = {False: float("inf"), True: float("inf")}
+            for _ in range(rounds):
+                for native in best:
+                    with onednn_off() if native else nullcontext():
+                        ws = row_major if native else column_major
+                        step(x, ws)
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            step(x, ws)
+                        best[native] = min(best[native], (time.perf_counter() - t0) / calls)
+            speedups[str(rows)] = round(best[False] / best[True], 3)
+    return speedups
+
+
+@contextmanager
+def onednn_off():
+    """torch's own CPU kernels for the matmuls inside, not oneDNN (its default for bf16); the setting restored after."""
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = was
+
+
+# ---------------------------------------------------------------------------------------------
 # fp8 matmuls: the linear layers' three matmuls (forward, grad of the input, grad of the weight) in float8
 
 # base_train --fp8 turns it on (off by default until a GPU measures its training speed). fp8_supported says where it
@@ -324,7 +398,7 @@ def _to_fp8(t, dtype):
 def _pad_rows(t):
     """t with zero rows added up to a multiple of 16 (the backward's grad_y.T @ x multiplies along the rows): zero
     rows change neither a tensor's amax nor the products."""
-    return torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % 16)) if t.shape[0] % 16 else t
+    return F.pad(t, (0, 0, 0, -t.shape[0] % 16)) if t.shape[0] % 16 else t
 
 
 def _column_major(t):

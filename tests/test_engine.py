@@ -12,6 +12,7 @@ import torch
 
 from helpers import bigram_model, build_once, engine_stream
 from nanochat.common import UserError
+import nanochat.engine as engine_module
 from nanochat.engine import Engine, KVCache, TextStreamer, decode_step, decode_weights, generate_naive, sample_next_token
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import Tokenizer
@@ -229,16 +230,48 @@ def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
         assert weights.lm_head.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in matrices)
         assert engine._decode_weights().lm_head is weights.lm_head
     assert len(tokens) > 0 and engine._decode_weights().lm_head.dtype == torch.float32
-    cfg, idx = model.config, torch.tensor([prompts[1][:20]])
+    bf16_steps_match_the_forward(model, prompts[1], decode_weights(model, torch.bfloat16))
+
+
+def bf16_steps_match_the_forward(model, ids, weights):
+    """decode_step in bf16 with `weights` over ids[10:20] after a prefill of ids[:10]: every step's logits within
+    bf16 rounding of the fp32 forward's."""
+    cfg, idx = model.config, torch.tensor([ids[:20]])
     with torch.no_grad():
         full = model(idx)
         cache = KVCache(1, cfg.n_kv_head, 20, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model.prefill(idx[:, :10], cache)
-            weights = decode_weights(model, torch.bfloat16)
             for t in range(10, 20):
                 logits = decode_step(model, idx[:, t], cache, weights)
                 assert (logits - full[:, t]).abs().max() < 0.03 * full[:, t].abs().max()  # measured: < 0.005
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_one_sample_bf16_decoding_multiplies_with_the_kernels_the_probe_chose(tiny, monkeypatch, native):
+    """One row in bf16 on a CPU: where hardware.native_bf16_gemv says torch's own kernels are faster (both answers
+    driven here), the engine's copies are row-major and every matrix of the step is multiplied with oneDNN off
+    (seen from inside each product), then on again; otherwise column-major copies through oneDNN. Either way the
+    logits stay within bf16 rounding of the fp32 forward's."""
+    model, tokenizer, prompts = tiny
+    monkeypatch.setattr(engine_module, "native_bf16_gemv", lambda rows: native and rows <= 2)
+    engine = Engine(model, tokenizer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (tokens,), _ = engine_stream(engine, prompts[0][:10], max_tokens=20, temperature=0)
+        weights = engine._decode_weights(1)
+    assert len(tokens) > 0 and weights.lm_head.dtype == torch.bfloat16
+    assert weights.lm_head.is_contiguous() == native and weights.layers[0].qkv.is_contiguous() == native
+    assert engine._decode_weights(3).lm_head.is_contiguous() is False  # more rows: oneDNN's layout, made again
+    seen = []
+
+    def spy(x, w):
+        seen.append(torch.backends.mkldnn.enabled)
+        return torch.nn.functional.linear(x, w)
+
+    spied = weights._replace(layers=[layer._replace(linear=spy) for layer in weights.layers])
+    bf16_steps_match_the_forward(model, prompts[1], spied)
+    assert len(seen) == 10 * 4 * model.config.n_layer and set(seen) == {not native}
+    assert torch.backends.mkldnn.enabled
 
 
 def test_a_prefilled_prompt_is_placed_right_aligned_in_its_rows(tiny):

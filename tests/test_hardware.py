@@ -11,7 +11,8 @@ import torch
 
 from nanochat.common import UserError
 from nanochat.hardware import (autocast_context, bf16_flags_in, bf16_probe, compile_model, compute_dtype, compute_dtype_line,
-                               cpu_bf16_flags, decide_compute_dtype, get_peak_flops)
+                               cpu_bf16_flags, decide_compute_dtype, get_peak_flops, native_bf16_gemv, onednn_off,
+                               NATIVE_GEMV_MAX_ROWS, NATIVE_GEMV_MIN_SPEEDUP)
 
 # /proc/cpuinfo lines of real CPUs (shortened): an Intel Xeon of the Sapphire Rapids generation, an AMD Zen 4, an
 # AWS Graviton3, and an AMD EPYC VM that hides AVX-512 (this repository's 2-core VM)
@@ -94,6 +95,29 @@ def test_the_probe_is_measured_once_per_machine(isolated_env):
     assert bf16_probe() == (1.0, entry["float32"])
 
 
+def test_the_kernels_for_one_row_decoding_are_measured_once_per_machine(isolated_env):
+    # more rows than NATIVE_GEMV_MAX_ROWS: oneDNN without a measurement
+    assert native_bf16_gemv(NATIVE_GEMV_MAX_ROWS + 1) is False and not (isolated_env / "decode_matmuls.json").exists()
+    answer = native_bf16_gemv(1)
+    cache = json.loads((isolated_env / "decode_matmuls.json").read_text())
+    (key, speedups), = cache.items()
+    assert f"{torch.get_num_threads()} threads" in key and torch.__version__ in key
+    assert set(speedups) == {str(rows) for rows in range(1, NATIVE_GEMV_MAX_ROWS + 1)} and min(speedups.values()) > 0
+    assert answer == (speedups["1"] >= NATIVE_GEMV_MIN_SPEEDUP)
+    for kept in (NATIVE_GEMV_MIN_SPEEDUP / 2, NATIVE_GEMV_MIN_SPEEDUP * 2):  # from then on the kept entry decides
+        (isolated_env / "decode_matmuls.json").write_text(json.dumps({key: {"1": kept, "2": kept}}))
+        assert native_bf16_gemv(1) is native_bf16_gemv(2) is (kept >= NATIVE_GEMV_MIN_SPEEDUP)
+
+
+def test_onednn_off_restores_the_setting_when_the_step_fails():
+    assert torch.backends.mkldnn.enabled
+    with pytest.raises(KeyboardInterrupt):
+        with onednn_off():
+            assert not torch.backends.mkldnn.enabled
+            raise KeyboardInterrupt  # a stop inside a decoding step
+    assert torch.backends.mkldnn.enabled
+
+
 def test_measuring_the_hardware_leaves_the_global_rng_alone(isolated_env, monkeypatch):
     # The global RNG decides a run's initial weights: a measurement that drew from it (the probe, in the one run
     # that measures it; the peak FLOP/s, in every run) would make the run's numbers depend on it
@@ -101,6 +125,7 @@ def test_measuring_the_hardware_leaves_the_global_rng_alone(isolated_env, monkey
     before = torch.get_rng_state()
     bf16_probe(n=64)
     get_peak_flops("cpu", torch.float32)
+    native_bf16_gemv(1)
     assert torch.equal(torch.get_rng_state(), before)
 
 
