@@ -272,9 +272,9 @@ def device_time(device):
 # Decoding one or two rows in bf16 on a CPU: whose kernels multiply the matrices
 
 # torch sends every bf16 matmul on a CPU to oneDNN, whose cost per call, not the arithmetic, is most of a
-# matrix-vector product: in a decoding step, where each product follows a norm or a residual add, a one-sample step
-# of depth 4 ran 1.8x as fast with oneDNN off (torch's own kernels, the matrices row-major), two rows 1.2x, four
-# rows 0.8x (a Zen 4 with avx512_bf16; bench/RESULTS.md). Other CPUs may differ, so a probe decides.
+# matrix-vector product in a decoding step: on a Zen 4 (avx512_bf16) a one-sample step ran 1.3-1.8x as fast with
+# oneDNN off (torch's own kernels, the matrices row-major), two rows 1.2x, four 0.95x. Other CPUs may differ, so a
+# probe decides (docs/hardware.md, "Decoding one row on a CPU").
 NATIVE_GEMV_MAX_ROWS = 2  # more rows than this: oneDNN, unprobed
 NATIVE_GEMV_MIN_SPEEDUP = 1.2  # torch's own kernels only when clearly faster (this VM's runs vary by ~10%)
 
