@@ -104,7 +104,18 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
         # its LEADERBOARD.md); its shards are FineWeb-Edu's size (~250M chars). NANOCHAT_DATASET=fineweb-edu still works.
         export NANOCHAT_DATASET="${NANOCHAT_DATASET:-climbmix}"
         MIXTURE=real BUNDLE=dclm TASKS=all RL_TASKS=GSM8K DEPTH=20
-        BASE_SIZES="" LOSS_SIZES="" CORE_SIZES="" MID_SIZES="" CHAT_EVAL_SIZES="" SFT_SIZES="" RL_SIZES=""  # the defaults
+        # Rows per GPU in base_train's and mid_train's micro-steps (a step keeps its size: fewer rows, more
+        # micro-steps). Depth 20 with 32 rows filled 78.5 of an H100's 80 GB at a 33,875-token vocabulary
+        # (bench/RESULTS.md, issue 37); 65,536 tokens add ~0.5B parameters of lookup tables (head, token and value
+        # embeddings), ~8 GB with their gradients and AdamW state: 32 rows only on GPUs of 100 GB or more (estimated
+        # from that run, not measured). ROWS=<n> bash speedrun.sh sets it.
+        GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' ' || true)
+        if [ -z "${ROWS:-}" ]; then
+            if [ "${GPU_MIB:-0}" -ge 100000 ] 2>/dev/null; then ROWS=32; else ROWS=16; fi
+        fi
+        echo "speedrun: $ROWS rows per GPU per micro-step (GPU memory: ${GPU_MIB:-unknown} MiB)"
+        BASE_SIZES="--device_batch_size=$ROWS" MID_SIZES="--device_batch_size=$ROWS"
+        LOSS_SIZES="" CORE_SIZES="" CHAT_EVAL_SIZES="" SFT_SIZES="" RL_SIZES=""  # the defaults
         # Every download first: 8 shards (~2B chars) for the tokenizer now, the ~240 a d20 model needs in the
         # background; the chat tasks, the CORE bundle and the identity conversations now.
         stage "downloads"
