@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import subprocess
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -329,15 +330,28 @@ def _gemv_probe(width=512, vocab=8192, layers=2, rounds=5, calls=5):
     return speedups
 
 
+_onednn_off = {"lock": threading.Lock(), "inside": 0, "was": True}  # how many threads are inside; the setting before
+
+
 @contextmanager
 def onednn_off():
-    """torch's own CPU kernels for the matmuls inside, not oneDNN (its default for bf16); the setting restored after."""
-    was = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
+    """
+    torch's own CPU kernels for the matmuls inside, not oneDNN (its default for bf16); the setting restored when the
+    last thread inside leaves. The setting is the process's, not the thread's: two threads that each saved and
+    restored it (a server's worker decoding while another thread does) could leave it off for good.
+    """
+    with _onednn_off["lock"]:
+        if _onednn_off["inside"] == 0:
+            _onednn_off["was"] = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False
+        _onednn_off["inside"] += 1
     try:
         yield
     finally:
-        torch.backends.mkldnn.enabled = was
+        with _onednn_off["lock"]:
+            _onednn_off["inside"] -= 1
+            if _onednn_off["inside"] == 0:
+                torch.backends.mkldnn.enabled = _onednn_off["was"]
 
 
 # ---------------------------------------------------------------------------------------------

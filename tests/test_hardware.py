@@ -5,6 +5,7 @@ the probe's cache and the start-up line too.
 """
 
 import json
+import threading
 
 import pytest
 import torch
@@ -116,6 +117,33 @@ def test_onednn_off_restores_the_setting_when_the_step_fails():
             assert not torch.backends.mkldnn.enabled
             raise KeyboardInterrupt  # a stop inside a decoding step
     assert torch.backends.mkldnn.enabled
+
+
+def test_onednn_off_in_two_threads_at_once_restores_it_when_the_last_leaves():
+    # a server's worker thread decoding while another thread decodes too: A in, B in, A out, B out (each saving and
+    # restoring on its own, B would restore "off" for good)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    inside = []
+
+    def a():
+        with onednn_off():
+            a_in.set()
+            b_in.wait(10)
+        inside.append(torch.backends.mkldnn.enabled)  # B is still inside: still off
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with onednn_off():
+            b_in.set()
+            a_out.wait(10)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert inside == [False] and torch.backends.mkldnn.enabled
 
 
 def test_measuring_the_hardware_leaves_the_global_rng_alone(isolated_env, monkeypatch):
