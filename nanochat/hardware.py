@@ -298,7 +298,7 @@ def _gemv_probe(width=512, vocab=8192, layers=2, rounds=5, calls=5):
     {rows: oneDNN's time / torch's own kernels' time} for 1..NATIVE_GEMV_MAX_ROWS rows, over a chain shaped like a
     decoding step (per layer: norm, q/k/v matrix, output projection, norm, MLP; then the head) in bf16, each kernel
     family with its own layout (oneDNN column-major as decode_weights stores it, torch's own row-major), in turns;
-    the best of `rounds` means of `calls` calls. Random matrices from a private generator (the global RNG does not move).
+    the best of `rounds` means of `calls` calls. Random matrices from a private generator (the global RNG stays).
     """
     rng = torch.Generator().manual_seed(0)
     shapes = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers + [(vocab, width)]
