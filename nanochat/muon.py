@@ -16,10 +16,6 @@ from nanochat.common import is_distributed
 from nanochat.optim import ShardedGradients
 
 
-NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315  # p(s) = a s + b s^3 + c s^5: steep at 0, oscillating around 1
-GRAM_RESTART = 3  # iterations on the Gram matrix between two refreshes of X (measured: RESULTS, "Newton-Schulz on the Gram matrix")
-
-
 def zeropower_via_newtonschulz5(G, steps=5, dtype=torch.float32):
     """
     Approximately orthogonalise G (a matrix, or a batch of them in a 3-D tensor): for G = U S V^T, returns
@@ -30,6 +26,7 @@ def zeropower_via_newtonschulz5(G, steps=5, dtype=torch.float32):
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"zeropower_via_newtonschulz5 needs a matrix (or a batch of them), got shape {tuple(G.shape)}")
+    a, b, c = 3.4445, -4.7750, 2.0315  # p(s) = a s + b s^3 + c s^5: steep at 0, oscillating around 1
     X = G.to(dtype)
     transposed = G.size(-2) > G.size(-1)
     if transposed:
@@ -37,40 +34,13 @@ def zeropower_via_newtonschulz5(G, steps=5, dtype=torch.float32):
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # the 1e-7 only keeps an all-zero G at zero
     # addmm / baddbmm fuse the scaled additions into the products: fewer launches for small matrices on a GPU
     addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
-    if X.size(-1) >= 2 * X.size(-2):  # wide (the MLP's 1:4 matrices): the same iterations on the small Gram matrix
-        X = _newton_schulz_on_gram(X, steps, addmm)
-    else:
-        for _ in range(steps):
-            A = X @ X.mT
-            B = addmm(A, A, A, beta=NS_B, alpha=NS_C)  # b * A + c * A @ A
-            X = addmm(X, B, X, beta=NS_A)  # a * X + B @ X
+    for _ in range(steps):
+        A = X @ X.mT
+        B = addmm(A, A, A, beta=b, alpha=c)  # b * A + c * A @ A
+        X = addmm(X, B, X, beta=a)  # a * X + B @ X
     if transposed:
         X = X.mT
     return X.to(G.dtype)
-
-
-def _newton_schulz_on_gram(X, steps, addmm):
-    """
-    The quintic iterations for a wide X (n x m, m >= 2n), with fewer FLOPs. One iteration is X <- P X with
-    P = a I + b R + c R^2 and R = X X^T (n x n), so after k of them X_k = Q X_0 with Q = P_k ... P_1, and the next R
-    is P R P (P is a polynomial of R). Carrying Q and R instead of X: an iteration is four n x n products instead of
-    two n x m ones and one n x n, plus X X^T at the start and Q X at the end. For m = 4n, 5 iterations: 30 n^3
-    multiply-adds instead of 45 (docs/optimizers.md has the count and the timings). Equal to the plain iteration up to
-    rounding; but R's rounding compounds (in bf16, after 5 iterations on R alone some singular values came out at 3.7
-    instead of <= 1.21), so X is refreshed (X <- Q X, R <- X X^T) every GRAM_RESTART iterations.
-    """
-    while steps > 0:
-        run, steps = min(GRAM_RESTART, steps), steps - min(GRAM_RESTART, steps)
-        R = X @ X.mT
-        Q = None
-        for k in range(run):
-            P = addmm(R, R, R, beta=NS_B, alpha=NS_C)  # b R + c R^2
-            P.diagonal(dim1=-2, dim2=-1).add_(NS_A)  # + a I
-            Q = P if Q is None else P @ Q
-            if k < run - 1:
-                R = P @ R @ P
-        X = Q @ X
-    return X
 
 
 def _check_matrices(params, who):
