@@ -34,24 +34,11 @@ LOG="$RUN_DIR/smoke.log"
 rm -rf "$NANOCHAT_BASE_DIR"
 mkdir -p "$NANOCHAT_BASE_DIR" "$RUN_DIR"
 
-# The carried wheels, if any (into an empty /tmp/site: one version of each package)
-if compgen -G ".whl/*.whl" >/dev/null; then
-    rm -rf /tmp/site
-    if python3 -m pip --version >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    else  # no pip: a wheel is a zip of what it installs
-        for wheel in .whl/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site; done
-    fi
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-# speedrun.sh calls `python` and `torchrun`: both this python3, whatever else is on PATH (scripts, not links: a
-# venv's python must be started by its own path to find its packages)
-PYTHON3=$(command -v python3)
-rm -rf /tmp/gpu_check_bin && mkdir /tmp/gpu_check_bin  # never write through a link an earlier version left
-printf '#!/bin/sh\nexec %s "$@"\n' "$PYTHON3" > /tmp/gpu_check_bin/python
-printf '#!/bin/sh\nexec %s -m torch.distributed.run "$@"\n' "$PYTHON3" > /tmp/gpu_check_bin/torchrun
-chmod +x /tmp/gpu_check_bin/python /tmp/gpu_check_bin/torchrun
-export PATH="/tmp/gpu_check_bin:$PATH"
+# The carried wheels (if any) on PYTHONPATH, `python` and `torchrun` this python3 (bench/gpu_env.sh)
+shopt -s nullglob
+source bench/gpu_env.sh
+gpu_env_setup .whl/*.whl
+shopt -u nullglob
 
 # What this machine has, and what the run needs, before minutes are spent on it
 python3 - <<'EOF' 2>&1 | tee "$LOG"

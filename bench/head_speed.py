@@ -41,8 +41,9 @@ image's packages (20.8 MB; protobuf too, since wandb imports only with majors 5 
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl/head wandb==0.31.0 platformdirs==4.14.8 protobuf==7.36.2
 
-and HEAD's code in the repo, ignored (/.head/ in .git/info/exclude) and carried with .whl: mkdir .head &&
-git -C /path/to/karpathy-nanochat archive 92d63d4 nanochat scripts | tar -x -C .head (0.3 MB). Then there:
+and HEAD's code in the repo, ignored (/.head/ in .gitignore) and carried with .whl: mkdir .head &&
+git -C /path/to/karpathy-nanochat archive 92d63d4 nanochat scripts | tar -x -C .head && echo 92d63d4 > .head/COMMIT
+(0.3 MB; COMMIT names the commit in the table). Then there (or `bash bench/gpu_measure.sh head`):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl .whl/head/*.whl && PYTHONPATH=/tmp/site python3 bench/head_speed.py --head=.head
@@ -269,8 +270,15 @@ if "ours" in run_list or head_runs:  # HEAD's corpus is copied from ours
     ours_setup()
 if head_runs:
     head_setup()
-head_commit = subprocess.run(["git", "-C", head or ".", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip() if head else ""
+# HEAD's commit: its own repository's, or the COMMIT file next to an extracted archive (inside our tree, git would
+# answer with our commit)
+if head and os.path.isdir(os.path.join(head, ".git")):
+    head_commit = subprocess.run(["git", "-C", head, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip()
+elif head and os.path.exists(os.path.join(head, "COMMIT")):
+    head_commit = open(os.path.join(head, "COMMIT")).read().strip()
+else:
+    head_commit = ""
 table = []
 for depth, B in zip(depth_list, row_list):
     if "ours" in run_list:
