@@ -68,9 +68,11 @@ for depth, B in zip(depth_list, row_list):
         table.append((depth, B, None))
         continue
     lines = re.findall(r"\| dt: ([\d.,]+)ms \| tok/sec: ([\d,]+) \| mfu %: ([\d.]+)", stdout)
-    dts, toks, mfus = ([float(x.replace(",", "")) for x in column] for column in zip(*lines))
-    table.append((depth, B, dict(tok_s=statistics.median(toks[skip:]), mfu=statistics.median(mfus[skip:]),
-                                 first_step_s=first_step, step_ms=statistics.median(dts[skip:]),
+    # medians of the steps after the first `skip`, or of the last step when the run had no more (a plumbing run)
+    dts, toks, mfus = ([float(x.replace(",", "")) for x in column][skip:] or [float(column[-1].replace(",", ""))]
+                       for column in zip(*lines))
+    table.append((depth, B, dict(tok_s=statistics.median(toks), mfu=statistics.median(mfus),
+                                 first_step_s=first_step, step_ms=statistics.median(dts),
                                  memory=re.search(r"^Peak memory: (.*)$", stdout, re.M)[1],
                                  dtype=re.search(r"^Compute dtype: (\w+)", stdout, re.M)[1],
                                  compile=re.search(r"torch.compile: (\w+)", stdout)[1],
@@ -78,7 +80,7 @@ for depth, B in zip(depth_list, row_list):
     print(f"depth {depth}: {table[-1][2]}", flush=True)
 
 print(f"\n{device}, torch {torch.__version__}; scripts.base_train, {steps} steps of one micro-step of B x {max_seq_len} "
-      f"tokens, medians after the first {skip}")
+      f"tokens, medians after the first {skip} (or the last step, if no more)")
 print("| depth | parameters | rows | tok/s | MFU | step | start to step 1 (compile) | peak memory | dtype, compile |")
 print("|---|---|---|---|---|---|---|---|---|")
 for depth, B, r in table:
