@@ -39,6 +39,7 @@ def test_ours_and_head_in_one_table(tmp_path):
     archive = subprocess.run(["git", "-C", MIRROR, "archive", HEAD_COMMIT, "nanochat", "scripts"], capture_output=True,
                              check=True)
     subprocess.run(["tar", "-x", "-C", str(head)], input=archive.stdout, check=True)
+    (head / "COMMIT").write_text(HEAD_COMMIT + "\n")  # as head_speed's docstring makes .head: the table names it
     base = tmp_path / "bench"
     result = head_speed(f"--head={head}", "--depths=1", "--rows=1", "--max_seq_len=64", "--device_type=cpu", "--steps=2",
                         "--vocab_size=512", "--runs=ours,speedrun", "--engine=False", f"--base_dir={base}",
@@ -48,6 +49,7 @@ def test_ours_and_head_in_one_table(tmp_path):
     rows = re.findall(r"^\| (ours|HEAD)[^|]*\| 1 \| 1 \| ([\d,]+) \|", out, re.M)
     assert [r[0] for r in rows] == ["ours", "HEAD"] and all(int(r[1].replace(",", "")) > 0 for r in rows), out
     assert "--fp8 ignored (HEAD: not CUDA), SSSL, SDPA fallback, no FA3" in out  # as HEAD printed it
+    assert f"HEAD = karpathy/nanochat {HEAD_COMMIT}" in out, out
     vocabs = re.findall(r"; vocab ([\d,]+);", out)
     assert len(vocabs) == 2 and vocabs[0] == vocabs[1], out  # both tokenizers from the same text and request
     assert "wandb: the real one" in out or "wandb: a STUB" in out
