@@ -9,6 +9,8 @@ time and the ops that take it (self time), and the share of the step per kind of
     python bench/profile_step.py --depth=4 --max_seq_len=512 --device_batch_size=8 --total_batch_size=4096  # CPU speedrun
     python bench/profile_step.py --depth=8 --max_seq_len=512 --device_batch_size=8 --total_batch_size=8192
     NANOCHAT_DTYPE=float32 python bench/profile_step.py ...    # the same in the other dtype
+    python bench/profile_step.py --depth=8 ... --compile=True  # compiled: its fused kernels are no aten ops, so the
+                                                               # time outside aten ops gets a line of its own
 """
 
 import collections
@@ -35,6 +37,7 @@ total_batch_size = 512  # tokens per optimizer step
 warmup = 2  # untimed steps first
 repeats = 3  # timed steps without the profiler
 top = 8  # ops listed per region
+compile = False  # torch.compile the model, as base_train --compile=true (a warmup step compiles)
 config = configure(globals())
 
 # What each op is, for the shares (anything else: elementwise and the rest)
@@ -52,6 +55,7 @@ model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq
 model.init_weights()
 with contextlib.redirect_stdout(io.StringIO()):  # setup_optimizers prints its summary
     adamw, muon = model.setup_optimizers()
+train_model = torch.compile(model) if compile else model
 accum = total_batch_size // (device_batch_size * max_seq_len)
 x = torch.randint(0, vocab_size, (device_batch_size, max_seq_len))
 y = torch.randint(0, vocab_size, (device_batch_size, max_seq_len))
@@ -60,7 +64,7 @@ y = torch.randint(0, vocab_size, (device_batch_size, max_seq_len))
 def step():
     for _ in range(accum):
         with record_function("forward"), autocast:
-            loss = model(x, y)
+            loss = train_model(x, y)
         with record_function("backward"):
             (loss / accum).backward()
     with record_function("clipping"):
@@ -108,3 +112,7 @@ for name in ("forward", "backward", "clipping", "AdamW", "Muon"):
            ", ".join(f"{op.removeprefix('aten::')} {ms:.0f}" for op, ms in ops.most_common(top)))
 total = sum(by_kind.values())
 print0("  by kind of op (self time): " + ", ".join(f"{kind} {100 * ms / total:.0f}%" for kind, ms in by_kind.most_common()))
+if compile:
+    outside = sum(wall.values()) - total
+    print0(f"  compiled: {outside:.0f} ms ({100 * outside / sum(wall.values()):.0f}% of the regions) outside aten ops "
+           f"(the fused kernels, Python); the shares above are of the {total:.0f} ms in aten ops")
