@@ -46,6 +46,7 @@ from nanochat.dataset import parquets_iter_batched
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_dtype, get_peak_flops
 from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum
+from nanochat.stage import dense_attention_pays
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth
@@ -123,6 +124,8 @@ for B in [int(b) for b in device_batch_sizes.split(",")]:
     torch.manual_seed(0)
     model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len)).to(device)
     model.init_weights()
+    model.dense_attention, why = dense_attention_pays(model.config, device.type)  # as scripts.base_train decides it
+    print0(why)
     optimizers = model.setup_optimizers()
     flops_per_token = model.estimate_flops()
     accum = total_batch_size // (B * max_seq_len)

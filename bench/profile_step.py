@@ -28,6 +28,7 @@ from nanochat.configurator import configure
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.optim import clip_grad_norm_
+from nanochat.stage import dense_attention_pays
 
 depth = 4  # model depth
 max_seq_len = 512  # T
@@ -42,7 +43,7 @@ config = configure(globals())
 
 # What each op is, for the shares (anything else: elementwise and the rest)
 KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
-         "attention": ("aten::_scaled_dot_product",),
+         "attention": ("aten::_scaled_dot_product", "aten::_softmax", "aten::_softmax_backward_data"),
          "softcapped loss over the vocabulary": ("aten::tanh", "aten::exp", "aten::log", "aten::_log_softmax", "aten::nll_loss",
                                                  "aten::scatter_add_", "aten::gather", "aten::addcmul", "aten::tanh_backward",
                                                  "aten::_log_softmax_backward_data"),
@@ -53,6 +54,8 @@ print0(f"{compute_dtype_line('cpu')}\n{machine_line()}; {torch.get_num_threads()
 torch.manual_seed(0)
 model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len))
 model.init_weights()
+model.dense_attention, why = dense_attention_pays(model.config, "cpu")  # the attention scripts.base_train's steps use
+print0(why)
 with contextlib.redirect_stdout(io.StringIO()):  # setup_optimizers prints its summary
     adamw, muon = model.setup_optimizers()
 train_model = torch.compile(model) if compile else model

@@ -191,17 +191,18 @@ def value_gate(w_gate, x):
     return 3 * torch.sigmoid(F.linear(x[..., :VE_GATE_CHANNELS], w_gate)).unsqueeze(-1)
 
 
-def attention(q, k, v, key_mask=None, window=None):
+def attention(q, k, v, key_mask=None, window=None, dense=False):
     """
     q (B, H, Tq, D) attends over k, v (B, Hkv, Tk, D), whose first Tk - Tq positions are a cached prefix: causal
     when there is none (training, a prefill), all of it for one new token, all of the prefix and causal within a
     chunk of new tokens. key_mask (B, 1, 1, Tk) bool: False on keys a row must not see (padding before its prompt).
-    window (layer_windows): a query sees only its own key and the `window` before it (None: no limit).
+    window (layer_windows): a query sees only its own key and the `window` before it (None: no limit). dense: the
+    whole Tq x Tk square of scores in two batched matmuls (GPT.dense_attention: training on a CPU, where faster).
     """
     Tq, Tk = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
     window = window if window is not None and window < Tk - 1 else None  # a window that covers everything is none
-    if Tq == Tk and key_mask is None and window is None:
+    if Tq == Tk and key_mask is None and window is None and not dense:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if Tq == 1:  # one new token: the keys it sees are the last window + 1
         k, v, key_mask = (k, v, key_mask) if window is None else (k[:, :, -window - 1:], v[:, :, -window - 1:],
@@ -210,6 +211,11 @@ def attention(q, k, v, key_mask=None, window=None):
     query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
     back = query_pos - torch.arange(Tk, device=q.device)  # (Tq, Tk): how far back each key is from each query
     mask = (back >= 0) if window is None else (back >= 0) & (back <= window)
+    if dense and key_mask is None and not gqa:  # -inf where masked, then the softmax: SDPA's own math, in two matmuls
+        B, H, _, D = q.shape
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        scores = torch.baddbmm(bias, q.reshape(B * H, Tq, D), k.reshape(B * H, Tk, D).mT, alpha=D ** -0.5)
+        return torch.bmm(scores.softmax(-1), v.reshape(B * H, Tk, D)).view(B, H, Tq, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if key_mask is None else mask & key_mask, enable_gqa=gqa)
 
 
@@ -277,6 +283,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.fp8 = False  # training steps multiply the blocks' matrices in float8 (base_train --fp8; nanochat/hardware.py)
+        self.dense_attention = False  # training steps' attention(dense=True): Stage.start, where hardware.py measured it faster
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
         self.rotary_len = config.sequence_len * 10
@@ -330,21 +337,17 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        """
-        idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy loss, `loss_reduction` "mean" (over
+        """idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy loss, `loss_reduction` "mean" (over
         counted targets; 0, not NaN, if none counts), "sum", or "none" ((B*T,), 0 at ignored targets). Without targets:
-        logits (B, T, vocab) in fp32. With a kv_cache, idx holds only the new tokens.
-        """
+        logits (B, T, vocab) in fp32. With a kv_cache, idx holds only the new tokens."""
         x = self._final_hidden(idx, kv_cache)
         if targets is None:
             return softcapped(self.lm_head(x))
         return next_token_loss(self._per_token_loss, x, targets, self.config.vocab_size, loss_reduction)
 
     def last_logits(self, idx, last):
-        """
-        Logits (B, vocab) in fp32 at one position of each row, last[b] of row b: forward(idx)[arange(B), last]
-        with the head applied to B positions instead of B*T (the head was half of categorical scoring's time).
-        """
+        """Logits (B, vocab) in fp32 at one position of each row, last[b] of row b: forward(idx)[arange(B), last] with
+        the head applied to B positions instead of B*T (the head was half of categorical scoring's time)."""
         x = self._final_hidden(idx)
         return softcapped(self.lm_head(x[torch.arange(idx.size(0), device=idx.device), last]))
 
@@ -357,7 +360,8 @@ class GPT(nn.Module):
         # under autocast the residual stream (and the rotary tables) in the compute dtype too: docs/model.md
         dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else self.lm_head.weight.dtype
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
-        attend = lambda i, q, k, v, window: attention(q, k, v, window=window)  # training: nothing kept
+        dense = self.dense_attention and torch.is_grad_enabled() and dtype == torch.bfloat16  # evaluation: SDPA
+        attend = lambda i, q, k, v, window: attention(q, k, v, window=window, dense=dense)  # training: nothing kept
         if kv_cache is not None:  # the new keys and values into the cache, then attention over all of it
             attend = lambda i, q, k, v, window: attention(q, *kv_cache.insert_kv(i, k, v), window=window)
         linear = F.linear  # evaluation never in fp8; training with self.fp8, the matrices torch._scaled_mm takes
@@ -382,8 +386,7 @@ class GPT(nn.Module):
         """
         cfg = self.config
         lookups = [self.transformer.wte.weight] + [t.weight for t in self.value_embeds.values()]
-        n_matmul = self.num_params() - sum(w.numel() for w in lookups)
-        T = cfg.sequence_len
+        n_matmul, T = self.num_params() - sum(w.numel() for w in lookups), cfg.sequence_len
         return 6 * n_matmul + sum(12 * cfg.n_embd * (T if w is None else min(w, T)) for w in layer_windows(cfg))
 
     # ---------------------------------------------- optimizers ----------------------------------------------
@@ -442,8 +445,6 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def prefill(self, idx, kv_cache):
-        """
-        Run the prompt idx (B, T) into kv_cache; the logits of its last position, (B, vocab) fp32. The same as
-        forward(idx, kv_cache=kv_cache)[:, -1] without the head at the other positions.
-        """
+        """Run the prompt idx (B, T) into kv_cache; the logits (B, vocab) fp32 of its last position: forward(idx,
+        kv_cache=kv_cache)[:, -1] without the head at the other positions."""
         return softcapped(self.lm_head(self._final_hidden(idx, kv_cache)[:, -1]))

@@ -143,11 +143,11 @@ def bf16_probe(n=1024, rounds=5, calls=3):
         return {str(dtype).removeprefix("torch."): 2 * n ** 3 / seconds for dtype, seconds in best.items()}
 
     key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, probe {PROBE_VERSION}"
-    entry, _ = _kept_per_machine("compute_dtype.json", key, lambda known: known or measure())
+    entry, _ = kept_per_machine("compute_dtype.json", key, lambda known: known or measure())
     return entry["bfloat16"], entry["float32"]
 
 
-def _kept_per_machine(filename, key, update):
+def kept_per_machine(filename, key, update):
     """
     (update(the entry kept under `key` in <base_dir>/<filename>, or None), the file's path), keeping the new entry;
     under a file lock, since the ranks of a torchrun start together.
@@ -233,7 +233,7 @@ def get_peak_flops(device, dtype):
             measured = max(measured, threads * measure_matmul_flops(device, dtype, n=1024, repeats=8))
         finally:
             torch.set_num_threads(threads)
-    best, path = _kept_per_machine("peak_flops.json", f"{hardware} | {dtype_name}", lambda known: max(measured, known or 0.0))
+    best, path = kept_per_machine("peak_flops.json", f"{hardware} | {dtype_name}", lambda known: max(measured, known or 0.0))
     return best, (f"measured: best {dtype_name} matmul on {hardware} (this run {measured:.3e}; "
                   f"the best of every run on this machine is kept in {path})")
 
@@ -289,7 +289,7 @@ def native_bf16_gemv(rows):
     if rows > NATIVE_GEMV_MAX_ROWS:
         return False
     key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    speedups, _ = _kept_per_machine("decode_matmuls.json", key, lambda known: known or _gemv_probe())
+    speedups, _ = kept_per_machine("decode_matmuls.json", key, lambda known: known or _gemv_probe())
     return speedups[str(rows)] >= NATIVE_GEMV_MIN_SPEEDUP
 
 

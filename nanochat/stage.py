@@ -47,7 +47,8 @@ from nanochat.checkpoint_manager import (SOURCES, check_data_settings, check_mod
                                          load_optimizer_shards, optimizer_shard, save_checkpoint)
 from nanochat.common import (Interrupted, UserError, any_rank, atomic_write, autodetect_device_type, compute_cleanup,
                              compute_init, gather_from_ranks, is_distributed, print0, print_banner)
-from nanochat.hardware import compute_dtype_line
+from nanochat.gpt import attention
+from nanochat.hardware import autocast_dtype, compute_dtype_line, cpu_model_name, kept_per_machine
 from nanochat.tokenizer import carry_tokenizer
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
@@ -217,6 +218,41 @@ def start_compute(device_type):
     return device_type, ddp, rank, world_size, device
 
 
+# Attention in training steps on a CPU in bf16: attention(dense=True), the whole T x T square of scores in two batched
+# matmuls, ran 1.5-2.7x as fast as SDPA's flash kernel at <= 512 positions on a Zen 4 and 0.8-0.9x at 1,024 and more,
+# so a probe decides, per machine and length (docs/hardware.md, "Attention in training on a CPU").
+DENSE_ATTENTION_MIN_SPEEDUP = 1.2  # only where clearly faster (this VM's timings vary by ~10%)
+
+
+def dense_attention_pays(config, device_type):
+    """(whether the training steps of a model of `config` compute attention dense, the start-up line that says why): on a
+    CPU in bf16 without GQA, where _attention_probe at config.sequence_len positions measured it faster (once per CPU
+    model, threads, torch and shape, kept in <base_dir>/attention_kernels.json)."""
+    if device_type != "cpu" or autocast_dtype("cpu") != torch.bfloat16 or config.n_kv_head != config.n_head:
+        return False, "Attention in training steps: SDPA (the dense path is measured on a CPU in bf16 without GQA)"
+    T, D = config.sequence_len, config.n_embd // config.n_head
+    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {T} positions x {D} channels"
+    speedup, path = kept_per_machine("attention_kernels.json", key, lambda known: known or _attention_probe(T, D))
+    dense = speedup >= DENSE_ATTENTION_MIN_SPEEDUP
+    return dense, (f"Attention in training steps: {'dense bf16 matmuls' if dense else 'SDPA'} (the dense square ran "
+                   f"{speedup:.2f}x as fast as SDPA at {T} positions here, needs {DENSE_ATTENTION_MIN_SPEEDUP}x; kept in {path})")
+
+
+def _attention_probe(T, D, heads=8, rounds=4, calls=2):
+    """SDPA's time / attention(dense=True)'s, forward and backward, `heads` causal heads of T x D in bf16: each in turn
+    the mean of `calls` calls, the best of `rounds` (the first warms up); inputs from a private generator."""
+    rng = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, heads, T, D, generator=rng).to(torch.bfloat16).requires_grad_() for _ in range(4))
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(rounds):
+        for dense in best:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                torch.autograd.grad(attention(q, k, v, dense=dense), (q, k, v), grad)
+            best[dense] = min(best[dense], (time.perf_counter() - t0) / calls)
+    return round(best[False] / best[True], 3)
+
+
 class Stage:
     """
     One run of a training stage: its checkpoint directory (owned for the whole run), where it started from,
@@ -265,6 +301,11 @@ class Stage:
             self._claim()
             self.start_step = 0
         model.train()
+        decision = [dense_attention_pays(model.config, torch.device(self.device).type) if self.rank == 0 else None]
+        if is_distributed():  # rank 0's for every rank, as the compute dtype: the same kernels, the same numbers
+            dist.broadcast_object_list(decision, src=0)
+        model.dense_attention, why = decision[0]
+        print0(why)
         self.model, self.tokenizer = model, tokenizer
         self.metrics_path, self._log_metrics = open_metrics(self.checkpoint_dir, self.start_step,
                                                             enabled=self.rank == 0 and not self.dry_run)

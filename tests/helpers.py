@@ -7,6 +7,7 @@ A test module imports from here, never from another test module.
 import contextlib
 import http.server
 import json
+import math
 import os
 import re
 import signal
@@ -409,3 +410,20 @@ def bigram_model(tokenizer, transitions, n_embd=128, sequence_len=64):
                 model.lm_head.weight[nxt, j] = 100.0 / n_embd ** 0.5
     model.eval()
     return model
+
+
+def written_out(q, k, v, window=None, key_mask=None):
+    """Attention in float64, one query and key at a time: query i of Tq is at position Tk - Tq + i and sees key j
+    when j <= its position, its position - j <= window (if any), and key_mask allows j."""
+    B, H, Tq, D = q.shape
+    Tk, rep = k.size(2), H // k.size(1)
+    k, v = k.double().repeat_interleave(rep, dim=1), v.double().repeat_interleave(rep, dim=1)
+    out = torch.zeros(B, H, Tq, D, dtype=torch.float64)
+    for b in range(B):
+        for i in range(Tq):
+            pos = Tk - Tq + i
+            seen = [j for j in range(Tk) if j <= pos and (window is None or pos - j <= window)
+                    and (key_mask is None or bool(key_mask[b, 0, 0, j]))]
+            scores = torch.einsum("hd,hjd->hj", q[b, :, i].double(), k[b, :, seen]) / math.sqrt(D)  # (H, len(seen))
+            out[b, :, i] = torch.einsum("hj,hjd->hd", torch.softmax(scores, dim=-1), v[b, :, seen])
+    return out

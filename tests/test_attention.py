@@ -5,8 +5,6 @@ chunk after a prefix, one token at a time, the Engine's right-aligned rows of di
 forward and naive generation, at lengths where the window binds.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -14,22 +12,7 @@ from nanochat.engine import Engine, KVCache, decode_step, decode_weights, genera
 from nanochat.gpt import GPT, GPTConfig, attention, check_shapes, layer_windows
 from nanochat.tokenizer import Tokenizer
 
-
-def written_out(q, k, v, window=None, key_mask=None):
-    """Attention in float64, one query and key at a time: query i of Tq is at position Tk - Tq + i and sees key j
-    when j <= its position, its position - j <= window (if any), and key_mask allows j."""
-    B, H, Tq, D = q.shape
-    Tk, rep = k.size(2), H // k.size(1)
-    k, v = k.double().repeat_interleave(rep, dim=1), v.double().repeat_interleave(rep, dim=1)
-    out = torch.zeros(B, H, Tq, D, dtype=torch.float64)
-    for b in range(B):
-        for i in range(Tq):
-            pos = Tk - Tq + i
-            seen = [j for j in range(Tk) if j <= pos and (window is None or pos - j <= window)
-                    and (key_mask is None or bool(key_mask[b, 0, 0, j]))]
-            scores = torch.einsum("hd,hjd->hj", q[b, :, i].double(), k[b, :, seen]) / math.sqrt(D)  # (H, len(seen))
-            out[b, :, i] = torch.einsum("hj,hjd->hd", torch.softmax(scores, dim=-1), v[b, :, seen])
-    return out
+from helpers import written_out
 
 
 CASES = {  # name: (Tq, Tk, window, padding of each row (a key_mask) or None)

@@ -110,6 +110,7 @@ def test_bf16_two_ranks_equal_one_rank_and_resume_is_exact(trained_tokenizer, is
     single = base_train(*recipe, "--num_iterations=6", "--model_tag=single", "--save_every=3")
     assert single.returncode == 0, single.stderr
     assert "Compute dtype: bfloat16 (NANOCHAT_DTYPE=bfloat16" in single.stdout
+    assert "Attention in training steps: " in single.stdout  # dense or SDPA, as this CPU measured (test_dense_attention)
     assert "gradient accumulation steps: 2" in single.stdout
     single_losses = train_losses(isolated_env, "single")
     assert max(m["grad_norm"] for m in metrics(isolated_env, "single") if "grad_norm" in m) > 0.5  # clipping took part

@@ -1,0 +1,107 @@
+"""
+Dense attention in training steps on a CPU (issue 36): attention(dense=True) computes the whole square of scores in
+two batched matmuls. In float64 it is the attention written out; in bf16 its error, forward and backward, is SDPA's
+own size; the model takes it only in training steps computing in bf16 (never in fp32, never in evaluation); and the
+start of a stage decides it by a probe kept per machine (nanochat/stage.py, dense_attention_pays).
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanochat.stage as stage
+from nanochat.gpt import GPT, GPTConfig, attention
+
+from helpers import written_out
+
+
+@pytest.mark.parametrize("Tq, Tk, window", [(12, 12, None), (12, 12, 3), (12, 12, 0), (5, 14, 4)],
+                         ids=["causal", "window 3", "window 0", "chunk after a prefix, window 4"])
+def test_dense_attention_equals_attention_written_out(Tq, Tk, window, monkeypatch):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, Tq, 8, dtype=torch.float64), torch.randn(2, 3, Tk, 8, dtype=torch.float64), torch.randn(2, 3, Tk, 8, dtype=torch.float64)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", None)  # the dense path calls no SDPA: it would fail here
+    torch.testing.assert_close(attention(q, k, v, window=window, dense=True), written_out(q, k, v, window), rtol=0, atol=1e-12)
+
+
+# Measured (5 seeds; 2 x 4 heads; T x D 128 x 64, 512 x 128, 256 x 64 with a window of 64): the relative error
+# against float64 of the output, dq, dk, dv, at worst 0.59% dense and 0.59% for SDPA's flash kernel.
+BF16_REL_ERROR = 0.008
+
+
+@pytest.mark.parametrize("T, window", [(128, None), (160, 32)])
+def test_dense_attention_in_bf16_is_as_accurate_as_sdpa_forward_and_backward(T, window):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(2, 4, T, 64, generator=g, dtype=torch.float64) for _ in range(4))
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = attention(*ref_inputs, window=window)
+    reference = (y, *torch.autograd.grad(y, ref_inputs, dy))
+    inputs = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    y = attention(*inputs, window=window, dense=True)
+    got = (y, *torch.autograd.grad(y, inputs, dy.to(torch.bfloat16)))
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, reference):
+        assert a.dtype == torch.bfloat16
+        assert ((a.double() - b).norm() / b.norm()).item() < BF16_REL_ERROR, name
+
+
+def tiny_model(dense, **config):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=128, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, **config))
+    model.init_weights()
+    for name, p in model.named_parameters():  # the zero-initialised projections and head get weight
+        if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            torch.nn.init.normal_(p, std=0.1)
+    model.dense_attention = dense
+    return model
+
+
+def loss_and_grads(model, x, y, autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(x, y)
+    return loss.item(), torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize("window_pattern", ["L", "SL"])
+def test_a_model_takes_the_dense_path_in_bf16_training_steps_only(window_pattern, monkeypatch):
+    x, y = torch.randint(0, 128, (2, 64)), torch.randint(0, 128, (2, 64))
+    plain, dense = tiny_model(False, window_pattern=window_pattern), tiny_model(True, window_pattern=window_pattern)
+    # fp32: the same operations, bit for bit, whatever dense_attention says
+    (plain_loss, plain_grads), (dense_loss, dense_grads) = (loss_and_grads(m, x, y, autocast=False) for m in (plain, dense))
+    assert dense_loss == plain_loss and all(torch.equal(a, b) for a, b in zip(dense_grads, plain_grads))
+    # bf16 training: equal within bf16's rounding, and computed without SDPA
+    plain_loss, plain_grads = loss_and_grads(plain, x, y, autocast=True)
+    sdpa = F.scaled_dot_product_attention
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    dense_loss, dense_grads = loss_and_grads(dense, x, y, autocast=True)
+    assert calls == []
+    assert dense_loss == pytest.approx(plain_loss, rel=2e-3)
+    for a, b in zip(dense_grads, plain_grads):
+        assert (a - b).norm() <= 0.03 * b.norm() + 1e-6
+    # evaluation (no gradient) goes through SDPA as before
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        dense(x)
+    assert len(calls) == 2
+
+
+def test_the_probe_decides_once_per_machine_and_shape(isolated_env, monkeypatch):
+    config = GPTConfig(sequence_len=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
+    dense, why = stage.dense_attention_pays(config, "cpu")
+    assert not dense and "SDPA" in why and not (isolated_env / "attention_kernels.json").exists()  # fp32: no probe
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    assert stage.dense_attention_pays(config, "cuda")[0] is False  # a GPU: SDPA
+    assert stage.dense_attention_pays(GPTConfig(sequence_len=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=64), "cpu")[0] is False
+    assert not (isolated_env / "attention_kernels.json").exists()
+    dense, why = stage.dense_attention_pays(config, "cpu")  # measured here, the answer kept
+    kept = json.loads((isolated_env / "attention_kernels.json").read_text())
+    (key, speedup), = kept.items()
+    assert "64 positions x 32 channels" in key and dense == (speedup >= stage.DENSE_ATTENTION_MIN_SPEEDUP)
+    assert f"{speedup:.2f}x" in why
+    monkeypatch.setattr(stage, "_attention_probe", lambda T, D: pytest.fail("measured again"))
+    for kept_speedup, expected in ((1.1, False), (1.6, True)):  # read back, and the threshold applied to it
+        (isolated_env / "attention_kernels.json").write_text(json.dumps({key: kept_speedup}))
+        dense, why = stage.dense_attention_pays(config, "cpu")
+        assert dense is expected and why.startswith(f"Attention in training steps: {'dense bf16 matmuls' if expected else 'SDPA'}")
