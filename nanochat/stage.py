@@ -218,19 +218,20 @@ def start_compute(device_type):
     return device_type, ddp, rank, world_size, device
 
 
-# Attention in training steps on a CPU in bf16: attention(dense=True), the whole T x T square of scores in two batched
-# matmuls, ran 1.5-2.7x as fast as SDPA's flash kernel at <= 512 positions on a Zen 4 and 0.8-0.9x at 1,024 and more,
-# so a probe decides, per machine and length (docs/hardware.md, "Attention in training on a CPU").
+# Attention in training steps on a CPU in bf16: the whole square of scores in two batched matmuls (attention(dense=True))
+# or SDPA's flash kernel, decided by a probe per machine and length (docs/hardware.md, "Attention in training on a CPU").
 DENSE_ATTENTION_MIN_SPEEDUP = 1.2  # only where clearly faster (this VM's timings vary by ~10%)
+DENSE_ATTENTION_MAX_LEN = 2048  # longer: not measured (0.8x at 2,048 on a Zen 4; the square's memory grows as T^2)
 
 
 def dense_attention_pays(config, device_type):
-    """(whether the training steps of a model of `config` compute attention dense, the start-up line that says why): on a
-    CPU in bf16 without GQA, where _attention_probe at config.sequence_len positions measured it faster (once per CPU
-    model, threads, torch and shape, kept in <base_dir>/attention_kernels.json)."""
-    if device_type != "cpu" or autocast_dtype("cpu") != torch.bfloat16 or config.n_kv_head != config.n_head:
-        return False, "Attention in training steps: SDPA (the dense path is measured on a CPU in bf16 without GQA)"
+    """(whether training steps of a model of `config` compute attention dense, the start-up line saying why): on a CPU in
+    bf16, no GQA, <= DENSE_ATTENTION_MAX_LEN positions, where _attention_probe measured it faster (kept per machine, shape)."""
     T, D = config.sequence_len, config.n_embd // config.n_head
+    if device_type != "cpu" or autocast_dtype("cpu") != torch.bfloat16 or config.n_kv_head != config.n_head:
+        return False, "Attention in training steps: SDPA (dense is measured on a CPU in bf16 without GQA)"
+    if T > DENSE_ATTENTION_MAX_LEN:
+        return False, f"Attention in training steps: SDPA (dense is not measured above {DENSE_ATTENTION_MAX_LEN} positions)"
     key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {T} positions x {D} channels"
     speedup, path = kept_per_machine("attention_kernels.json", key, lambda known: known or _attention_probe(T, D))
     dense = speedup >= DENSE_ATTENTION_MIN_SPEEDUP

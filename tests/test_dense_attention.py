@@ -94,6 +94,8 @@ def test_the_probe_decides_once_per_machine_and_shape(isolated_env, monkeypatch)
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     assert stage.dense_attention_pays(config, "cuda")[0] is False  # a GPU: SDPA
     assert stage.dense_attention_pays(GPTConfig(sequence_len=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=64), "cpu")[0] is False
+    too_long = GPTConfig(sequence_len=stage.DENSE_ATTENTION_MAX_LEN + 1, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
+    assert stage.dense_attention_pays(too_long, "cpu") == (False, "Attention in training steps: SDPA (dense is not measured above 2048 positions)")
     assert not (isolated_env / "attention_kernels.json").exists()
     dense, why = stage.dense_attention_pays(config, "cpu")  # measured here, the answer kept
     kept = json.loads((isolated_env / "attention_kernels.json").read_text())
