@@ -283,7 +283,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.fp8 = False  # training steps multiply the blocks' matrices in float8 (base_train --fp8; nanochat/hardware.py)
-        self.dense_attention = False  # training steps' attention(dense=True): Stage.start, where hardware.py measured it faster
+        self.dense_attention = False  # training steps' attention(dense=True): set by Stage.start where its probe measured it faster
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
         self.rotary_len = config.sequence_len * 10
