@@ -11,6 +11,7 @@ and `seed`. How it works, with examples: docs/engine.md.
 import codecs
 import math
 import operator
+import time
 from collections import deque
 from contextlib import nullcontext
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from nanochat.common import UserError
 from nanochat.execution import use_calculator
 from nanochat.gpt import attention, hidden_states, softcapped, weights_of
-from nanochat.hardware import native_bf16_gemv, onednn_off
+from nanochat.hardware import cpu_model_name, kept_per_machine, native_bf16_gemv, onednn_off
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -58,12 +59,8 @@ class KVCache:
         if t1 > self.capacity:
             self._allocate(min(self.max_len, max(t1, 2 * self.capacity)), self.k.device, self.k.dtype)
 
-    def get_pos(self):
-        """The number of positions filled."""
+    def get_pos(self):  # the number of positions filled
         return self.pos
-
-    def reset(self):
-        self.pos = 0
 
     def advance(self, n=1):
         self.pos += n
@@ -121,11 +118,11 @@ def decode_weights(model, dtype=None, row_major=False):
 @torch.no_grad()
 def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
     """
-    model(idx[:, None], kv_cache=kv_cache)[:, -1] for one new token per row, the same gpt.hidden_states without
-    nn.Module calls: idx (B,) the newest token of each row, kv_cache everything before it, `weights` from
-    decode_weights(); returns the logits (B, vocab) fp32 and advances the cache one position. Right-aligned rows of
-    different prompt lengths: `positions` (B,) each row's own position, `key_mask` (B, 1, 1, >= pos + 1) bool, False on
-    the padding before its prompt.
+    model(idx[:, None], kv_cache=kv_cache)[:, -1] for one new token per row, gpt.hidden_states without nn.Module
+    calls: idx (B,) the newest token of each row, kv_cache everything before it (attention runs in the cache's dtype:
+    fp32 under bf16 where fp32_cache_pays), `weights` from decode_weights(); returns the logits (B, vocab) fp32 and
+    advances the cache one position. Right-aligned rows of different prompt lengths: `positions` (B,) each row's own
+    position, `key_mask` (B, 1, 1, >= pos + 1) bool, False on the padding before its prompt.
     """
     pos = kv_cache.pos
     if pos + 1 > model.rotary_len:
@@ -142,7 +139,7 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
         k_cache, v_cache = kv_cache.k_layers[i], kv_cache.v_layers[i]  # (B, Hkv, capacity, D)
         k_cache[:, :, pos] = k[:, :, 0]
         v_cache[:, :, pos] = v[:, :, 0]
-        return attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask, window)
+        return attention(q.to(k_cache.dtype), k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask, window).to(q.dtype)
 
     # matrices already copies in the compute dtype (decode_weights on a CPU): autocast would only add its check to
     # each of the step's ~300 ops, so it is off for the step. Row-major copies on a CPU are multiplied by torch's own
@@ -154,6 +151,26 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
         logits = softcapped(F.linear(x[:, -1], weights.lm_head))
     kv_cache.advance()
     return logits
+
+
+def fp32_cache_pays():
+    """Whether a bf16 decode on this CPU keeps its KV cache in fp32 (exact copies of the bf16 keys and values, twice
+    the memory): where SDPA of one query over 8 rows x 4 heads x 256 positions ran >= 1.2x as fast on fp32 (a Zen 4:
+    1.6-4.5x; docs/engine.md). Measured once per CPU model, threads and torch, kept in <base_dir>/decode_attention.json."""
+    def probe():  # each dtype in turn; the best of 5 means of 5 calls; inputs from a private generator
+        rng = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(8, 4, n, 128, generator=rng) for n in (1, 256, 256))
+        best = {torch.bfloat16: float("inf"), torch.float32: float("inf")}
+        for _ in range(5):
+            for dtype in best:
+                args, t0 = [t.to(dtype) for t in (q, k, v)], time.perf_counter()
+                for _ in range(5):
+                    F.scaled_dot_product_attention(*args)
+                best[dtype] = min(best[dtype], (time.perf_counter() - t0) / 5)
+        return round(best[torch.bfloat16] / best[torch.float32], 3)
+    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    with torch.autocast("cpu", enabled=False):  # the probe's dtypes as given; 1.2x: clearly faster, as native_bf16_gemv
+        return kept_per_machine("decode_attention.json", key, lambda known: known or probe())[0] >= 1.2
 
 
 def sample_next_token(logits, rng, temperature=1.0, top_k=None):
@@ -336,7 +353,7 @@ class Engine:
         model, cfg = self.model, self.model.config
         device = model.lm_head.weight.device
         autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head.weight.dtype  # the cache's dtype
+        dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head.weight.dtype  # the compute dtype
         head_dim = cfg.n_embd // cfg.n_head
         rng = torch.Generator(device=device).manual_seed(seed)
         longest = max(len(tokens) for tokens in prompts)
@@ -344,7 +361,8 @@ class Engine:
 
         # Each prompt once at batch 1, then copied into its samples' rows, right-aligned (docs/engine.md). The last
         # token sampled is never fed back, hence the - 1.
-        cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, dtype,
+        cache_dtype = torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 and fp32_cache_pays() else dtype
+        cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, cache_dtype,
                         capacity=longest + 256)
         logits = []
         for p, tokens in enumerate(prompts):
@@ -353,8 +371,7 @@ class Engine:
             rows_of_p = slice(p * num_samples, (p + 1) * num_samples)
             cache.place(prompt_cache, rows_of_p, longest)
             # masked-out padding still multiplies its value by a zero weight: zeros, not uninitialised memory (0 x NaN)
-            cache.k[:, rows_of_p, :, :longest - len(tokens)] = 0
-            cache.v[:, rows_of_p, :, :longest - len(tokens)] = 0
+            cache.k[:, rows_of_p, :, :longest - len(tokens)] = cache.v[:, rows_of_p, :, :longest - len(tokens)] = 0
         cache.advance(longest)
         logits = torch.cat(logits).repeat_interleave(num_samples, dim=0)  # every sample starts from its prompt's prediction
         padding = torch.tensor([longest - len(tokens) for tokens in prompts], device=device).repeat_interleave(num_samples)
@@ -366,8 +383,7 @@ class Engine:
         # Decode. The cache's rows are the samples still running (`in_cache`, sample numbers); when a quarter of them
         # have ended, the rest move to a smaller cache, so ended samples stop costing compute (docs/engine.md).
         samples = [_Sample() for _ in range(rows)]
-        in_cache = list(range(rows))
-        weights = None
+        in_cache, weights = list(range(rows)), None
         for step in range(steps):
             sampled = dict(zip(in_cache, sample_next_token(logits, rng, temperature, top_k).tolist()))
             column, masks = [], []
