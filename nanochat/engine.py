@@ -9,9 +9,9 @@ and `seed`. How it works, with examples: docs/engine.md.
 """
 
 import codecs
+import functools
 import math
 import operator
-import time
 from collections import deque
 from contextlib import nullcontext
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from nanochat.common import UserError
 from nanochat.execution import use_calculator
 from nanochat.gpt import attention, hidden_states, softcapped, weights_of
-from nanochat.hardware import cpu_model_name, kept_per_machine, native_bf16_gemv, onednn_off
+from nanochat.hardware import best_in_turns, cpu_model_name, kept_per_machine, native_bf16_gemv, onednn_off
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -157,16 +157,11 @@ def fp32_cache_pays():
     """Whether a bf16 decode on this CPU keeps its KV cache in fp32 (exact copies of the bf16 keys and values, twice
     the memory): where SDPA of one query over 8 rows x 4 heads x 256 positions ran >= 1.2x as fast on fp32 (a Zen 4:
     1.6-4.5x; docs/engine.md). Measured once per CPU model, threads and torch, kept in <base_dir>/decode_attention.json."""
-    def probe():  # each dtype in turn; the best of 5 means of 5 calls; inputs from a private generator
+    def probe():  # the dtypes in turns (best_in_turns: the best of 5 means of 5 calls); inputs from a private generator
         rng = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(8, 4, n, 128, generator=rng) for n in (1, 256, 256))
-        best = {torch.bfloat16: float("inf"), torch.float32: float("inf")}
-        for _ in range(5):
-            for dtype in best:
-                args, t0 = [t.to(dtype) for t in (q, k, v)], time.perf_counter()
-                for _ in range(5):
-                    F.scaled_dot_product_attention(*args)
-                best[dtype] = min(best[dtype], (time.perf_counter() - t0) / 5)
+        inputs = [torch.randn(8, 4, n, 128, generator=rng) for n in (1, 256, 256)]
+        best = best_in_turns({dtype: functools.partial(F.scaled_dot_product_attention, *[t.to(dtype) for t in inputs])
+                              for dtype in (torch.bfloat16, torch.float32)}, rounds=5, calls=5)
         return round(best[torch.bfloat16] / best[torch.float32], 3)
     key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     with torch.autocast("cpu", enabled=False):  # the probe's dtypes as given; 1.2x: clearly faster, as native_bf16_gemv

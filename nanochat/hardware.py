@@ -128,18 +128,15 @@ def _sysctl(name):
 
 def bf16_probe(n=1024, rounds=5, calls=3):
     """
-    (bf16 FLOP/s, fp32 FLOP/s) of an n^3 matmul on the CPU: in each of `rounds`, each dtype in turn gets one untimed
-    call, then `calls` timed ones, and the best of all is kept. Measured once per CPU model, thread count, torch
+    (bf16 FLOP/s, fp32 FLOP/s) of an n^3 matmul on the CPU: the dtypes in turns (best_in_turns: each turn one untimed
+    call, then the mean of `calls` timed ones; the best of `rounds`). Measured once per CPU model, thread count, torch
     version and PROBE_VERSION, then read from <base_dir>/compute_dtype.json. Why so: docs/hardware.md.
     """
     def measure():
         operands = {dtype: _random_matrices("cpu", dtype, n) for dtype in (torch.bfloat16, torch.float32)}
-        best = dict.fromkeys(operands, float("inf"))
-        for _ in range(rounds):
-            for dtype, (a, b) in operands.items():
-                a @ b  # wakes this dtype's unit: an AMX unit left idle by the fp32 turn runs its first call slowly
-                for _ in range(calls):
-                    best[dtype] = min(best[dtype], _time_matmul(a, b, lambda: None))
+        # warm: an AMX unit left idle by the fp32 turn runs its first call slowly
+        best = best_in_turns({dtype: functools.partial(torch.matmul, a, b) for dtype, (a, b) in operands.items()},
+                             rounds, calls, warm=True)
         return {str(dtype).removeprefix("torch."): 2 * n ** 3 / seconds for dtype, seconds in best.items()}
 
     key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, probe {PROBE_VERSION}"
@@ -167,6 +164,22 @@ def kept_per_machine(filename, key, update):
     return entry, path
 
 
+def best_in_turns(variants, rounds, calls, warm=False):
+    """{name: seconds per call} of the callables in `variants`, in turns (another program taking the CPU for a moment
+    slows the turns around it, not one variant): each round, each one untimed call if `warm`, then the mean of
+    `calls` timed ones; the best of `rounds` rounds. Every probe of the project compares its variants so."""
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(rounds):
+        for name, call in variants.items():
+            if warm:
+                call()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+    return best
+
+
 PEAK_BF16_FLOPS = {  # dense bf16 tensor-core datasheet peaks, per GPU; the longest name that matches wins
     "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,  # "H100" alone: the SXM part
     "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
@@ -180,21 +193,13 @@ def _random_matrices(device, dtype, n):
     return tuple(torch.randn(n, n, device=device, dtype=dtype, generator=rng) for _ in range(2))
 
 
-def _time_matmul(a, b, sync):
-    sync()
-    t0 = time.perf_counter()
-    a @ b
-    sync()
-    return time.perf_counter() - t0
-
-
 def measure_matmul_flops(device, dtype, n=1024, repeats=5):
-    """Best observed FLOP/s of an n x n x n matmul on `device` in `dtype` (a few warm-ups, then timed runs)."""
+    """Best observed FLOP/s of an n^3 matmul on `device` in `dtype` (a warm-up, then the best of `repeats` calls)."""
     a, b = _random_matrices(device, dtype, n)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    for _ in range(2):
-        a @ b
-    return 2 * n ** 3 / min(_time_matmul(a, b, sync) for _ in range(repeats))
+    a @ b
+    sync()  # then every timed call starts on an idle device and ends when its product is done
+    return 2 * n ** 3 / best_in_turns({"matmul": lambda: (a @ b, sync())}, repeats, 1, warm=False)["matmul"]
 
 
 def get_peak_flops(device, dtype):
@@ -297,8 +302,8 @@ def _gemv_probe(width=512, vocab=8192, layers=2, rounds=5, calls=5):
     """
     {rows: oneDNN's time / torch's own kernels' time} for 1..NATIVE_GEMV_MAX_ROWS rows, over a chain shaped like a
     decoding step (per layer: norm, q/k/v matrix, output projection, norm, MLP; then the head) in bf16, each kernel
-    family with its own layout (oneDNN column-major as decode_weights stores it, torch's own row-major), in turns;
-    the best of `rounds` means of `calls` calls. Random matrices from a private generator (the global RNG stays).
+    family with its own layout (oneDNN column-major as decode_weights stores it, torch's own row-major), in turns
+    (best_in_turns, a warm-up call each turn). Random matrices from a private generator (the global RNG stays).
     """
     rng = torch.Generator().manual_seed(0)
     shapes = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers + [(vocab, width)]
@@ -312,21 +317,17 @@ def _gemv_probe(width=512, vocab=8192, layers=2, rounds=5, calls=5):
             x = x + F.linear(F.relu(F.linear(F.rms_norm(x, (width,)), fc)).square(), down)
         return F.linear(F.rms_norm(x, (width,)), ws[-1])
 
+    def native(x):  # torch's own kernels over the row-major weights
+        with onednn_off():
+            return step(x, row_major)
+
     speedups = {}
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):  # the step's own ops, as decode_step runs them
         for rows in range(1, NATIVE_GEMV_MAX_ROWS + 1):
             x = torch.randn(rows, 1, width, generator=rng).to(torch.bfloat16)
-            best = {False: float("inf"), True: float("inf")}
-            for _ in range(rounds):
-                for native in best:
-                    with onednn_off() if native else nullcontext():
-                        ws = row_major if native else column_major
-                        step(x, ws)
-                        t0 = time.perf_counter()
-                        for _ in range(calls):
-                            step(x, ws)
-                        best[native] = min(best[native], (time.perf_counter() - t0) / calls)
-            speedups[str(rows)] = round(best[False] / best[True], 3)
+            best = best_in_turns({"oneDNN": lambda: step(x, column_major), "native": lambda: native(x)}, rounds, calls,
+                                 warm=True)
+            speedups[str(rows)] = round(best["oneDNN"] / best["native"], 3)
     return speedups
 
 

@@ -48,7 +48,7 @@ from nanochat.checkpoint_manager import (SOURCES, check_data_settings, check_mod
 from nanochat.common import (Interrupted, UserError, any_rank, atomic_write, autodetect_device_type, compute_cleanup,
                              compute_init, gather_from_ranks, is_distributed, print0, print_banner)
 from nanochat.gpt import attention
-from nanochat.hardware import autocast_dtype, compute_dtype_line, cpu_model_name, kept_per_machine
+from nanochat.hardware import autocast_dtype, best_in_turns, compute_dtype_line, cpu_model_name, kept_per_machine
 from nanochat.tokenizer import carry_tokenizer
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
@@ -232,25 +232,23 @@ def dense_attention_pays(config, device_type):
         return False, "Attention in training steps: SDPA (dense is measured on a CPU in bf16 without GQA)"
     if T > DENSE_ATTENTION_MAX_LEN:
         return False, f"Attention in training steps: SDPA (dense is not measured above {DENSE_ATTENTION_MAX_LEN} positions)"
-    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {T} positions x {D} channels"
+    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {T} positions x {D} channels, 8 rounds"
     speedup, path = kept_per_machine("attention_kernels.json", key, lambda known: known or _attention_probe(T, D))
     dense = speedup >= DENSE_ATTENTION_MIN_SPEEDUP
     return dense, (f"Attention in training steps: {'dense bf16 matmuls' if dense else 'SDPA'} (the dense square ran "
                    f"{speedup:.2f}x as fast as SDPA at {T} positions here, needs {DENSE_ATTENTION_MIN_SPEEDUP}x; kept in {path})")
 
 
-def _attention_probe(T, D, heads=8, rounds=4, calls=2):
-    """SDPA's time / attention(dense=True)'s, forward and backward, `heads` causal heads of T x D in bf16: each in turn
-    the mean of `calls` calls, the best of `rounds` (the first warms up); inputs from a private generator."""
+def _attention_probe(T, D, heads=8, rounds=8, calls=2):
+    """SDPA's time / attention(dense=True)'s, forward and backward of `heads` causal heads of T x D in bf16, in turns
+    (best_in_turns; the first round warms up). 8 rounds: with 4, a speedrun on a Zen 4 read 1.21x where 4 rounds
+    in fresh processes read 1.28-1.72x and 8 read 1.47-1.60x. Inputs from a private generator."""
     rng = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(1, heads, T, D, generator=rng).to(torch.bfloat16).requires_grad_() for _ in range(4))
-    best = {False: float("inf"), True: float("inf")}
-    for _ in range(rounds):
-        for dense in best:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                torch.autograd.grad(attention(q, k, v, dense=dense), (q, k, v), grad)
-            best[dense] = min(best[dense], (time.perf_counter() - t0) / calls)
+
+    def forward_backward(dense):
+        return lambda: torch.autograd.grad(attention(q, k, v, dense=dense), (q, k, v), grad)
+    best = best_in_turns({dense: forward_backward(dense) for dense in (False, True)}, rounds, calls)
     return round(best[False] / best[True], 3)
 
 
