@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ab import machine_line  # bench/ab.py
-from nanochat.common import print0
+from nanochat.common import compute_init, print0
 from nanochat.configurator import configure
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compute_dtype_line
@@ -49,6 +49,7 @@ KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
                                                  "aten::_log_softmax_backward_data"),
          "dtype casts": ("aten::_to_copy", "aten::copy_")}
 
+compute_init("cpu")  # the process set up as base_train's is (on Linux its freed memory kept: docs/hardware.md)
 _, autocast = autocast_context("cpu")
 print0(f"{compute_dtype_line('cpu')}\n{machine_line()}; {torch.get_num_threads()} torch threads")
 torch.manual_seed(0)

@@ -9,6 +9,7 @@ then "nanochat" prints to stderr, not via the root logger, and a UserError ends 
 """
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import logging
@@ -57,8 +58,7 @@ class ColoredFormatter(logging.Formatter):
 
     COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m", "CRITICAL": "\033[35m"}
     BOLD, RESET = "\033[1m", "\033[0m"
-    FIGURE = re.compile(r"(\d[\d,]*\.?\d*\s*(?:GB|MB|KB|%|docs))")
-    SHARD = re.compile(r"(Shard \d+)")
+    FIGURE, SHARD = re.compile(r"(\d[\d,]*\.?\d*\s*(?:GB|MB|KB|%|docs))"), re.compile(r"(Shard \d+)")
 
     def __init__(self, color=True):
         super().__init__("%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
@@ -303,12 +303,8 @@ def autodetect_device_type():
     """The best device PyTorch can see, cuda > mps > cpu (PyTorch answers "is X available" per backend; choosing is
     ours). AMD GPUs with a ROCm build of PyTorch report as "cuda" (HIP behind the torch.cuda API): the same path.
     TPUs need torch_xla and are not supported."""
-    if torch.cuda.is_available():
-        device_type = "cuda"
-    elif hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
-        device_type = "mps"
-    else:
-        device_type = "cpu"
+    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    device_type = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     print0(f"Autodetected device type: {device_type}")
     return device_type
 
@@ -340,6 +336,10 @@ def compute_init(device_type="cuda"):
     # One seed on every rank, for whatever draws from the global RNG (the initial weights have a generator of their
     # own: GPT.init_weights). Ranks read different data because the loaders shard by rank, not by seed.
     torch.manual_seed(42)
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if device_type == "cpu" and sys.platform == "linux" else None
+    if mallopt:  # glibc: freed memory kept for the next tensors (M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB), not given back to
+        # return as pages the kernel zeroes: ~40k a step at the CPU speedrun's size (docs/hardware.md, "Freed memory...")
+        mallopt(-4, 0), mallopt(-1, 2**31 - 1)
     if device_type == "cuda":
         torch.cuda.manual_seed(42)
         # TF32 tensor cores for the fp32 matmuls bf16 autocast leaves (10-bit mantissa inputs, fp32 sums): much

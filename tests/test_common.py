@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -25,6 +26,35 @@ def test_compute_init_plain_process(capsys):
     out = capsys.readouterr().out
     assert "rank  local_rank  world_size  device  host" in out  # the topology table
     assert "ddp=False" in out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps") or not hasattr(os, "confstr")
+                    or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc's malloc only")
+def test_compute_init_keeps_freed_memory_on_a_cpu():
+    # glibc maps a block above its largest threshold (32 MiB) on its own and unmaps it when freed, and trims the
+    # heap's free top: each such tensor comes back as fresh pages. After compute_init("cpu") the same tensor comes
+    # from the heap and its memory stays there when freed (docs/hardware.md, "Freed memory on a CPU").
+    code = """
+import ctypes, torch
+from nanochat.common import compute_init
+class MallInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo.restype = MallInfo
+def tensor_made_and_freed():
+    t = torch.ones(16 * 2**20)  # 64 MiB
+    mapped = libc.mallinfo().hblkhd
+    del t
+    return mapped // 2**20, libc.mallinfo().arena // 2**20  # MiB in blocks of their own; MiB of heap after freeing it
+print("freed", *tensor_made_and_freed())
+compute_init("cpu")
+print("freed", *tensor_made_and_freed())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (mapped_before, _), (mapped_after, heap_after) = [map(int, line.split()[1:]) for line in result.stdout.splitlines()
+                                                      if line.startswith("freed")]
+    assert mapped_before >= 64 and mapped_after < 64 and heap_after >= 64, result.stdout
 
 
 def test_compute_init_two_processes_over_gloo(tmp_path):
