@@ -3,6 +3,7 @@ import json
 import logging
 import multiprocessing
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -28,8 +29,7 @@ def test_compute_init_plain_process(capsys):
     assert "ddp=False" in out
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps") or not hasattr(os, "confstr")
-                    or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc's malloc only")
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_compute_init_keeps_freed_memory_on_a_cpu():
     # glibc maps a block above its largest threshold (32 MiB) on its own and unmaps it when freed, and trims the
     # heap's free top: each such tensor comes back as fresh pages. After compute_init("cpu") the same tensor comes
