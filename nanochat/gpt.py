@@ -49,6 +49,9 @@ class GPTConfig:
 SOFTCAP = 15.0  # logits = SOFTCAP * tanh(logits / SOFTCAP): in (-15, 15), smooth (docs/model.md)
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block's input (as HEAD does)
 RMS_EPS = torch.finfo(torch.float32).eps  # the eps F.rms_norm(x, shape) uses for fp32 and bf16 inputs alike
+# attention(dense=True) by blocks of DENSE_ROWS queries (2x below 8 heads in all), each against the key pieces it sees: the
+# square's upper blocks are never made; pieces joined by cat, whose gradient is a split (a slice's is zero-padded; RESULTS)
+DENSE_ROWS = 128
 
 
 def check_shapes(config):
@@ -94,10 +97,8 @@ def build_parameters(model, config):
     the checkpoints' names: transformer.wte, transformer.h.<i>..., lm_head, the layer scalars, value_embeds.<i>."""
     check_shapes(config)
     table = lambda rows, cols: nn.Embedding(rows, cols, _weight=torch.empty(rows, cols))  # left undrawn: docs/model.md
-    model.transformer = nn.ModuleDict(dict(
-        wte=table(config.vocab_size, config.n_embd),
-        h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-    ))
+    model.transformer = nn.ModuleDict(dict(wte=table(config.vocab_size, config.n_embd),
+                                           h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)])))
     model.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
     if config.layer_scalars:  # the identity until initialised: x = 1 * x + 0 * x0
         model.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
@@ -142,8 +143,7 @@ def rotary(positions, head_dim, base):
 
 def apply_rotary_emb(x, cos, sin):
     """x (B, T, H, D) with channel pairs (i, i + D/2) rotated by the angles given as cos, sin (B or 1, T, 1, D/2)."""
-    d = x.shape[3] // 2
-    x1, x2 = x[..., :d], x[..., d:]
+    x1, x2 = x.chunk(2, dim=3)
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
 
 
@@ -196,11 +196,10 @@ def attention(q, k, v, key_mask=None, window=None, dense=False):
     q (B, H, Tq, D) attends over k, v (B, Hkv, Tk, D), whose first Tk - Tq positions are a cached prefix: causal
     when there is none (training, a prefill), all of it for one new token, all of the prefix and causal within a
     chunk of new tokens. key_mask (B, 1, 1, Tk) bool: False on keys a row must not see (padding before its prompt).
-    window (layer_windows): a query sees only its own key and the `window` before it (None: no limit). dense: the
-    whole Tq x Tk square of scores in two batched matmuls (GPT.dense_attention: training on a CPU, where faster).
+    window (layer_windows): a query sees only its own key and the `window` before it (None: no limit). dense (Tq == Tk):
+    the scores in batched matmuls, by blocks of queries (GPT.dense_attention: training on a CPU, where faster).
     """
-    Tq, Tk = q.size(2), k.size(2)
-    gqa = q.size(1) != k.size(1)
+    Tq, Tk, gqa = q.size(2), k.size(2), q.size(1) != k.size(1)
     window = window if window is not None and window < Tk - 1 else None  # a window that covers everything is none
     if Tq == Tk and key_mask is None and window is None and not dense:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -211,11 +210,18 @@ def attention(q, k, v, key_mask=None, window=None, dense=False):
     query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
     back = query_pos - torch.arange(Tk, device=q.device)  # (Tq, Tk): how far back each key is from each query
     mask = (back >= 0) if window is None else (back >= 0) & (back <= window)
-    if dense and key_mask is None and not gqa:  # -inf where masked, then the softmax: SDPA's own math, in two matmuls
+    if dense and key_mask is None and not gqa and Tq == Tk:  # -inf where masked, then the softmax: SDPA's math in matmuls
         B, H, _, D = q.shape
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        scores = torch.baddbmm(bias, q.reshape(B * H, Tq, D), k.reshape(B * H, Tk, D).mT, alpha=D ** -0.5)
-        return torch.bmm(scores.softmax(-1), v.reshape(B * H, Tk, D)).view(B, H, Tq, D)
+        rows = DENSE_ROWS * (1 if B * H >= 8 else 2)  # blocks of queries, each against the key pieces it sees: DENSE_ROWS
+        q, k, v = (t.reshape(B * H, Tq, D).split(rows, 1) for t in (q, k, v))
+        outs = []
+        for j, q_block in enumerate(q):
+            i, first = j * rows, 0 if window is None else max(0, j * rows - window) // rows  # the first piece it sees
+            keys, values = (torch.cat(t[first:j + 1], 1) for t in (k, v))
+            scores = torch.baddbmm(bias[i:i + rows, first * rows:i + rows], q_block, keys.mT, alpha=D ** -0.5)
+            outs.append(torch.bmm(scores.softmax(-1), values))
+        return torch.cat(outs, 1).view(B, H, Tq, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if key_mask is None else mask & key_mask, enable_gqa=gqa)
 
 
@@ -308,10 +314,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
                 fan_out, fan_in = lin.weight.shape
-                if recipe == "2025":
-                    uniform(lin.weight, 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in)))
-                else:
-                    uniform(lin.weight, (0.4 if lin is block.mlp.c_fc else 1.0) / math.sqrt(n_embd))
+                uniform(lin.weight, 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in)) if recipe == "2025"
+                        else (0.4 if lin is block.mlp.c_fc else 1.0) / math.sqrt(n_embd))
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
             if block.attn.ve_gate is not None:
@@ -389,8 +393,6 @@ class GPT(nn.Module):
         n_matmul, T = self.num_params() - sum(w.numel() for w in lookups), cfg.sequence_len
         return 6 * n_matmul + sum(12 * cfg.n_embd * (T if w is None else min(w, T)) for w in layer_windows(cfg))
 
-    # ---------------------------------------------- optimizers ----------------------------------------------
-
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, matrix_weight_decay=0.0,
                          scalar_lr=0.5):
         """
@@ -405,7 +407,6 @@ class GPT(nn.Module):
         """
         from nanochat.adamw import AdamW, DistAdamW
         from nanochat.muon import DistMuon, Muon
-
         matrix_params = [p for p in self.transformer.h.parameters()]
         lr_scale = (self.config.n_embd / 768) ** -0.5
         adam_groups = [  # (name, params, lr, what the printout says about the lr, overrides of the defaults)
@@ -421,7 +422,6 @@ class GPT(nn.Module):
         n_assigned = len(matrix_params) + sum(len(g[1]) for g in adam_groups)
         if n_assigned != len(list(self.parameters())) or any(p.dim() != 2 for p in matrix_params):
             raise RuntimeError("setup_optimizers: parameter groups do not partition the model's parameters")
-
         distributed = is_distributed()
         adamw = (DistAdamW if distributed else AdamW)([dict(params=ps, lr=lr, **extra) for _, ps, lr, _, extra in adam_groups],
                                                       betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)

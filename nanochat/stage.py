@@ -232,10 +232,10 @@ def dense_attention_pays(config, device_type):
         return False, "Attention in training steps: SDPA (dense is measured on a CPU in bf16 without GQA)"
     if T > DENSE_ATTENTION_MAX_LEN:
         return False, f"Attention in training steps: SDPA (dense is not measured above {DENSE_ATTENTION_MAX_LEN} positions)"
-    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {T} positions x {D} channels, 8 rounds"
+    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {T} positions x {D} channels, 8 rounds, blocks"
     speedup, path = kept_per_machine("attention_kernels.json", key, lambda known: known or _attention_probe(T, D))
     dense = speedup >= DENSE_ATTENTION_MIN_SPEEDUP
-    return dense, (f"Attention in training steps: {'dense bf16 matmuls' if dense else 'SDPA'} (the dense square ran "
+    return dense, (f"Attention in training steps: {'dense bf16 matmuls' if dense else 'SDPA'} (dense ran "
                    f"{speedup:.2f}x as fast as SDPA at {T} positions here, needs {DENSE_ATTENTION_MIN_SPEEDUP}x; kept in {path})")
 
 

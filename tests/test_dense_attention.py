@@ -1,6 +1,6 @@
 """
-Dense attention in training steps on a CPU (issue 36): attention(dense=True) computes the whole square of scores in
-two batched matmuls. In float64 it is the attention written out; in bf16 its error, forward and backward, is SDPA's
+Dense attention in training steps on a CPU (issue 36): attention(dense=True) computes the scores in batched matmuls,
+in blocks of rows, each against only the keys they see. In float64 it is the attention written out, forward and backward; in bf16 its error, forward and backward, is SDPA's
 own size; the model takes it only in training steps computing in bf16 (never in fp32, never in evaluation); and the
 start of a stage decides it by a probe kept per machine (nanochat/stage.py, dense_attention_pays).
 """
@@ -11,19 +11,36 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import nanochat.gpt as gpt
 import nanochat.stage as stage
 from nanochat.gpt import GPT, GPTConfig, attention
 
 from helpers import written_out
 
 
-@pytest.mark.parametrize("Tq, Tk, window", [(12, 12, None), (12, 12, 3), (12, 12, 0), (5, 14, 4)],
-                         ids=["causal", "window 3", "window 0", "chunk after a prefix, window 4"])
-def test_dense_attention_equals_attention_written_out(Tq, Tk, window, monkeypatch):
+@pytest.mark.parametrize("T, window", [(12, None), (12, 3), (12, 0), (13, 5)], ids=["causal", "window 3", "window 0", "window 5"])
+@pytest.mark.parametrize("rows", [128, 2, 1], ids=["one block", "blocks of 2 rows", "blocks of 1 row"])
+@pytest.mark.parametrize("B, H", [(2, 4), (1, 3)], ids=["8 heads in all", "3 heads: blocks twice as tall"])
+def test_dense_attention_equals_attention_written_out(T, window, rows, B, H, monkeypatch):
+    """Forward and backward: by blocks of queries, each against the key pieces it sees, the written-out attention."""
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 3, Tq, 8, dtype=torch.float64), torch.randn(2, 3, Tk, 8, dtype=torch.float64), torch.randn(2, 3, Tk, 8, dtype=torch.float64)
+    q, k, v, dy = (torch.randn(B, H, T, 8, dtype=torch.float64) for _ in range(4))
     monkeypatch.setattr(F, "scaled_dot_product_attention", None)  # the dense path calls no SDPA: it would fail here
-    torch.testing.assert_close(attention(q, k, v, window=window, dense=True), written_out(q, k, v, window), rtol=0, atol=1e-12)
+    monkeypatch.setattr(gpt, "DENSE_ROWS", rows)
+    results = []
+    for fn in (lambda *t: attention(*t, window=window, dense=True), lambda *t: written_out(*t, window)):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        y = fn(*inputs)
+        results.append((y, *torch.autograd.grad(y, inputs, dy)))
+    for name, a, b in zip(("output", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+
+
+def test_dense_attention_of_a_chunk_after_a_prefix_is_sdpas():
+    """dense is for training steps (Tq == Tk); a chunk of new tokens after cached ones takes SDPA's path as before."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 14, 8), torch.randn(2, 3, 14, 8)
+    torch.testing.assert_close(attention(q, k, v, window=4, dense=True), attention(q, k, v, window=4), rtol=0, atol=0)
 
 
 # Measured (5 seeds; 2 x 4 heads; T x D 128 x 64, 512 x 128, 256 x 64 with a window of 64): the relative error
@@ -31,7 +48,7 @@ def test_dense_attention_equals_attention_written_out(Tq, Tk, window, monkeypatc
 BF16_REL_ERROR = 0.008
 
 
-@pytest.mark.parametrize("T, window", [(128, None), (160, 32)])
+@pytest.mark.parametrize("T, window", [(128, None), (160, 32), (512, None)])
 def test_dense_attention_in_bf16_is_as_accurate_as_sdpa_forward_and_backward(T, window):
     g = torch.Generator().manual_seed(0)
     q, k, v, dy = (torch.randn(2, 4, T, 64, generator=g, dtype=torch.float64) for _ in range(4))
