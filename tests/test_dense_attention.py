@@ -44,7 +44,8 @@ def test_dense_attention_of_a_chunk_after_a_prefix_is_sdpas():
 
 
 # Measured (5 seeds; 2 x 4 heads; T x D 128 x 64, 512 x 128, 256 x 64 with a window of 64): the relative error
-# against float64 of the output, dq, dk, dv, at worst 0.59% dense and 0.59% for SDPA's flash kernel.
+# against float64 of the output, dq, dk, dv, at worst 0.59% dense and 0.59% for SDPA's flash kernel. Dense by blocks
+# (3 seeds, 2-32 heads of 512 x 128): at worst 0.62% (dk: the blocks' gradients added in bf16), SDPA's 0.59%.
 BF16_REL_ERROR = 0.008
 
 
