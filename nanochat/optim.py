@@ -98,7 +98,8 @@ def clip_grad_norm_(optimizers, max_norm):
         pieces = [(p, 0, rows_of(p.grad)) for p in params if p.grad is not None]
     for p, row, grad_rows in pieces:
         start = first_row[p] + row
-        row_sq[start:start + grad_rows.size(0)] = grad_rows.float().square().sum(dim=1)
+        # each row's norm, squared: one pass over the gradient, with no full-size square in between
+        row_sq[start:start + grad_rows.size(0)] = torch.linalg.vector_norm(grad_rows, dim=1, dtype=torch.float32).square_()
     if distributed:
         dist.all_reduce(row_sq)
     norm = row_sq.sum().sqrt()
@@ -106,7 +107,8 @@ def clip_grad_norm_(optimizers, max_norm):
     if distributed:
         for opt in optimizers:
             opt.scale_gradients(scale)
-    else:
+    # x 1 (the norm within max_norm) changes nothing: a CPU skips that pass over the gradient (a GPU would wait for .item())
+    elif params[0].device.type != "cpu" or scale.item() < 1.0:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(scale)

@@ -14,7 +14,7 @@ import torch
 
 from helpers import build_once, run_script
 from nanochat.muon import DistMuon, Muon, _batches, zeropower_via_newtonschulz5
-from nanochat.optim import lr_multiplier, scale_initial_lrs, set_learning_rates
+from nanochat.optim import clip_grad_norm_, lr_multiplier, scale_initial_lrs, set_learning_rates
 
 # The band stated in zeropower_via_newtonschulz5's docstring: singular values s >= 0.0016 * ||G||_F
 # come out in [0.68, 1.21] (bf16: [0.67, 1.21]); none comes out above 1.21.
@@ -273,3 +273,29 @@ def test_adamw_update_of_a_slice_of_rows_is_the_whole_tensors(shape, fused):
     reference.grad = g.clone()
     torch_adamw.step()
     torch.testing.assert_close(whole[0], reference.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clipped", "within max_norm: untouched, bit for bit"])
+def test_clip_grad_norm_is_torchs_in_one_process(max_norm):
+    """clip_grad_norm_ (one process) returns torch's norm and leaves torch's gradients: scaled by max_norm / (norm +
+    1e-6) above max_norm, the very same tensors within it (the CPU skips the multiplication by 1)."""
+    g = torch.Generator().manual_seed(0)
+    matrices = [torch.nn.Parameter(torch.randn(rows, 16, generator=g)) for rows in (16, 32)]
+    table, vector = torch.nn.Parameter(torch.randn(64, 16, generator=g)), torch.nn.Parameter(torch.randn(16, generator=g))
+    params = matrices + [table, vector]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64).float()
+    grads = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_([torch.optim.AdamW([table, vector]), Muon(matrices)], max_norm)
+    reference = [torch.nn.Parameter(torch.zeros(t.shape)) for t in grads]
+    for r, grad in zip(reference, grads):
+        r.grad = grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(reference, max_norm)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    scale = min(1.0, max_norm / (expected.item() + 1e-6))
+    for p, grad, r in zip(params, grads, reference):
+        if max_norm > 1e5:
+            assert torch.equal(p.grad, grad)
+        else:
+            torch.testing.assert_close(p.grad, grad * scale, rtol=1e-6, atol=0)
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
