@@ -1,8 +1,9 @@
 """
 Dense attention in training steps on a CPU (issue 36): attention(dense=True) computes the scores in batched matmuls,
-in blocks of rows, each against only the keys they see. In float64 it is the attention written out, forward and backward; in bf16 its error, forward and backward, is SDPA's
-own size; the model takes it only in training steps computing in bf16 (never in fp32, never in evaluation); and the
-start of a stage decides it by a probe kept per machine (nanochat/stage.py, dense_attention_pays).
+in blocks of queries, each against only the keys they see. In float64 it is the attention written out, forward and
+backward; in bf16 its error, forward and backward, is SDPA's own size; the model takes it only in training steps
+computing in bf16 (never in fp32, never in evaluation); and the start of a stage decides it by a probe kept per
+machine (nanochat/stage.py, dense_attention_pays).
 """
 
 import json

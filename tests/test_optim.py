@@ -278,13 +278,13 @@ def test_adamw_update_of_a_slice_of_rows_is_the_whole_tensors(shape, fused):
 @pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clipped", "within max_norm: untouched, bit for bit"])
 def test_clip_grad_norm_is_torchs_in_one_process(max_norm):
     """clip_grad_norm_ (one process) returns torch's norm and leaves torch's gradients: scaled by max_norm / (norm +
-    1e-6) above max_norm, the very same tensors within it (the CPU skips the multiplication by 1)."""
+    1e-6) above max_norm, bit for bit as they were within it (the CPU skips the multiplication by 1)."""
     g = torch.Generator().manual_seed(0)
     matrices = [torch.nn.Parameter(torch.randn(rows, 16, generator=g)) for rows in (16, 32)]
     table, vector = torch.nn.Parameter(torch.randn(64, 16, generator=g)), torch.nn.Parameter(torch.randn(16, generator=g))
     params = matrices + [table, vector]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64).float()
+        p.grad = torch.randn(p.shape, generator=g)
     grads = [p.grad.clone() for p in params]
     norm = clip_grad_norm_([torch.optim.AdamW([table, vector]), Muon(matrices)], max_norm)
     reference = [torch.nn.Parameter(torch.zeros(t.shape)) for t in grads]
