@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.common import UserError, is_distributed, print0
-from nanochat.hardware import autocast_dtype, fp8_fits, fp8_linear
+from nanochat.fp8 import fp8_fits, fp8_linear
+from nanochat.hardware import autocast_dtype
 from nanochat.losses import next_token_loss, softcapped_cross_entropy
 
 # ============================= ARCHITECTURE (export_model copies from here to its end) =============================
@@ -288,7 +289,7 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.fp8 = False  # training steps multiply the blocks' matrices in float8 (base_train --fp8; nanochat/hardware.py)
+        self.fp8 = False  # training steps multiply the blocks' matrices in float8 (base_train --fp8; nanochat/fp8.py)
         self.dense_attention = False  # training steps' attention(dense=True): set by Stage.start where its probe measured it faster
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head

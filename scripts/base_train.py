@@ -31,7 +31,8 @@ from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_dat
 from nanochat.dataset import dataset_name
 from nanochat.engine import generate_naive
 from nanochat.gpt import GPT, config_from_depth
-from nanochat.hardware import autocast_context, compile_model, device_time, fp8_supported, get_peak_flops
+from nanochat.fp8 import fp8_supported
+from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import evaluate_bpb, smoothed_loss
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth, lr_multiplier,
                             muon_momentum, step_optimizers)

@@ -1,5 +1,5 @@
 """
-The fp8 linear layer (nanochat/hardware.py: fp8_linear) on a CPU, where torch._scaled_mm is emulated: against an
+The fp8 linear layer (nanochat/fp8.py: fp8_linear) on a CPU, where torch._scaled_mm is emulated: against an
 fp8 reference built by hand (the recipe: e4m3 operands and e5m2 gradients, one scale per tensor), against fp32's
 F.linear within measured tolerances, and in a small MLP trained with it.
 """
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.hardware import fp8_fits, fp8_linear, fp8_supported
+from nanochat.fp8 import fp8_fits, fp8_linear, fp8_supported
 
 # The relative Frobenius error against fp32 F.linear, measured over 5 seeds x shapes (16,16,16) to (256,768,768),
 # x fp32 and bf16: the forward 0.035-0.040 (two e4m3 casts), the gradients 0.057-0.068 (e5m2 has one mantissa bit
