@@ -129,8 +129,8 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
         echo "waiting for the dataset download to finish..."
         wait $DATASET_DOWNLOAD_PID
     fi
-    # Pretraining: depth 20 (~560M parameters), Chinchilla-optimal 20 tokens per parameter (the smoke: its sizes
-    # above); then its loss and CORE
+    # Pretraining: depth 20 (~1.4B parameters, of which ~560M compute and the rest are value-embedding lookup tables;
+    # base_train prints both), 20 tokens per computing parameter (the smoke: its sizes above); then its loss and CORE
     stage "base model"
     $RUN -m scripts.base_train -- --depth=$DEPTH --run="$WANDB_RUN" $BASE_SIZES
     $RUN -m scripts.base_loss -- $LOSS_SIZES

@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 
-from helpers import (CORES, REPO_ROOT, TINY, assert_same_weights, base_train, metrics, run_script, run_signalled, start_script,
-                     stop_at, train_losses, weights, with_defaults)
+from helpers import (CORES, REPO_ROOT, TINY, assert_same_weights, base_train, metrics, run_script, run_signalled,
+                     start_script, stop_at, train_losses, weights, with_defaults)
 from nanochat.losses import evaluate_bpb
-from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth, lr_multiplier,
-                            muon_momentum)
+from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth,
+                            lr_multiplier, muon_momentum)
 
 @pytest.mark.slow
 def test_trains_writes_a_checkpoint_and_resumes_exactly(trained_tokenizer, isolated_env, tmp_path, monkeypatch):
@@ -69,12 +69,17 @@ def test_help_and_one_line_errors(trained_tokenizer):
     listed = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  --")}
     assert all(len(line.split()) > 3 for line in listed.values())  # every setting: type, default and its description
     assert "-1 = by depth" in listed["--weight_decay"] and "-1 = by depth" in listed["--matrix_weight_decay"]
-    for bad, message in [("--matrix_weight_decay=-2", "--matrix_weight_decay must be >= 0, or -1 for 'by depth', got -2.0"),
-                         ("--weight_decay=-0.5", "--weight_decay must be >= 0, or -1 for 'by depth', got -0.5"),
-                         ("--qk_scale=0", "--rope_base must be > 1 and --qk_scale > 0"), ("--init_recipe=2024", "--init_recipe must be one of"),
-                         ("--window_pattern=SXL", "--window_pattern is a string of S (short window) and L")]:
+    bad_settings = [
+        ("--matrix_weight_decay=-2", "--matrix_weight_decay must be >= 0, or -1 for 'by depth', got -2.0"),
+        ("--weight_decay=-0.5", "--weight_decay must be >= 0, or -1 for 'by depth', got -0.5"),
+        ("--qk_scale=0", "--rope_base must be > 1 and --qk_scale > 0"),
+        ("--init_recipe=2024", "--init_recipe must be one of"),
+        ("--window_pattern=SXL", "--window_pattern is a string of S (short window) and L"),
+    ]
+    for bad, message in bad_settings:
         result = base_train(bad)
-        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+        assert result.returncode == 1, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
     bad_key = base_train("--dpeth=2")
     assert bad_key.returncode == 1
     assert bad_key.stderr.strip().splitlines() == [
@@ -83,7 +88,8 @@ def test_help_and_one_line_errors(trained_tokenizer):
     assert bad_batch.returncode == 1
     lines = bad_batch.stderr.strip().splitlines()
     assert len(lines) == 1, bad_batch.stderr
-    assert "total_batch_size 100 is not a multiple of device_batch_size x max_seq_len x world_size = 2 x 32 x 1 = 64" in lines[0]
+    assert ("total_batch_size 100 is not a multiple of device_batch_size x max_seq_len x world_size = 2 x 32 x 1 = 64"
+            in lines[0])
     assert "--total_batch_size=64 or --total_batch_size=128" in lines[0]
 
 
@@ -96,9 +102,9 @@ def test_help_and_one_line_errors(trained_tokenizer):
 # does the same operations on the same numbers: exact too.
 # The second case: every part of the 2026 recipe (layer scalars and value embeddings are AdamW parameters of their
 # own, sharded across ranks like the rest; rows of 1 to 2 values padded for the collectives).
-RECIPE_2026 = ["--rope_base=100000", "--qk_scale=1.2", "--layer_scalars=True", "--value_embeds=True", "--init_recipe=2026",
-               "--matrix_weight_decay=0.4", "--warmdown_ratio=0.65", "--final_lr_frac=0.05", "--muon_momentum_peak=0.97",
-               "--muon_momentum_final=0.90"]
+RECIPE_2026 = ["--rope_base=100000", "--qk_scale=1.2", "--layer_scalars=True", "--value_embeds=True",
+               "--init_recipe=2026", "--matrix_weight_decay=0.4", "--warmdown_ratio=0.65", "--final_lr_frac=0.05",
+               "--muon_momentum_peak=0.97", "--muon_momentum_final=0.90"]
 
 
 @pytest.mark.slow
@@ -110,11 +116,12 @@ def test_bf16_two_ranks_equal_one_rank_and_resume_is_exact(trained_tokenizer, is
     single = base_train(*recipe, "--num_iterations=6", "--model_tag=single", "--save_every=3")
     assert single.returncode == 0, single.stderr
     assert "Compute dtype: bfloat16 (NANOCHAT_DTYPE=bfloat16" in single.stdout
-    assert "Attention in training steps: " in single.stdout  # dense or SDPA, as this CPU measured (test_dense_attention)
+    assert "Attention in training steps: " in single.stdout  # dense or SDPA, as this CPU measured
     assert "gradient accumulation steps: 2" in single.stdout
     single_losses = train_losses(isolated_env, "single")
     assert max(m["grad_norm"] for m in metrics(isolated_env, "single") if "grad_norm" in m) > 0.5  # clipping took part
-    ddp = run_script("-m", "scripts.base_train", *with_defaults(TINY, [*recipe, "--num_iterations=6", "--model_tag=ddp"]), nproc=2)
+    ddp_args = with_defaults(TINY, [*recipe, "--num_iterations=6", "--model_tag=ddp"])
+    ddp = run_script("-m", "scripts.base_train", *ddp_args, nproc=2)
     assert ddp.returncode == 0, ddp.stderr
     assert "gradient accumulation steps: 1" in ddp.stdout
     # the logged loss: one rank's mean of its micro-steps in fp32, or the mean of the ranks' in float64 (last bit)
@@ -123,7 +130,8 @@ def test_bf16_two_ranks_equal_one_rank_and_resume_is_exact(trained_tokenizer, is
     assert_same_weights(single_weights, weights(isolated_env, 6, "ddp"), rtol=0, atol=0)
     # resumed from the single run's step 3, as if it had died after that save
     resumed = isolated_env / "base_checkpoints" / "resumed"
-    shutil.copytree(isolated_env / "base_checkpoints" / "single", resumed, ignore=shutil.ignore_patterns("*000006*", ".lock"))
+    shutil.copytree(isolated_env / "base_checkpoints" / "single", resumed,
+                    ignore=shutil.ignore_patterns("*000006*", ".lock"))
     again = base_train(*recipe, "--num_iterations=6", "--model_tag=resumed", "--resume_from_step=3")
     assert again.returncode == 0, again.stderr
     assert train_losses(isolated_env, "resumed") == single_losses
@@ -143,8 +151,8 @@ def test_the_numbers_do_not_depend_on_which_run_measured_the_hardware(trained_to
     for tag, nproc in (("measured", 1), ("cached", 1), ("two_ranks", 2)):
         if tag != "cached":
             probe_cache.unlink(missing_ok=True)
-        result = run_script("-m", "scripts.base_train", *with_defaults(TINY, ["--num_iterations=4", f"--model_tag={tag}"]),
-                            nproc=nproc)
+        args = with_defaults(TINY, ["--num_iterations=4", f"--model_tag={tag}"])
+        result = run_script("-m", "scripts.base_train", *args, nproc=nproc)
         assert result.returncode == 0, result.stderr
         runs[tag] = (next(line for line in result.stdout.splitlines() if line.startswith("Compute dtype:")),
                      train_losses(isolated_env, tag), weights(isolated_env, 4, tag))
@@ -186,7 +194,8 @@ def test_a_stop_request_cuts_the_final_evaluations_short_and_a_resume_runs_them(
     assert (isolated_env / "base_checkpoints" / "d1" / "meta_000003.json").exists()  # saved before, kept
     report = (isolated_env / "report" / "base-model-training.md").read_text()
     assert "n/a (its evaluation was stopped)" in report
-    resumed = base_train("--num_iterations=3", "--eval_every=-1", "--resume_from_step=3")  # the small validation of TINY
+    # the small validation of TINY
+    resumed = base_train("--num_iterations=3", "--eval_every=-1", "--resume_from_step=3")
     assert resumed.returncode == 0, resumed.stderr
     assert "Step 00003 | validation bpb:" in resumed.stdout
 
@@ -197,11 +206,13 @@ def test_a_stop_request_to_one_rank_stops_every_rank_within_seconds(trained_toke
     # through the process group's store (it takes part in no collective until the end of its share)
     import psutil
     args = with_defaults(TINY, ["--num_iterations=3", "--eval_every=-1", "--eval_tokens=100000000"])
-    proc = start_script("-m", "scripts.base_train", *args, nproc=2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_script("-m", "scripts.base_train", *args, nproc=2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)
 
     def rank1():
         workers = psutil.Process(proc.pid).children(recursive=True)
-        return next(p.pid for p in workers if "scripts.base_train" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
+        return next(p.pid for p in workers
+                    if "scripts.base_train" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
     out, seconds = stop_at(proc, "step 00003/00003", to=rank1)
     assert proc.returncode != 0 and seconds < 20, out[-3000:]
     assert "[rank 1] got SIGTERM" in out and "[rank 0] got" not in out
@@ -238,7 +249,8 @@ def test_muon_momentum_schedule():
     assert muon_momentum(10_000) == pytest.approx(0.95)
     # karpathy/nanochat's 2026 shape: up to 0.97, then down to 0.90 over the lr's warmdown (the last 50 of 100 steps)
     schedule = dict(end=0.97, final=0.90, num_iterations=100, warmdown_ratio=0.5, warmup_steps=40)
-    assert [round(muon_momentum(s, **schedule), 4) for s in (0, 20, 40, 50, 75, 100)] == [0.85, 0.91, 0.97, 0.97, 0.935, 0.9]
+    momenta = [round(muon_momentum(s, **schedule), 4) for s in (0, 20, 40, 50, 75, 100)]
+    assert momenta == [0.85, 0.91, 0.97, 0.97, 0.935, 0.9]
 
 
 def test_evaluate_bpb_hand_computed():
@@ -253,23 +265,38 @@ def test_evaluate_bpb_hand_computed():
     assert evaluate_bpb(Toy(), batches, 1, token_bytes) == pytest.approx(12 / (math.log(2) * 12))
 
 
+def readme_quick_start():
+    """The README's quick start: the lines of its code block after "A quick look at the whole pretraining flow"."""
+    readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
+    block = readme.split("A quick look at the whole pretraining flow", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return block.strip().splitlines()
+
+
 @pytest.mark.slow
-def test_readme_quick_start_runs_in_minutes(trained_tokenizer, isolated_env):
-    """The Mac/CPU quick start of the README and of base_train's docstring: its base_train command as written there,
-    but with the session's 512-token tokenizer on the session's pydocs corpus (the README's two commands before it,
-    the corpus and a 4096-token tokenizer, are not run), its "minutes" bounded in CPU time on this test process's
-    share of the cores (helpers.CORES)."""
-    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
-    command = "python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512 --num_iterations=20"
-    assert command in readme and command in open(os.path.join(REPO_ROOT, "scripts", "base_train.py")).read()
+def test_readme_quick_start_runs_in_minutes(isolated_env):
+    """
+    The Mac/CPU quick start of the README, its three commands exactly as written there (the pydocs corpus, a
+    4,096-token tokenizer, 20 steps of a depth-4 model), in a fresh base dir; base_train's docstring gives the same
+    base_train command. Its "minutes" are bounded in CPU time on this test process's share of the cores
+    (helpers.CORES), which the machine's other load (other test processes, other users of a shared CI box) does not
+    stretch the way it stretches the wall time: under 3 minutes of it.
+    """
+    lines = readme_quick_start()
+    assert [line.split(" -m ")[1].split()[0] for line in lines] == ["nanochat.dataset", "scripts.tok_train",
+                                                                  "scripts.base_train"]
+    train_command = lines[-1].removeprefix("NANOCHAT_DATASET=pydocs ")
+    docstring = open(os.path.join(REPO_ROOT, "scripts", "base_train.py"), encoding="utf-8").read()
+    assert train_command in re.sub(r" *\\\n *", " ", docstring)  # a command split over lines by backslashes
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
-    result = run_script(*command.split()[1:], timeout=600, env={"OMP_NUM_THREADS": CORES})
+    for line in lines:
+        variable, python, *args = line.split()
+        assert variable == "NANOCHAT_DATASET=pydocs" and python == "python", line
+        result = run_script(*args, timeout=600, env={"NANOCHAT_DATASET": "pydocs", "OMP_NUM_THREADS": CORES})
+        assert result.returncode == 0, f"{line}\n{result.stderr}"
     after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.time() - t0
-    assert result.returncode == 0, result.stderr
-    # minutes: under 3 on its cores. Measured in CPU time, which the machine's other load (other test processes,
-    # other users of a shared CI box) does not stretch the way it stretches the wall time
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     assert cpu < 180 * CORES, f"{cpu:.0f} s of CPU on {CORES} thread(s) ({wall:.0f} s wall)"
+    assert "Model: depth 4 -> n_embd 256, 2 heads of 128, vocab 4,096, context 512" in result.stdout
     assert "step 00020/00020" in result.stdout and "validation bpb" in result.stdout
     losses = train_losses(isolated_env, "d4")
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5  # it learns
