@@ -14,7 +14,10 @@
 # (default: every GPU); NANOCHAT_SKIP_SETUP=1 uses the current python instead of creating .venv;
 # NANOCHAT_SMOKE=1 shrinks a profile: the cpu one to seconds (what the tests run), the gpu one to a few minutes and
 # no download (every stage through torchrun, then chat_web answers one request; bench/gpu_check.sh runs it on a
-# GPU machine without network). The report's step ends the run with one line per stage: its time and headline number.
+# GPU machine without network). SEED=<n> (default 0) seeds the run: base_train's data order (--data_seed=n) and
+# initial weights (--init_seed=42+n), chat_rl's sampling (--seed=n); the chat stages' data order is fixed. How much
+# the report card moves between seeds: bench/RESULTS.md ("The CPU speedrun's spread over seeds"). The report's step
+# ends the run with one line per stage: its time and headline number.
 #
 # Every stage must finish: `set -e` stops the pipeline at the first stage that exits non-zero, including a
 # training stage stopped early by Ctrl-C / SIGTERM (it saves a checkpoint and exits 75; resume it with the
@@ -26,6 +29,8 @@ REPO_DIR="$(pwd)"
 
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 WANDB_RUN="${WANDB_RUN:-dummy}"
+SEED="${SEED:-0}"
+SEEDS="--data_seed=$SEED --init_seed=$((42 + SEED))"  # base_train's; chat_rl takes --seed=$SEED
 if [ -z "${NANOCHAT_PROFILE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then NANOCHAT_PROFILE=gpu; else NANOCHAT_PROFILE=cpu; fi
 fi
@@ -132,7 +137,7 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
     # Pretraining: depth 20 (~1.4B parameters, of which ~560M compute and the rest are value-embedding lookup tables;
     # base_train prints both), 20 tokens per computing parameter (the smoke: its sizes above); then its loss and CORE
     stage "base model"
-    $RUN -m scripts.base_train -- --depth=$DEPTH --run="$WANDB_RUN" $BASE_SIZES
+    $RUN -m scripts.base_train -- --depth=$DEPTH $SEEDS --run="$WANDB_RUN" $BASE_SIZES
     $RUN -m scripts.base_loss -- $LOSS_SIZES
     $RUN -m scripts.base_eval -- --bundle=$BUNDLE $CORE_SIZES
     # Midtraining (SmolTalk, MMLU, GSM8K, spelling, identity), SFT, RL on GSM8K; each chat stage evaluated
@@ -143,7 +148,7 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
     $RUN -m scripts.chat_sft -- --mixture=$MIXTURE --run="$WANDB_RUN" $SFT_SIZES
     $RUN -m scripts.chat_eval -- -i sft -a $TASKS $CHAT_EVAL_SIZES
     stage "RL"
-    $RUN -m scripts.chat_rl -- --mixture=$MIXTURE --run="$WANDB_RUN" $RL_SIZES
+    $RUN -m scripts.chat_rl -- --mixture=$MIXTURE --seed=$SEED --run="$WANDB_RUN" $RL_SIZES
     $RUN -m scripts.chat_eval -- -i rl -a $RL_TASKS $CHAT_EVAL_SIZES
     CHAT_SOURCE=rl
 else
@@ -173,7 +178,7 @@ else
     stage "base model"
     # --weight_decay=0: at this batch (4,096 tokens) a table's rows decay 4x as often per epoch as at the 16,384 the
     # depth default was measured at; 0.2 and 0.05 both scored lower here (bench/RESULTS.md, "AdamW's weight decay")
-    python -m scripts.base_train --depth=$DEPTH $BATCH --num_iterations=$BASE_STEPS --weight_decay=0 \
+    python -m scripts.base_train --depth=$DEPTH $SEEDS $BATCH --num_iterations=$BASE_STEPS --weight_decay=0 \
         --eval_every=$(( BASE_STEPS / 3 > 0 ? BASE_STEPS / 3 : 1 )) --sample_every=$((BASE_STEPS / 2)) \
         --core_metric_every=-1 --run="$WANDB_RUN"
     python -m scripts.base_loss --device_batch_size=8 --split_tokens=$EVAL_TOKENS
@@ -193,7 +198,7 @@ else
     # RL on the offline spelling, arithmetic and identity problems, 16 a step, at 0.2 of the lrs: with 4 a step (or
     # arithmetic alone) its updates were mostly noise and its score fell below SFT's; 10 steps of 16 gained as much
     # as 20 (bench/RESULTS.md, "The CPU speedrun on an Intel AMX VM")
-    python -m scripts.chat_rl --mixture=offline --num_iterations=$RL_STEPS --prompts_per_step=16 --num_samples=$RL_SAMPLES --init_lr_frac=0.2 \
+    python -m scripts.chat_rl --mixture=offline --seed=$SEED --num_iterations=$RL_STEPS --prompts_per_step=16 --num_samples=$RL_SAMPLES --init_lr_frac=0.2 \
         --max_new_tokens=$MAX_NEW_TOKENS --eval_every=-1 --save_every=-1 --eval_examples=$EVAL_PROBLEMS --run="$WANDB_RUN"
     $CHAT_EVAL -i rl -a offline
     CHAT_SOURCE=rl

@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from nanochat.hardware import cpu_bf16_flags, cpu_model_name
+from nanochat.hardware import cpu_bf16_flags
+from nanochat.probes import cpu_model_name
 
 THIS_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +51,8 @@ def run_in_tree(tree, argv, env, first_line=None, timeout=3600):
     env = dict(os.environ, **env, PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines, first = [], None
+    lines = []
+    first = None
     for line in proc.stdout:
         lines.append(line)
         if first is None and first_line and re.search(first_line, line):
@@ -73,12 +75,13 @@ def interleaved(trees, repeats, measure):
 
 def label(tree):
     """A tree's name in tables: its git commit (short) and path."""
+    git = lambda *args: subprocess.run(["git", "-C", tree, *args], capture_output=True, text=True).stdout.strip()
     try:
-        commit = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except OSError:
-        commit, dirty = "?", ""
+        commit = "?"
+        dirty = ""
     return f"{commit}{'+changes' if dirty else ''} ({tree})"
 
 

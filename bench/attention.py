@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanochat.configurator import configure  # noqa: E402
+from nanochat.configurator import configure
 
 heads = 10  # query heads (depth 20: 10 of 128)
 kv_heads = 10  # key/value heads
@@ -69,16 +69,24 @@ def flex():
     def run(mask):
         key = None if mask is None else window
         if key not in block_masks:  # the block mask is made once per pattern, as a training run would
-            mod = (lambda b, h, qi, ki: qi >= ki) if mask is None else (lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= window))
+            if mask is None:
+                mod = lambda b, h, qi, ki: qi >= ki
+            else:
+                mod = lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= window)
             block_masks[key] = create_block_mask(mod, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=device_type)
         return compiled(q, k, v, block_mask=block_masks[key], enable_gqa=gqa)
     return run
 
 
-kernels = {"SDPA default": None, "SDPA flash": sdpa("FLASH_ATTENTION"), "SDPA cuDNN": sdpa("CUDNN_ATTENTION"),
+def sdpa_default(mask):
+    """What gpt.attention runs: SDPA with is_causal (the backend SDPA picks), or with the window's boolean mask."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+kernels = {"SDPA default": sdpa_default, "SDPA flash": sdpa("FLASH_ATTENTION"), "SDPA cuDNN": sdpa("CUDNN_ATTENTION"),
            "SDPA efficient": sdpa("EFFICIENT_ATTENTION"), "SDPA math": sdpa("MATH"), "FlexAttention (compiled)": flex()}
-kernels["SDPA default"] = lambda mask: (F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa) if mask is None
-                                         else F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa))
 name = torch.cuda.get_device_name() if device_type == "cuda" else "CPU"
 print(f"{name}, torch {torch.__version__}, {dtype}: {rows} x {heads} heads ({kv_heads} kv) x {seq} x {head_dim}, "
       f"forward + backward, median of {repeats}")
@@ -86,7 +94,8 @@ print("| kernel | attention | ms | TFLOP/s | max diff from math |")
 print("|---|---|---|---|---|")
 for mask_name, mask in masks.items():
     reference = sdpa("MATH")(mask).detach()
-    seen = seq * (seq + 1) / 2 if mask is None else sum(min(i, window) + 1 for i in range(seq))  # keys per query, summed
+    # keys per query, summed
+    seen = seq * (seq + 1) / 2 if mask is None else sum(min(i, window) + 1 for i in range(seq))
     flops = 4 * rows * heads * head_dim * seen * 3.5  # 2 matmuls forward; backward ~2.5x the forward (5 matmuls)
     for kernel_name, run in kernels.items():
         try:
@@ -103,5 +112,6 @@ for mask_name, mask in masks.items():
             diff = (out.detach().float() - reference.float()).abs().max().item()
             print(f"| {kernel_name} | {mask_name} | {ms:.2f} | {flops / ms / 1e9:.3g} | {diff:.2e} |", flush=True)
         except Exception as e:  # a backend that does not take these inputs (a mask, this dtype, this device)
-            print(f"| {kernel_name} | {mask_name} | refused: {type(e).__name__}: {str(e).splitlines()[0][:90]} | | |", flush=True)
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
+            print(f"| {kernel_name} | {mask_name} | refused: {reason} | | |", flush=True)
         q.grad = k.grad = v.grad = None

@@ -12,12 +12,12 @@ Training-step benchmark on this machine, two ways.
    peak measurement), and the share of step time spent outside forward/backward (optimizer, clipping, data,
    logging).
 
-2. Old code against new (--compare=TREE, a checkout of the old code, e.g. `git worktree add /tmp/base-08257cc
-   08257cc`): `python -m scripts.base_train` itself, with the same sizes, in that tree and in this one, in turn,
+2. Old code against new (--compare=TREE, a checkout of the old code, e.g. `git worktree add /tmp/old 08257cc`):
+   `python -m scripts.base_train` itself, with the same sizes, in that tree and in this one, in turn,
    `repeats` rounds (bench/ab.py: why interleaved). Each tree decides its own compute dtype, as a user's run would.
 
-    python bench/base_train.py --compare=/tmp/base-08257cc --depth=4 --device_batch_sizes=1 --total_batch_size=512 --vocab_size=4096
-    python bench/base_train.py --compare=/tmp/base-08257cc --depth=8 --device_batch_sizes=8 --total_batch_size=8192
+    python bench/base_train.py --compare=/tmp/old --device_batch_sizes=1 --total_batch_size=512 --vocab_size=4096
+    python bench/base_train.py --compare=/tmp/old --depth=8 --device_batch_sizes=8 --total_batch_size=8192
 
    Prints per tree: the compute dtype line, tokens/s and MFU (medians over the steps after the first, then over the
    rounds), the time from process start to the end of the first step, and peak memory (RSS), with the CPU model,
@@ -41,12 +41,13 @@ os.environ["NANOCHAT_DATASET"] = "pydocs"
 
 from nanochat.common import compute_init, print0
 from nanochat.configurator import configure
+from nanochat.cpu_kernels import dense_attention
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.dataset import parquets_iter_batched
-from nanochat.gpt import GPT, config_from_depth
+from nanochat.gpt import GPT, attention, config_from_depth
 from nanochat.hardware import autocast_dtype, get_peak_flops
 from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum
-from nanochat.stage import dense_attention_pays
+from nanochat.probes import dense_attention_pays
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth
@@ -116,7 +117,8 @@ def compare_trees():
 if compare:
     compare_trees()  # mode 2, then exit
 peak_flops, peak_source = get_peak_flops(device, dtype)
-print0(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}, peak {peak_flops / 1e9:.1f} GFLOP/s ({peak_source})")
+print0(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}, peak {peak_flops / 1e9:.1f} GFLOP/s "
+       f"({peak_source})")
 
 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 rows = []
@@ -124,12 +126,14 @@ for B in [int(b) for b in device_batch_sizes.split(",")]:
     torch.manual_seed(0)
     model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len)).to(device)
     model.init_weights()
-    model.dense_attention, why = dense_attention_pays(model.config, device.type)  # as scripts.base_train decides it
+    # as scripts.base_train decides it
+    model.dense_attention, why = dense_attention_pays(model.config, device.type, dtype, attention, dense_attention)
     print0(why)
     optimizers = model.setup_optimizers()
     flops_per_token = model.estimate_flops()
     accum = total_batch_size // (B * max_seq_len)
-    loader = tokenizing_distributed_data_loader(B, max_seq_len, "train", device, tokenizer=tokenizer, total_batch_size=total_batch_size)
+    loader = tokenizing_distributed_data_loader(B, max_seq_len, "train", device, tokenizer=tokenizer,
+                                                total_batch_size=total_batch_size)
     x, y = next(loader)
     timings = []  # per step: (total, forward+backward, data)
     first_step_start = first_step_end = None
@@ -145,7 +149,8 @@ for B in [int(b) for b in device_batch_sizes.split(",")]:
             sync()
             tb = time.perf_counter()
             x, y = next(loader)
-            t_fwdbwd, t_data = t_fwdbwd + tb - ta, t_data + time.perf_counter() - tb
+            t_fwdbwd = t_fwdbwd + tb - ta
+            t_data = t_data + time.perf_counter() - tb
         clip_grad_norm_(optimizers, 1.0)
         lrm = lr_multiplier(step, 100)
         for opt in optimizers:
@@ -169,10 +174,11 @@ for B in [int(b) for b in device_batch_sizes.split(",")]:
     mfu = 100 * flops_per_token * tok_s / peak_flops
     first = (first_step_start - T_PROCESS_START, first_step_end - T_PROCESS_START) if not rows else None
     rows.append((B, accum, tok_s, mfu, dt, 100 * (dt - fwdbwd) / dt, 100 * data / dt, first))
-    print0(f"B={B}: {tok_s:,.0f} tok/s, MFU {mfu:.1f}%, step {dt * 1000:.0f} ms, outside fwd/bwd {100 * (dt - fwdbwd) / dt:.1f}% "
-           f"(data {100 * data / dt:.1f}%), loss {loss_value:.3f}")
+    print0(f"B={B}: {tok_s:,.0f} tok/s, MFU {mfu:.1f}%, step {dt * 1000:.0f} ms, "
+           f"outside fwd/bwd {100 * (dt - fwdbwd) / dt:.1f}% (data {100 * data / dt:.1f}%), loss {loss_value:.3f}")
 
-print0("\n| B | accumulation | tok/s | MFU | step | outside fwd/bwd | of which data | process start -> first step starts / ends |")
+print0("\n| B | accumulation | tok/s | MFU | step | outside fwd/bwd | of which data "
+       "| process start -> first step starts / ends |")
 print0("|---|---|---|---|---|---|---|---|")
 for B, accum, tok_s, mfu, dt, outside, data, first in rows:
     print0(f"| {B} | {accum} | {tok_s:,.0f} | {mfu:.1f}% | {dt * 1000:.0f} ms | {outside:.1f}% | {data:.1f}% | "

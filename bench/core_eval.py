@@ -1,8 +1,9 @@
 """
-CORE evaluation throughput on this machine: examples/s of nanochat.core_eval.evaluate_core with rows of similar
-length batched together (several values of batch_tokens) against one forward per example (the reference's way,
-batch_tokens=0), on the offline pydocs bundle. Same model, same examples, so the outcomes must be identical;
-the bench checks it.
+CORE evaluation throughput on this machine: evaluate_core's batched rows against one forward per example.
+
+Examples/s of nanochat.core_eval.evaluate_core with rows of similar length batched together (several values of
+batch_tokens) against one forward per example (the reference's way, batch_tokens=0), on the offline pydocs bundle.
+Same model, same examples, so the outcomes must be identical; the bench checks it.
 
     python bench/core_eval.py                                  # depth 4, vocab 8192, 50 examples per task, CPU
     python bench/core_eval.py --max_per_task=400 --batch_tokens=4096,16384
@@ -69,13 +70,16 @@ def count(module, args, output):
 
 model.register_forward_hook(count)
 settings = [0] + [int(b) for b in batch_tokens.split(",")]
-best, stats, outcomes = {}, {}, {}
+best = {}
+stats = {}
+outcomes = {}
 for _ in range(repeats):  # settings interleaved, best of `repeats`: drifting load on a shared machine hits all alike
     for setting in settings:
         counted.update(forwards=0, tokens=0)
         sync()
         t0 = time.perf_counter()
-        results = evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=max_per_task, batch_tokens=setting, verbose=False)
+        results = evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=max_per_task, batch_tokens=setting,
+                                verbose=False)
         sync()
         best[setting] = min(best.get(setting, float("inf")), time.perf_counter() - t0)
         stats[setting] = (counted["forwards"], counted["tokens"], sum(r["examples"] for r in results["tasks"].values()))

@@ -1,7 +1,8 @@
 """
-Data loader throughput on this machine: how fast tokenizing_distributed_data_loader produces micro-batches
-(parquet read + tokenization on threads + batching), to compare with what the trainer consumes
-(bench/base_train.py). The loader must not be what limits training: target >= 10x the trainer's tokens/s.
+Data loader throughput on this machine: how fast tokenizing_distributed_data_loader produces micro-batches.
+
+Parquet read + tokenization on threads + batching, to compare with what the trainer consumes (bench/base_train.py).
+The loader must not be what limits training: target >= 10x the trainer's tokens/s.
 
     python bench/dataloader.py                  # pydocs, vocab 8192, B=8, T=512, the CPU speedrun's batch
     python bench/dataloader.py --bos_aligned=true

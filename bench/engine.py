@@ -1,6 +1,7 @@
 """
-Decoding benchmark: the Engine (nanochat/engine.py: KV cache, engine.decode_step) against naive generation
-(engine.generate_naive, which re-runs the whole sequence at every step), on this machine.
+Decoding benchmark: the Engine (KV cache, engine.decode_step) against naive generation, on this machine.
+
+The Engine is nanochat/engine.py's; naive generation (engine.generate_naive) re-runs the whole sequence at every step.
 
     python bench/engine.py                                  # depth 4, vocab 8192, context 2048, CPU, 1 and 2 threads
     python bench/engine.py --threads=1 --repeats=5
@@ -75,7 +76,8 @@ def compare_trees():
 
     trees = trees_to_compare(compare)
     keep = {k: v for k, v in config.items() if k not in ("compare", "rounds", "repeats", "naive")}
-    argv = [sys.executable, os.path.abspath(__file__), *(f"--{k}={v}" for k, v in keep.items()), "--repeats=1", "--naive=False"]
+    argv = [sys.executable, os.path.abspath(__file__), *(f"--{k}={v}" for k, v in keep.items()),
+            "--repeats=1", "--naive=False"]
     print0(f"bench/engine.py {' '.join(argv[2:])} in each tree, {rounds} rounds\n{machine_line()}")
 
     def measure(tree):
@@ -88,12 +90,17 @@ def compare_trees():
 
     results = interleaved(trees, rounds, measure)
     keys = [k for k in results[trees[0]][0] if k != "dtype"]
-    print0("\n| code | dtype | " + " | ".join(k.replace("B=", "decode B=") + (" (ms)" if "TTFT" in k else " (tok/s)") for k in keys) + " |")
+    print0("\n| code | dtype | "
+           + " | ".join(k.replace("B=", "decode B=") + (" (ms)" if "TTFT" in k else " (tok/s)") for k in keys)
+           + " |")
     print0("|---" * (len(keys) + 2) + "|")
     for tree, rows in results.items():
-        print0(f"| {label(tree)} | {rows[0]['dtype']} | " + " | ".join(f"{median(r[k] for r in rows):,.1f}" for k in keys) + " |")
-    old, new = results[trees[0]], results[trees[-1]]
-    print0("new / old: " + ", ".join(f"{k} {median(r[k] for r in new) / median(r[k] for r in old):.2f}x" for k in keys if "TTFT" not in k))
+        print0(f"| {label(tree)} | {rows[0]['dtype']} | "
+               + " | ".join(f"{median(r[k] for r in rows):,.1f}" for k in keys) + " |")
+    old = results[trees[0]]
+    new = results[trees[-1]]
+    print0("new / old: " + ", ".join(f"{k} {median(r[k] for r in new) / median(r[k] for r in old):.2f}x"
+                                     for k in keys if "TTFT" not in k))
     print0(machine_line())
     sys.exit(0)
 
@@ -105,7 +112,8 @@ device = torch.device(device_type)
 tok_dir = get_tokenizer_dir()
 tokenizer = Tokenizer.from_directory(tok_dir) if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else None
 if tokenizer is None or tokenizer.get_vocab_size() != vocab_size:
-    tokenizer = Tokenizer.train_from_iterator((doc for batch in parquets_iter_batched("train") for doc in batch), vocab_size)
+    tokenizer = Tokenizer.train_from_iterator((doc for batch in parquets_iter_batched("train") for doc in batch),
+                                              vocab_size)
     tokenizer.save(tok_dir)
 
 torch.manual_seed(0)
@@ -135,14 +143,18 @@ def peak_rss_mib():
 
 
 def run_engine(tokens, num_samples, max_tokens, seed):
-    """(seconds to the first column, seconds from the first column to the last, number of steps, CPU seconds
-    this process used from the first column to the last)."""
+    """
+    (seconds to the first column, seconds from the first column to the last, number of steps, CPU seconds this
+    process used from the first column to the last).
+    """
     sync()
     t0 = time.perf_counter()
     with autocast:
-        steps = engine.generate(tokens, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        steps = engine.generate(tokens, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
+                                seed=seed)
         next(steps)
-        t1, cpu1 = time.perf_counter(), time.process_time()
+        t1 = time.perf_counter()
+        cpu1 = time.process_time()
         n = 1 + sum(1 for _ in steps)
     sync()
     return t1 - t0, time.perf_counter() - t1, n, time.process_time() - cpu1
@@ -159,10 +171,13 @@ def run_naive(seed):
 
 @torch.inference_mode()
 def decode_step_rate(weights, steps=128):
-    """engine.decode_step alone at batch 1 (greedy, no engine around it): tokens/s. weights=None: decode through
-    GPT.forward with the KV cache instead (the generic cached path: nn.Modules, one (1, 1) token sequence)."""
+    """
+    engine.decode_step alone at batch 1 (greedy, no engine around it): tokens/s. weights=None: decode through
+    GPT.forward with the KV cache instead (the generic cached path: nn.Modules, one (1, 1) token sequence).
+    """
     cfg = model.config
-    cache = KVCache(1, cfg.n_kv_head, prompt_tokens + steps, cfg.n_embd // cfg.n_head, cfg.n_layer, device, model.lm_head.weight.dtype)
+    cache = KVCache(1, cfg.n_kv_head, prompt_tokens + steps, cfg.n_embd // cfg.n_head, cfg.n_layer, device,
+                    model.lm_head.weight.dtype)
     token = model.prefill(torch.tensor([prompt], device=device), cache).argmax(-1)
     sync()
     t0 = time.perf_counter()
@@ -188,7 +203,10 @@ for n_threads in [int(t) for t in threads.split(",")]:
         torch.set_num_threads(n_threads)
     label = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
     run_engine(prompt, 1, 8, seed=0)  # warm-up
-    runs, layout, long_ttfts, pairs = {B: [] for B in Bs}, [], [], []
+    runs = {B: [] for B in Bs}
+    layout = []
+    long_ttfts = []
+    pairs = []
     # one round of every measurement per repeat, so that all of them see the same mix of load on a shared machine
     for r in range(repeats):
         for B in Bs:
@@ -208,13 +226,15 @@ for n_threads in [int(t) for t in threads.split(",")]:
     ttft = {B: statistics.median(t for t, _, _, _ in runs[B]) for B in Bs}
     for B in Bs:
         if any(n != new_tokens for _, _, n, _ in runs[B]):
-            print0(f"  note: at B={B} some runs ended early (every sample ended): steps {[n for _, _, n, _ in runs[B]]}")
+            print0(f"  note: at B={B} some runs ended early (every sample ended): "
+                   f"steps {[n for _, _, n, _ in runs[B]]}")
         print0(f"[{label}] engine B={B}: decode {decode[B]:,.0f} tok/s ({1000 * B / decode[B]:.2f} ms/step; "
                f"{decode_cpu[B]:,.0f} tok/s per CPU-second), TTFT {1000 * ttft[B]:.1f} ms  "
                f"(runs: {', '.join(f'{(n - 1) * B / dt:,.0f}' for _, dt, n, _ in runs[B])} tok/s)")
     if layout_check:
-        print0(f"[{label}] greedy B=1 without the engine: GPT.forward with the cache {statistics.median(f for f, _, _ in layout):,.0f} "
-               f"tok/s; decode_step with the weights (out, in) as stored {statistics.median(a for _, a, _ in layout):,.0f} tok/s, "
+        print0(f"[{label}] greedy B=1 without the engine: GPT.forward with the cache "
+               f"{statistics.median(f for f, _, _ in layout):,.0f} tok/s; decode_step with the weights (out, in) as "
+               f"stored {statistics.median(a for _, a, _ in layout):,.0f} tok/s, "
                f"with decode_weights() copies (in, out) {statistics.median(b for _, _, b in layout):,.0f} tok/s "
                f"(runs: {', '.join(f'{f:,.0f}/{a:,.0f}/{b:,.0f}' for f, a, b in layout)})")
     long_ttft = statistics.median(long_ttfts)
@@ -222,18 +242,19 @@ for n_threads in [int(t) for t in threads.split(",")]:
            f"(runs: {', '.join(f'{1000 * t:.0f}' for t in long_ttfts)} ms); peak RSS so far {peak_rss_mib():.0f} MiB")
     e2e = naive_rate = speedup = None
     if naive:
-        e2e, naive_rate = statistics.median(e for e, _ in pairs), statistics.median(nv for _, nv in pairs)
+        e2e = statistics.median(e for e, _ in pairs)
+        naive_rate = statistics.median(nv for _, nv in pairs)
         speedup = statistics.median(e / nv for e, nv in pairs)
-        print0(f"[{label}] B=1 end to end: engine {e2e:,.0f} tok/s, naive {naive_rate:,.1f} tok/s, speedup {speedup:.1f}x "
-               f"(runs: {', '.join(f'{e:,.0f}/{nv:,.1f}' for e, nv in pairs)})")
+        print0(f"[{label}] B=1 end to end: engine {e2e:,.0f} tok/s, naive {naive_rate:,.1f} tok/s, "
+               f"speedup {speedup:.1f}x (runs: {', '.join(f'{e:,.0f}/{nv:,.1f}' for e, nv in pairs)})")
     rows.append((label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup))
 
 gpu_peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if device.type == "cuda" else ""
 print0(f"\npeak RSS at the end: {peak_rss_mib():.0f} MiB{gpu_peak}\n")
-print0("| threads | " + " | ".join(f"decode B={B} (per CPU-s)" for B in Bs) + f" | TTFT ({prompt_tokens} / {long_prompt_tokens}-token prompt) "
-       f"| B=1 end to end: engine | naive | speedup |")
+print0("| threads | " + " | ".join(f"decode B={B} (per CPU-s)" for B in Bs)
+       + f" | TTFT ({prompt_tokens} / {long_prompt_tokens}-token prompt) | B=1 end to end: engine | naive | speedup |")
 print0("|---" * (len(Bs) + 5) + "|")
 for label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup in rows:
     naive_cells = f"{e2e:,.0f} tok/s | {naive_rate:,.1f} tok/s | {speedup:.1f}x" if naive else "- | - | -"
-    print0(f"| {label} | " + " | ".join(f"{decode[B]:,.0f} tok/s ({decode_cpu[B]:,.0f})" for B in Bs) + f" | {1000 * ttft[Bs[0]]:.1f} / "
-           f"{1000 * long_ttft:.0f} ms | {naive_cells} |")
+    print0(f"| {label} | " + " | ".join(f"{decode[B]:,.0f} tok/s ({decode_cpu[B]:,.0f})" for B in Bs)
+           + f" | {1000 * ttft[Bs[0]]:.1f} / {1000 * long_ttft:.0f} ms | {naive_cells} |")

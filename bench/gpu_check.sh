@@ -52,8 +52,8 @@ python_h = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python
 print(f"gpu_check: C compiler {compiler or 'none'}, Python.h {'found' if python_h else 'missing'} (Triton builds its "
       f"launcher with them: torch.compile fails without; COMPILE=false runs the rest)")
 missing = []
-for name in ("numpy", "tiktoken", "pyarrow", "filelock", "requests", "psutil", "matplotlib", "yaml", "jinja2", "rustbpe",
-             "fastapi", "uvicorn", "pydantic", "openai", "nanochat.common", "scripts", "tasks.registry"):
+for name in ("numpy", "tiktoken", "pyarrow", "filelock", "requests", "psutil", "matplotlib", "yaml", "jinja2",
+             "rustbpe", "fastapi", "uvicorn", "pydantic", "openai", "nanochat.common", "scripts", "tasks.registry"):
     try:
         importlib.import_module(name)
     except Exception as e:

@@ -1,7 +1,8 @@
 """
-Training speed per GPU, ours against karpathy/nanochat HEAD (issue 37): each codebase's own scripts.base_train at the
-same depth, sequence length and micro-batch, in one run of this script, on the same machine, one after the other.
-Per depth (default 20 with 32 rows and 24 with 16 rows, 2048 tokens a row), up to three rows:
+Training speed per GPU, ours against karpathy/nanochat HEAD: each codebase's own scripts.base_train.
+
+Both at the same depth, sequence length and micro-batch (issue 37), in one run of this script, on the same machine,
+one after the other. Per depth (default 20 with 32 rows and 24 with 16 rows, 2048 tokens a row), up to three rows:
 - ours: scripts.base_train as bench/train_speed.py runs it (a dry run, one micro-step a step);
 - HEAD, runs/speedrun.sh settings: --fp8 and its default --window-pattern=SSSL;
 - HEAD, plain: --window-pattern=L, no fp8;
@@ -25,7 +26,7 @@ last file the validation split, documents in a `text` column: our pydocs shards 
 NANOCHAT_DATASET=pydocs) have that layout, so they are copied there under their own names. Its tokenizer is its own
 scripts.tok_train's (tokenizer.pkl and token_bytes.pt in <base>/tokenizer), run in its checkout, asked for the same
 vocabulary as ours. pydocs holds too little text for 65,536 tokens: rustbpe runs out of pairs and both codebases end
-at the same smaller size (33,875 from Python 3.11's docs), which the notes show. (HEAD's speedrun trains 32,768.)
+at the same smaller size (bench/RESULTS.md: issue 37 items 2-4), which the notes show. (HEAD's speedrun trains 32,768.)
 HEAD's base_train always torch.compiles, has no dry run and saves the model and optimizer at the end: its two
 checkpoint files are made links to /dev/null beforehand (after the last step line: nothing measured is changed), the
 rest is deleted after. Its Flash Attention 3 comes from the `kernels` package, downloaded from the Hugging Face hub at
@@ -110,11 +111,16 @@ def setup(argv, cwd, env, what):
 
 
 def timed_run(argv, cwd, env, first_line, log):
-    """Run a training script: (exit code, its stdout, seconds from the start to its first step line). Its stdout is
-    kept in `log`, its stderr in `log`.err: a file, so that a chatty compile cannot fill a pipe and stall it."""
-    t0, first_step, out = time.time(), None, []
+    """
+    Run a training script: (exit code, its stdout, seconds from the start to its first step line). Its stdout is
+    kept in `log`, its stderr in `log`.err: a file, so that a chatty compile cannot fill a pipe and stall it.
+    """
+    t0 = time.time()
+    first_step = None
+    out = []
     with open(log + ".err", "w") as err:
-        proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err,
+                                text=True)
         for line in proc.stdout:  # the first step line's time: start-up, data, torch.compile and the step itself
             out.append(line)
             if first_step is None and line.startswith(first_line):
@@ -151,7 +157,8 @@ ours_env = dict(os.environ, NANOCHAT_BASE_DIR=ours_dir, NANOCHAT_DATASET="pydocs
 
 def ours_setup():
     """The pydocs corpus and our tokenizer in ours_dir (HEAD's corpus is copied from this one)."""
-    if not os.path.exists(os.path.join(ours_dir, "tokenizer", "tokenizer.json")):  # written last: the tokenizer is whole
+    # tokenizer.json is written last: when it is there, the tokenizer is whole
+    if not os.path.exists(os.path.join(ours_dir, "tokenizer", "tokenizer.json")):
         setup(["-m", "nanochat.dataset"], ROOT, ours_env, "ours")
         setup(["-m", "scripts.tok_train", f"--vocab_size={vocab_size}"], ROOT, ours_env, "ours")
 
@@ -181,7 +188,8 @@ def run_ours(depth, B):
 # -----------------------------------------------------------------------------
 # HEAD: its scripts.base_train in its checkout, with a base dir of its own
 
-# unbuffered: HEAD's print0 does not flush, and a pipe would hold its first step line back (from the start-to-step-1 time)
+# unbuffered: HEAD's print0 does not flush, and a pipe would hold its first step line back (from the
+# start-to-step-1 time)
 head_env = dict(os.environ, NANOCHAT_BASE_DIR=head_dir, PYTHONPATH=pythonpath(os.path.abspath(head or ".")),
                 PYTHONUNBUFFERED="1")
 head_env.pop("NANOCHAT_DATASET", None)
@@ -200,7 +208,8 @@ def head_setup():
             if re.fullmatch(r"shard_\d{5}\.parquet", name):
                 shutil.copy(os.path.join(source, name), data)
         setup(["-m", "scripts.tok_train", f"--vocab-size={vocab_size}"], head, head_env, "HEAD")
-    check = subprocess.run([sys.executable, "-c", "import wandb"], cwd=head, env=head_env, capture_output=True, text=True)
+    check = subprocess.run([sys.executable, "-c", "import wandb"], cwd=head, env=head_env, capture_output=True,
+                           text=True)
     if check.returncode != 0:
         # HEAD calls wandb only for a run not named "dummy" (wandb.init); the stub raises if that ever changes
         stub = os.path.join(base_dir, "wandb_stub", "wandb")
@@ -232,16 +241,26 @@ def run_head(depth, B, variant):
     shutil.rmtree(checkpoints, ignore_errors=True)
     lines = re.findall(r"\| dt: ([\d.,]+)ms \| tok/sec: ([\d,]+) \| bf16_mfu: ([\d.]+)", out)
     if code != 0 or not lines:
-        return failed(label + {"speedrun": ": --fp8, SSSL", "plain": ": window L, no fp8"}[variant], depth, B, log, code)
+        settings = {"speedrun": ": --fp8, SSSL", "plain": ": window L, no fp8"}[variant]
+        return failed(label + settings, depth, B, log, code)
     step_ms, tok_s, mfu = medians(lines)
     # what HEAD printed about its attention and fp8, for the settings cell
-    attention = ("FA3" if "Using Flash Attention 3" in out else
-                 "SDPA fallback (FA3 needs bf16)" if "only supports bf16" in out else
-                 "SDPA fallback, no FA3" if "using PyTorch SDPA fallback" in out else "attention not reported")
+    if "Using Flash Attention 3" in out:
+        attention = "FA3"
+    elif "only supports bf16" in out:
+        attention = "SDPA fallback (FA3 needs bf16)"
+    elif "using PyTorch SDPA fallback" in out:
+        attention = "SDPA fallback, no FA3"
+    else:
+        attention = "attention not reported"
     if variant == "speedrun":
         converted = find(r"converted (\d+/\d+) linear", out)
-        fp8 = ("--fp8 ignored (HEAD: not CUDA)" if "ignoring --fp8" in out else
-               f"--fp8 ({converted} linears)" if "FP8 training enabled" in out else "--fp8 (not reported)")
+        if "ignoring --fp8" in out:
+            fp8 = "--fp8 ignored (HEAD: not CUDA)"
+        elif "FP8 training enabled" in out:
+            fp8 = f"--fp8 ({converted} linears)"
+        else:
+            fp8 = "--fp8 (not reported)"
         label += f": {fp8}, SSSL, {attention}"
     else:
         label += f": window L, no fp8, {attention}"
@@ -325,7 +344,8 @@ if head_runs:
 if decode:
     e_depth, rates, code = decode
     print(f"\nOur Engine's decoding (bench/engine.py --depth={e_depth} --vocab_size={vocab_size} --naive=False: random "
-          f"weights, a 32-token prompt, 256 new tokens, medians of 3; log: {os.path.join(base_dir, 'logs', 'engine.log')})")
+          f"weights, a 32-token prompt, 256 new tokens, medians of 3; "
+          f"log: {os.path.join(base_dir, 'logs', 'engine.log')})")
     if rates:
         print("| samples | decode tok/s (all samples) | time to first token |")
         print("|---|---|---|")

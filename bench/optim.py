@@ -1,8 +1,10 @@
 """
-Optimizer step time, in ms per step: Muon and torch.optim.AdamW in one process, then DistMuon and
-DistAdamW on N ranks (torchrun), for the parameters of GPTs of a few depths. The optimizers are the
-ones GPT.setup_optimizers picks: Muon/DistMuon for the matrices of the transformer blocks, AdamW/DistAdamW
-for wte and lm_head. The default vocab is 8192 (not 65536) to keep the embedding CPU-sized.
+Optimizer step time, in ms per step: Muon and AdamW in one process, then DistMuon and DistAdamW on N ranks.
+
+For the parameters of GPTs of a few depths; the distributed part under torchrun. The optimizers are the ones
+GPT.setup_optimizers picks: Muon/DistMuon for the matrices of the transformer blocks, AdamW/DistAdamW
+(nanochat/adamw.py) for the rest (wte and lm_head; the value embeddings and layer scalars when the model has them).
+The default vocab is 8192 (not 65536) to keep the embedding CPU-sized.
 
     python bench/optim.py                         # one process, then relaunches itself with torchrun, 2 ranks
     python bench/optim.py --depths=4,8 --steps=20 --nproc=2
@@ -96,7 +98,8 @@ print0(f"{'depth':>5} {'n_embd':>6} {'matrices':>8} {'Muon params':>12} {'AdamW 
        f"{'Muon ms':>9} {'AdamW ms':>9} {'total ms':>9}")
 for depth in [int(d) for d in depths.split(",")]:
     model, adamw, muon = build(depth)
-    muon_ms, adamw_ms = time_steps(muon), time_steps(adamw)
+    muon_ms = time_steps(muon)
+    adamw_ms = time_steps(adamw)
     n_matrices = sum(len(g["params"]) for g in muon.param_groups)
     print0(f"{depth:>5} {model.config.n_embd:>6} {n_matrices:>8} {count(muon):>12,} {count(adamw):>12,} "
            f"{muon_ms:>9.1f} {adamw_ms:>9.1f} {muon_ms + adamw_ms:>9.1f}")

@@ -5,9 +5,9 @@ values do not change the time). After `warmup` steps, one step is timed `repeats
 median is the step time) and once with it; prints per region (forward, backward, clipping, AdamW, Muon) its wall
 time and the ops that take it (self time), and the share of the step per kind of op.
 
-    python bench/profile_step.py --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512   # seed command
-    python bench/profile_step.py --depth=4 --max_seq_len=512 --device_batch_size=8 --total_batch_size=4096  # CPU speedrun
-    python bench/profile_step.py --depth=8 --max_seq_len=512 --device_batch_size=8 --total_batch_size=8192
+    python bench/profile_step.py --depth=4 --device_batch_size=1 --total_batch_size=512   # the seed command
+    python bench/profile_step.py --depth=4 --device_batch_size=8 --total_batch_size=4096  # the CPU speedrun
+    python bench/profile_step.py --depth=8 --device_batch_size=8 --total_batch_size=8192
     NANOCHAT_DTYPE=float32 python bench/profile_step.py ...    # the same in the other dtype
     python bench/profile_step.py --depth=8 ... --compile=True  # compiled: its fused kernels are no aten ops, so the
                                                                # time outside aten ops gets a line of its own
@@ -25,10 +25,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ab import machine_line  # bench/ab.py
 from nanochat.common import compute_init, print0
 from nanochat.configurator import configure
-from nanochat.gpt import GPT, config_from_depth
+from nanochat.cpu_kernels import dense_attention
+from nanochat.gpt import GPT, attention, config_from_depth
 from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.optim import clip_grad_norm_
-from nanochat.stage import dense_attention_pays
+from nanochat.probes import dense_attention_pays
 
 depth = 4  # model depth
 max_seq_len = 512  # T
@@ -44,18 +45,20 @@ config = configure(globals())
 # What each op is, for the shares (anything else: elementwise and the rest)
 KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
          "attention": ("aten::_scaled_dot_product", "aten::_softmax", "aten::_softmax_backward_data"),
-         "softcapped loss over the vocabulary": ("aten::tanh", "aten::exp", "aten::log", "aten::_log_softmax", "aten::nll_loss",
-                                                 "aten::scatter_add_", "aten::gather", "aten::addcmul", "aten::tanh_backward",
+         "softcapped loss over the vocabulary": ("aten::tanh", "aten::exp", "aten::log", "aten::_log_softmax",
+                                                 "aten::nll_loss", "aten::scatter_add_", "aten::gather",
+                                                 "aten::addcmul", "aten::tanh_backward",
                                                  "aten::_log_softmax_backward_data"),
          "dtype casts": ("aten::_to_copy", "aten::copy_")}
 
 compute_init("cpu")  # the process set up as base_train's is (on Linux its freed memory kept: docs/hardware.md)
-_, autocast = autocast_context("cpu")
+dtype, autocast = autocast_context("cpu")
 print0(f"{compute_dtype_line('cpu')}\n{machine_line()}; {torch.get_num_threads()} torch threads")
 torch.manual_seed(0)
 model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len))
 model.init_weights()
-model.dense_attention, why = dense_attention_pays(model.config, "cpu")  # the attention scripts.base_train's steps use
+# the attention scripts.base_train's steps use
+model.dense_attention, why = dense_attention_pays(model.config, "cpu", dtype, attention, dense_attention)
 print0(why)
 with contextlib.redirect_stdout(io.StringIO()):  # setup_optimizers prints its summary
     adamw, muon = model.setup_optimizers()
@@ -93,8 +96,11 @@ with profile(activities=[ProfilerActivity.CPU]) as prof:
 
 # Attribute every op to the region it started in (regions do not nest)
 events = prof.events()
-regions = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.name in ("forward", "backward", "clipping", "AdamW", "Muon")]
-wall, by_region, by_kind = collections.Counter(), collections.defaultdict(collections.Counter), collections.Counter()
+REGIONS = ("forward", "backward", "clipping", "AdamW", "Muon")
+regions = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.name in REGIONS]
+wall = collections.Counter()  # ms per region
+by_region = collections.defaultdict(collections.Counter)  # {region: ms per op}
+by_kind = collections.Counter()  # ms per kind of op
 for name, start, end in regions:
     wall[name] += (end - start) / 1000
 for e in events:
@@ -109,13 +115,15 @@ for e in events:
 step_ms = 1000 * statistics.median(times)
 print0(f"\ndepth {depth}, B {device_batch_size} x T {max_seq_len}, {accum} micro-step(s), vocab {vocab_size}: step "
        f"{step_ms:.0f} ms (median of {repeats}: {', '.join(f'{1000 * t:.0f}' for t in times)}), "
-       f"{total_batch_size / statistics.median(times):,.0f} tok/s; the profiled step took {sum(wall.values()):.0f} ms in its regions")
-for name in ("forward", "backward", "clipping", "AdamW", "Muon"):
+       f"{total_batch_size / statistics.median(times):,.0f} tok/s; the profiled step took {sum(wall.values()):.0f} ms "
+       f"in its regions")
+for name in REGIONS:
     ops = by_region[name]
     print0(f"  {name}: {wall[name]:.0f} ms ({100 * wall[name] / sum(wall.values()):.0f}%)  " +
            ", ".join(f"{op.removeprefix('aten::')} {ms:.0f}" for op, ms in ops.most_common(top)))
 total = sum(by_kind.values())
-print0("  by kind of op (self time): " + ", ".join(f"{kind} {100 * ms / total:.0f}%" for kind, ms in by_kind.most_common()))
+print0("  by kind of op (self time): " + ", ".join(f"{kind} {100 * ms / total:.0f}%"
+                                                  for kind, ms in by_kind.most_common()))
 if compile:
     outside = sum(wall.values()) - total
     print0(f"  compiled: {outside:.0f} ms ({100 * outside / sum(wall.values()):.0f}% of the regions) outside aten ops "

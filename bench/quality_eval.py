@@ -1,11 +1,13 @@
 """
-Bits per byte of a trained base model on the first documents of a validation shard, computed the same way for
-every nanochat codebase: bench/quality.py runs it once per trained model, in that codebase's own environment.
+Bits per byte of a trained base model, computed the same way in every nanochat codebase.
+
+On the first documents of a validation shard: bench/quality.py runs it once per trained model, in that codebase's
+own environment.
 
     cd <checkout> && NANOCHAT_BASE_DIR=<base> NANOCHAT_DTYPE=float32 <its python> /path/to/bench/quality_eval.py \
         --model_tag=s0 --val_shard=<base_data>/shard_00004.parquet --docs=990 --seq_len=512
-    cd <checkout> && NANOCHAT_BASE_DIR=<base> <its python> /path/to/bench/quality_eval.py --check --docs_for_tokens=65536 \
-        --val_shard=<shard>
+    cd <checkout> && NANOCHAT_BASE_DIR=<base> <its python> /path/to/bench/quality_eval.py --check \
+        --docs_for_tokens=65536 --val_shard=<shard>
 
 Runs in any of: this repository, karpathy/nanochat 088726a, karpathy/nanochat HEAD. It imports only torch,
 pyarrow and the checkout's own modules (the checkout is the working directory, put first on sys.path), and
@@ -61,7 +63,8 @@ def windows(ids, seq_len):
 
 def batches(rows, batch_tokens):
     """rows sorted longest first, grouped so that rows x the longest row's length stays within batch_tokens."""
-    rows, chunk = sorted(rows, key=lambda r: -len(r[0])), []  # similar lengths together: little padding
+    rows = sorted(rows, key=lambda r: -len(r[0]))  # similar lengths together: little padding
+    chunk = []
     for row in rows:
         if chunk and (len(chunk) + 1) * len(chunk[0][0]) > batch_tokens:
             yield chunk
@@ -74,16 +77,19 @@ def batches(rows, batch_tokens):
 @torch.no_grad()
 def summed_nats(model, rows, bos, batch_tokens, device):
     """Sum of the cross-entropy over every non-BOS target of rows [(inputs, targets)]; (nats, targets counted)."""
-    nats, counted = 0.0, 0
+    nats = 0.0
+    counted = 0
     for chunk in batches(rows, batch_tokens):  # many short documents share one forward pass
         width = len(chunk[0][0])
-        x = torch.full((len(chunk), width), bos, dtype=torch.long)  # right padding: causal, earlier positions unaffected
+        # right padding: causal, earlier positions unaffected
+        x = torch.full((len(chunk), width), bos, dtype=torch.long)
         y = torch.full((len(chunk), width), -1, dtype=torch.long)
         for j, (inp, tgt) in enumerate(chunk):
             x[j, :len(inp)] = torch.tensor(inp)
             y[j, :len(tgt)] = torch.tensor(tgt)
         y[y == bos] = -1
-        x, y = x.to(device), y.to(device)
+        x = x.to(device)
+        y = y.to(device)
         logits = model(x).float()
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1, reduction="none")
         nats += loss.double().sum().item()
@@ -97,10 +103,14 @@ def main():
     parser.add_argument("--docs", type=int, default=0, help="evaluate the first this many documents (0: all)")
     parser.add_argument("--seq_len", type=int, default=512, help="tokens of context per window")
     parser.add_argument("--model_tag", default="", help="base_checkpoints/<model_tag> under $NANOCHAT_BASE_DIR")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run the model (fp32 either way)")
-    parser.add_argument("--batch_tokens", type=int, default=4096, help="token positions per forward pass (padding included)")
-    parser.add_argument("--check", action="store_true", help="no model: print the codebase's val shard (and --docs_for_tokens)")
-    parser.add_argument("--docs_for_tokens", type=int, default=0, help="with --check: documents needed for this many targets")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where to run the model (fp32 either way)")
+    parser.add_argument("--batch_tokens", type=int, default=4096,
+                        help="token positions per forward pass (padding included)")
+    parser.add_argument("--check", action="store_true",
+                        help="no model: print the codebase's val shard (and --docs_for_tokens)")
+    parser.add_argument("--docs_for_tokens", type=int, default=0,
+                        help="with --check: documents needed for this many targets")
     args = parser.parse_args()
 
     if args.check:
@@ -108,7 +118,8 @@ def main():
         out = dict(nanochat=os.path.realpath(nanochat.__file__), val_shard=os.path.realpath(val_shard_of_codebase()))
         if args.docs_for_tokens > 0:
             from nanochat.tokenizer import get_tokenizer
-            tokenizer, total = get_tokenizer(), 0
+            tokenizer = get_tokenizer()
+            total = 0
             texts = documents(args.val_shard)
             for n, text in enumerate(texts, 1):
                 total += len(tokenizer.encode(text))
@@ -132,8 +143,8 @@ def main():
     rows = [w for text in texts for w in windows(tokenizer.encode(text, prepend=bos), args.seq_len)]
     nats, targets = summed_nats(model, rows, bos, args.batch_tokens, device)
     num_bytes = sum(len(text.encode("utf-8")) for text in texts)
-    print(json.dumps(dict(bpb=nats / math.log(2) / num_bytes, nats=nats, targets=targets, bytes=num_bytes, docs=len(texts),
-                          windows=len(rows), params=sum(p.numel() for p in model.parameters()),
+    print(json.dumps(dict(bpb=nats / math.log(2) / num_bytes, nats=nats, targets=targets, bytes=num_bytes,
+                          docs=len(texts), windows=len(rows), params=sum(p.numel() for p in model.parameters()),
                           vocab_size=tokenizer.get_vocab_size(), model_config=meta.get("model_config"),
                           step=meta.get("step"), seconds=time.time() - t0)))
 

@@ -1,7 +1,9 @@
 """
-RL's sampling against the Engine's decoding. chat_rl samples `num_samples` answers to each problem of a step; one
-problem after another, a step decoded as many steps as its longest answer for every problem, most of its rows long
-ended, and its answer tokens came out far slower than the Engine decodes. This measures, on one trained chat model:
+RL's sampling against the Engine's decoding: answer tokens/s on one trained chat model.
+
+chat_rl samples `num_samples` answers to each problem of a step; one problem after another, a step decoded as many
+steps as its longest answer for every problem, most of its rows long ended, and its answer tokens came out far
+slower than the Engine decodes. This measures, on one trained chat model:
 
 - "one problem at a time": Engine.generate per problem, num_samples rows each (how chat_rl sampled before);
 - "problems together": Engine.generate_many over the step's problems, `sample_batch_size` answers at a time (how
@@ -41,8 +43,10 @@ ceiling_steps = 64  # decoding steps of the ceiling measurement
 threads = 2  # torch threads (0 = leave torch's default)
 repeats = 3  # runs of each measurement (different seeds); the median is reported
 config = configure(globals())
-check_config(config, positive=["problems", "num_samples", "max_new_tokens", "sample_batch_size", "ceiling_steps", "repeats"],
-             non_negative=["temperature", "top_k", "threads"], choices={"mixture": ("offline", "real"), "source": ("mid", "sft", "rl")})
+check_config(config,
+             positive=["problems", "num_samples", "max_new_tokens", "sample_batch_size", "ceiling_steps", "repeats"],
+             non_negative=["temperature", "top_k", "threads"],
+             choices={"mixture": ("offline", "real"), "source": ("mid", "sft", "rl")})
 if threads:
     torch.set_num_threads(threads)
 
@@ -56,15 +60,18 @@ else:
     task = Arithmetic(split="train")
 prompts = [tokenizer.render_for_completion(task[i]) for i in range(problems)]
 _, autocast = autocast_context("cpu")
-print0(f"{source} model {meta['model_tag']} step {meta['step']}: depth {model.config.n_layer}, vocab {model.config.vocab_size:,}, "
-       f"context {engine.context_len}; {problems} problems x {num_samples} answers of up to {max_new_tokens} tokens, "
-       f"temperature {temperature}, top_k {top_k}; {torch.get_num_threads()} threads")
+print0(f"{source} model {meta['model_tag']} step {meta['step']}: depth {model.config.n_layer}, "
+       f"vocab {model.config.vocab_size:,}, context {engine.context_len}; {problems} problems x {num_samples} "
+       f"answers of up to {max_new_tokens} tokens, temperature {temperature}, top_k {top_k}; "
+       f"{torch.get_num_threads()} threads")
 print0(compute_dtype_line("cpu"))
 
 
 def kept_tokens(columns, rows):
     """Answer tokens as chat_rl keeps them (up to and including each answer's end token), and the steps decoded."""
-    ended, kept, steps = [False] * rows, 0, 0
+    ended = [False] * rows
+    kept = 0
+    steps = 0
     for column, _ in columns:
         steps += 1
         for i, token in enumerate(column):
@@ -80,7 +87,8 @@ def one_at_a_time(seed):
         room = min(max_new_tokens, engine.context_len - len(prompt))
         k, s = kept_tokens(engine.generate(prompt, num_samples=num_samples, max_tokens=room, temperature=temperature,
                                            top_k=top_k, seed=seed + p), num_samples)
-        kept, steps = kept + k, steps + s
+        kept += k
+        steps += s
     return kept, steps
 
 
@@ -90,9 +98,11 @@ def together(seed):
     for first in range(0, len(prompts), per_call):
         chunk = prompts[first:first + per_call]
         room = min(max_new_tokens, engine.context_len - max(len(p) for p in chunk))
-        k, s = kept_tokens(engine.generate_many(chunk, num_samples=num_samples, max_tokens=room, temperature=temperature,
-                                                top_k=top_k, seed=seed + first), len(chunk) * num_samples)
-        kept, steps = kept + k, steps + s
+        k, s = kept_tokens(engine.generate_many(chunk, num_samples=num_samples, max_tokens=room,
+                                                temperature=temperature, top_k=top_k, seed=seed + first),
+                           len(chunk) * num_samples)
+        kept += k
+        steps += s
     return kept, steps
 
 
@@ -101,8 +111,8 @@ def ceiling(seed):
     from nanochat.engine import KVCache
     cfg = model.config
     prompt = prompts[0]
-    cache = KVCache(num_samples, cfg.n_kv_head, len(prompt) + ceiling_steps, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu",
-                    torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
+    cache = KVCache(num_samples, cfg.n_kv_head, len(prompt) + ceiling_steps, cfg.n_embd // cfg.n_head, cfg.n_layer,
+                    "cpu", torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
     with torch.inference_mode():
         model.prefill(torch.tensor([prompt] * num_samples), cache)
         weights = decode_weights(model, cache.k.dtype)
@@ -114,7 +124,8 @@ def ceiling(seed):
 
 rows = []
 with autocast:
-    for name, run in (("one problem at a time", one_at_a_time), ("problems together", together), ("decode ceiling", ceiling)):
+    for name, run in (("one problem at a time", one_at_a_time), ("problems together", together),
+                      ("decode ceiling", ceiling)):
         results = []
         for r in range(repeats):
             t0 = time.perf_counter()
@@ -123,8 +134,9 @@ with autocast:
         seconds = statistics.median(t for _, _, t in results)
         kept, steps, _ = min(results, key=lambda x: abs(x[2] - seconds))
         rows.append((name, kept / seconds, steps, kept, seconds))
-        print0(f"{name}: {kept / seconds:,.0f} answer tokens/s ({kept:,} tokens, {steps:,} decoding steps, {seconds:.2f}s)")
+        print0(f"{name}: {kept / seconds:,.0f} answer tokens/s ({kept:,} tokens, {steps:,} decoding steps, "
+               f"{seconds:.2f}s)")
 base, new, top = (rate for _, rate, *_ in rows)
-print0(f"problems together / one at a time: {new / base:.2f}x; against the decode ceiling: one at a time {base / top:.2f}, "
-       f"together {new / top:.2f}")
+print0(f"problems together / one at a time: {new / base:.2f}x; against the decode ceiling: "
+       f"one at a time {base / top:.2f}, together {new / top:.2f}")
 print0(machine_line())

@@ -1,8 +1,10 @@
 """
-Tokenizer compression by language and vocab size: trains our BPE tokenizer on each language's text exactly as
-scripts/tok_train.py does (Tokenizer.train_from_iterator, documents of at most doc_cap characters, at most max_chars
-in all) at every vocab size, then measures UTF-8 bytes and characters per token on held-out text of that language,
-next to GPT-2's and GPT-4's tokenizers when tiktoken has their files cached (never downloaded here).
+Tokenizer compression by language and vocab size: bytes and characters per token on held-out text.
+
+Trains our BPE tokenizer on each language's text exactly as scripts/tok_train.py does (Tokenizer.train_from_iterator,
+documents of at most doc_cap characters, at most max_chars in all) at every vocab size, then measures UTF-8 bytes and
+characters per token on held-out text of that language, next to GPT-2's and GPT-4's tokenizers when tiktoken has
+their files cached (never downloaded here).
 
     python bench/tokenizer_languages.py                                      # en and zh, vocab 4096, 8192, 32768
     python bench/tokenizer_languages.py --langs=ja:/data/ja,en:/data/en --vocab-sizes=8192,65536
@@ -22,8 +24,8 @@ The default corpora are Debian documentation in English and Simplified Chinese (
     machine (coreutils, manpages, systemd, manpages-dev, ...), both rendered with
     `groff -k -Tutf8 -mandoc -rLL=3000n -rHY=0 -P-c -P-b -P-u` (no line wrapping), dedented, header and footer
     dropped: /tmp/corpora/{en,zh}/man-<name>.<section>.txt.
-  The same file names in both (parallel texts, roughly paragraph for paragraph). en: 2.87M chars; zh: 1.06M chars,
-  of which 37% Han characters (the rest: commands, options, code, as technical Chinese writes them).
+  The same file names in both (parallel texts, roughly paragraph for paragraph). Their sizes: bench/RESULTS.md,
+  "Issue 38: compression by language and vocabulary".
 """
 
 import glob
@@ -62,7 +64,8 @@ def split_language(directory):
     paths = sorted(glob.glob(os.path.join(directory, "*.txt")))
     if not paths:
         raise UserError(f"no *.txt files in {directory}")
-    train, val = [], []
+    train = []
+    val = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             paras = f.read().split("\n\n")

@@ -1,9 +1,11 @@
 """
-Training speed per GPU at the sizes of a real run (issue 37): scripts.base_train itself, a few dozen steps of one
-micro-step each (total batch = the micro-batch: the step's arithmetic is the micro-step's, the update once per
-micro-step is the only difference from a full run), on the pydocs corpus with a 65,536-token tokenizer (the tokens do
-not change the speed), as a dry run. Depth 20 with the speedrun's 32 rows, depth 24 with karpathy/nanochat's 16 rows
-(its runs/speedrun.sh), 2048 tokens a row, torch.compile as base_train decides (on for CUDA).
+Training speed per GPU at the sizes of a real run: scripts.base_train itself, as a dry run.
+
+A few dozen steps of one micro-step each (issue 37; total batch = the micro-batch: the step's arithmetic is the
+micro-step's, the update once per micro-step is the only difference from a full run), on the pydocs corpus with a
+65,536-token tokenizer (the tokens do not change the speed). Depth 20 with the speedrun's 32 rows, depth 24 with
+karpathy/nanochat's 16 rows (its runs/speedrun.sh), 2048 tokens a row, torch.compile as base_train decides (on for
+CUDA).
 
     python bench/train_speed.py                                  # depths 20 and 24 on the GPU
     python bench/train_speed.py --depths=20 --steps=40
@@ -56,13 +58,17 @@ for depth, B in zip(depth_list, row_list):
             f"--total_batch_size={B * max_seq_len}", f"--num_iterations={steps}", "--eval_every=-1",
             f"--eval_tokens={B * max_seq_len}", "--core_metric_every=-1", "--sample_every=-1", "--dry_run=True",
             "--run=dummy", f"--model_tag=speed{depth}", f"--device_type={device_type}", *extra.split()]
-    t0, first_step, out = time.time(), None, []
-    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    first_step = None
+    out = []
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     for line in proc.stdout:  # the time to the first step line: start-up, data, torch.compile and the step itself
         out.append(line)
         if first_step is None and line.startswith("step 00001/"):
             first_step = time.time() - t0
-    stdout, stderr = "".join(out), proc.stderr.read()
+    stdout = "".join(out)
+    stderr = proc.stderr.read()
     if proc.wait() != 0:
         print(f"depth {depth}: base_train failed:\n{stderr[-3000:]}", flush=True)
         table.append((depth, B, None))
@@ -79,8 +85,8 @@ for depth, B in zip(depth_list, row_list):
                                  params=re.search(r"^Parameters: ([\d,]+)", stdout, re.M)[1])))
     print(f"depth {depth}: {table[-1][2]}", flush=True)
 
-print(f"\n{device}, torch {torch.__version__}; scripts.base_train, {steps} steps of one micro-step of B x {max_seq_len} "
-      f"tokens, medians after the first {skip} (or the last step, if no more)")
+print(f"\n{device}, torch {torch.__version__}; scripts.base_train, {steps} steps of one micro-step of "
+      f"B x {max_seq_len} tokens, medians after the first {skip} (or the last step, if no more)")
 print("| depth | parameters | rows | tok/s | MFU | step | start to step 1 (compile) | peak memory | dtype, compile |")
 print("|---|---|---|---|---|---|---|---|---|")
 for depth, B, r in table:

@@ -1,5 +1,8 @@
 """
-AdamW for the embedding and lm_head: AdamW in one process, DistAdamW sharded across ranks (GPT.setup_optimizers).
+AdamW for the lookup tables, the head and the layer scalars: AdamW in one process, DistAdamW sharded across ranks.
+
+GPT.setup_optimizers gives it every parameter that is not a matrix of the blocks (those go to Muon): the token
+embedding, the value-embedding tables, lm_head, and the layer scalars where the model has them.
 
 Both apply adamw_update_ to the same numbers (whole tensors, or each rank's rows of the rank-averaged gradient), so
 one process with gradient accumulation and N ranks train bit-identical weights, in bf16 too; torch.optim.AdamW
@@ -76,7 +79,7 @@ class AdamW(torch.optim.Optimizer):
 
     def owned_state(self, name_of):
         """Every parameter's state (one process holds it all), whole, from row 0; see nanochat.checkpoint_manager."""
-        rows = lambda t: t.view(1) if t.ndim == 0 else t  # noqa: E731
+        rows = lambda t: t.view(1) if t.ndim == 0 else t
         return {name_of[p]: {"row_start": 0, "step": state["step"], "exp_avg": rows(state["exp_avg"]),
                              "exp_avg_sq": rows(state["exp_avg_sq"])}
                 for group in self.param_groups for p in group["params"] if (state := self.state.get(p))}
@@ -86,17 +89,18 @@ class AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 full = full_state(name_of[p])
                 if full is not None:
-                    self.state[p] = {"step": int(full["step"]),
-                                     **{k: full[k].view_as(p).to(p.device, p.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}}
+                    moments = {k: full[k].view_as(p).to(p.device, p.dtype).clone() for k in ("exp_avg", "exp_avg_sq")}
+                    self.state[p] = {"step": int(full["step"]), **moments}
 
 
 class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     """
     AdamW sharded across ranks, ZeRO-2 style (docs/optimizers.md). Every parameter is cut along dim 0 into W slices
     of ceil(rows / W) rows (W = world size; a 0-d parameter is one row); rank r owns slice r and keeps the state
-    (step count, exp_avg, exp_avg_sq) of that slice only, padding rows included. step(): reduce_scatter each
-    gradient (rank r gets slice r, averaged over the ranks), adamw_update_ on the owned slice, all_gather the
-    slices; afterwards every rank holds the same full parameters. Rows that do not divide by W are zero-padded for
+    (step count, exp_avg, exp_avg_sq) of that slice only, padding rows included. The gradients: reduce_scatter each
+    one (rank r gets slice r, averaged over the ranks) in optim.clip_grad_norm_ when clipping is on (the default),
+    else in step(); then step(): adamw_update_ on the owned slice, all_gather the slices; afterwards every rank holds
+    the same full parameters. Rows that do not divide by W are zero-padded for
     the collectives (one copy of such a parameter per step; the padding's update is exactly zero).
     param_groups and lr as for AdamW. Requirements: an initialised process group; every rank has the same
     parameters in the same order, a gradient for each, and calls step() together. Checkpoints: owned_state /
@@ -124,7 +128,8 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
                 grad_slice = grad.new_empty((rows_per_rank, *grad.shape[1:]))
                 work = reduce_scatter_single(grad_slice, grad, op=dist.ReduceOp.SUM, async_op=True)
                 # the padded gradient stays referenced until its collective is done
-                pending.append(dict(group=group, p=p, rows_per_rank=rows_per_rank, padded=grad, grad=grad_slice, work=work))
+                pending.append(dict(group=group, p=p, rows_per_rank=rows_per_rank, padded=grad, grad=grad_slice,
+                                    work=work))
         return pending
 
     def _owned_rows(self, entry):
@@ -135,7 +140,8 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
+        world_size = dist.get_world_size()
         pending = self._take_pending()  # the reduce_scatters, issued now unless clipping issued them
 
         # Per parameter: wait for its gradient slice, update the owned slice, issue the all_gather.
@@ -165,7 +171,8 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
 
     def owned_state(self, name_of):
         """This rank's slice of every parameter's state, without the padding rows (nanochat.checkpoint_manager)."""
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
+        world_size = dist.get_world_size()
         out = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -182,7 +189,8 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
 
     def load_owned_state(self, name_of, full_state):
         """Take this rank's slice of each parameter's full state (nanochat.checkpoint_manager.load_optimizer_shards)."""
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
+        world_size = dist.get_world_size()
         for group in self.param_groups:
             for p in group["params"]:
                 full = full_state(name_of[p])

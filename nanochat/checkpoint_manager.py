@@ -1,6 +1,5 @@
 """
-Saving and loading checkpoints (load_model; a resumed stage: load_for_resume), the optimizer state's format in them,
-and the checkpoint directory a training run owns.
+Checkpoints: saving and loading them (load_model, load_for_resume), their optimizer state, a run's directory.
 
 A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d20/ is:
   model_{N:06d}.pt            the weights (written by rank 0: every rank holds the same full weights)
@@ -32,7 +31,8 @@ import torch.distributed as dist
 
 from nanochat.common import UserError, atomic_write, get_base_dir, is_distributed, print0
 
-SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
+SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints",
+           "rl": "chatrl_checkpoints"}
 STAGE_COMMANDS = {"base": "python -m scripts.base_train", "mid": "python -m scripts.mid_train",
                   "sft": "python -m scripts.chat_sft", "rl": "python -m scripts.chat_rl"}
 CHECKPOINT_FILE = re.compile(r"^(?:model_(\d+)\.pt|optim_(\d+)_rank\d+\.pt|meta_(\d+)\.json)$")
@@ -141,10 +141,12 @@ def _claim(checkpoint_dir, resume_from_step, overwrite):
         resume = f"resume with --resume_from_step={complete[-1]}, " if complete else ""
         raise UserError(f"{checkpoint_dir} already holds checkpoints of an earlier run (steps {shown}): {resume}"
                         f"pick another --model_tag, or add --overwrite to delete them first")
-    raise UserError(f"{checkpoint_dir} holds checkpoints after step {resume_from_step} (steps {', '.join(map(str, stale))}) "
-                    f"that this resumed run would mix with its own: resume from the latest (--resume_from_step={complete[-1]}) "
-                    f"or add --overwrite to delete the later ones" if complete else
-                    f"{checkpoint_dir} holds incomplete checkpoints after step {resume_from_step}: add --overwrite to delete them")
+    if not complete:
+        raise UserError(f"{checkpoint_dir} holds incomplete checkpoints after step {resume_from_step}: add --overwrite "
+                        f"to delete them")
+    raise UserError(f"{checkpoint_dir} holds checkpoints after step {resume_from_step} (steps "
+                    f"{', '.join(map(str, stale))}) that this resumed run would mix with its own: resume from the "
+                    f"latest (--resume_from_step={complete[-1]}) or add --overwrite to delete the later ones")
 
 
 # -----------------------------------------------------------------------------
@@ -201,7 +203,8 @@ def _torch_load(path, device):
 def read_meta(checkpoint_dir, step):
     meta_path = os.path.join(checkpoint_dir, f"meta_{step:06d}.json")
     if not os.path.exists(meta_path):
-        raise UserError(f"no complete checkpoint of step {step} in {checkpoint_dir} ({os.path.basename(meta_path)} missing)")
+        raise UserError(f"no complete checkpoint of step {step} in {checkpoint_dir} ({os.path.basename(meta_path)} "
+                        f"missing)")
     try:
         with open(meta_path, encoding="utf-8") as f:
             return json.load(f)
@@ -246,7 +249,8 @@ def find_model_tag(checkpoints_dir, stage_command=None):
     if not os.path.isdir(checkpoints_dir):
         raise UserError(f"no checkpoints directory {checkpoints_dir}{hint}")
     # only names a tag can have: not the hidden temporary directory of an import being written (or killed)
-    tags = sorted(d for d in os.listdir(checkpoints_dir) if TAG.match(d) and os.path.isdir(os.path.join(checkpoints_dir, d)))
+    tags = sorted(d for d in os.listdir(checkpoints_dir)
+                  if TAG.match(d) and os.path.isdir(os.path.join(checkpoints_dir, d)))
     if not tags:
         raise UserError(f"no model in {checkpoints_dir}{hint}")
     if len(tags) > 1:
@@ -351,9 +355,11 @@ def load_for_resume(checkpoint_dir, step, device, model=None, tokenizer=None):
     check_tokenizer(meta, tokenizer, where)
     if model is None:
         return model_from_state(state, meta, device, where), tokenizer, optimizer_shards, meta
-    saved = {**type(model.config)().to_dict(), **meta["model_config"]}  # older checkpoints: fields added since at their defaults
+    # older checkpoints: the fields added since at their defaults
+    saved = {**type(model.config)().to_dict(), **meta["model_config"]}
     if saved != model.config.to_dict():
-        differ = ", ".join(f"{k} {saved[k]!r} (this run {v!r})" for k, v in model.config.to_dict().items() if saved[k] != v)
+        differ = ", ".join(f"{k} {saved[k]!r} (this run {v!r})"
+                           for k, v in model.config.to_dict().items() if saved[k] != v)
         raise UserError(f"{where} has a different model: {differ}; resume with the settings of that run")
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
     return model, tokenizer, optimizer_shards, meta
@@ -362,37 +368,18 @@ def load_for_resume(checkpoint_dir, step, device, model=None, tokenizer=None):
 # -----------------------------------------------------------------------------
 # Optimizer checkpoints that any world size can load. Per optimizer: {parameter name: {"row_start": r, "step": t
 # or None, key: tensor}}, each tensor rows [r, r + len) of that parameter's full state (a 0-d parameter is one
-# row); a rank that holds nothing of a parameter saves no entry for it (docs/optimizers.md).
+# row); a rank that holds nothing of a parameter saves no entry for it (docs/optimizers.md). Each of nanochat's
+# optimizers (adamw.py, muon.py) gives its part with owned_state(name_of) and takes it with load_owned_state.
 
 
 def _rows_view(t):
     return t.view(1) if t.ndim == 0 else t
 
 
-def _torch_adamw_owned_state(opt, name_of):
-    return {name_of[p]: {"row_start": 0, "step": float(state["step"]), "exp_avg": _rows_view(state["exp_avg"]),
-                         "exp_avg_sq": _rows_view(state["exp_avg_sq"])}
-            for group in opt.param_groups for p in group["params"] if (state := opt.state.get(p))}
-
-
-def _torch_adamw_load_owned_state(opt, name_of, full_state):
-    for group in opt.param_groups:
-        for p in group["params"]:
-            full = full_state(name_of[p])
-            if full is None:
-                continue
-            # the step count as torch's own first step would make it: on the device if fused/capturable, else CPU
-            on_device = group.get("fused") or group.get("capturable")
-            step = torch.tensor(full["step"], dtype=torch.float32, device=p.device if on_device else "cpu")
-            opt.state[p] = {"step": step, "exp_avg": full["exp_avg"].view_as(p).to(p.device, p.dtype).clone(),
-                            "exp_avg_sq": full["exp_avg_sq"].view_as(p).to(p.device, p.dtype).clone()}
-
-
 def optimizer_shard(optimizers, model):
     """This rank's optimizer state in the world-size-free form above: one dict per optimizer, in order."""
     name_of = {p: n for n, p in model.named_parameters()}
-    return [_torch_adamw_owned_state(opt, name_of) if isinstance(opt, torch.optim.AdamW) else opt.owned_state(name_of)
-            for opt in optimizers]
+    return [opt.owned_state(name_of) for opt in optimizers]
 
 
 def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
@@ -412,7 +399,8 @@ def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
         params = {name_of[p]: p for group in opt.param_groups for p in group["params"]}
         unknown = sorted(set(pieces) - set(params))
         if unknown:
-            raise UserError(f"{where}: optimizer state for parameters this model's optimizer does not have: {', '.join(unknown[:3])}")
+            raise UserError(f"{where}: optimizer state for parameters this model's optimizer does not have: "
+                            f"{', '.join(unknown[:3])}")
 
         def full_state(name):
             """The full state of parameter `name` ({"step", key: full tensor}), or None if it has none yet."""
@@ -421,7 +409,8 @@ def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
                 return None
             rows = _rows_view(params[name]).size(0)
             keys = [k for k in entries[0] if k not in ("row_start", "step")]
-            full, covered = {"step": entries[0]["step"]}, torch.zeros(rows, dtype=torch.bool)
+            full = {"step": entries[0]["step"]}
+            covered = torch.zeros(rows, dtype=torch.bool)
             for key in keys:
                 ref = entries[0][key]
                 full[key] = torch.zeros((rows, *ref.shape[1:]), dtype=ref.dtype)
@@ -432,11 +421,8 @@ def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
                     full[key][start:start + n] = entry[key]
                 covered[start:start + n] = True
             if not covered.all():
-                raise UserError(f"{where}: optimizer state of {name} is incomplete ({int((~covered).sum())} of {rows} rows "
-                                f"missing): a rank's optimizer file is missing or from another run")
+                raise UserError(f"{where}: optimizer state of {name} is incomplete ({int((~covered).sum())} of "
+                                f"{rows} rows missing): a rank's optimizer file is missing or from another run")
             return full
 
-        if isinstance(opt, torch.optim.AdamW):
-            _torch_adamw_load_owned_state(opt, name_of, full_state)
-        else:
-            opt.load_owned_state(name_of, full_state)
+        opt.load_owned_state(name_of, full_state)

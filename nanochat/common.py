@@ -1,5 +1,5 @@
 """
-What every nanochat script needs first: output, files, downloads, processes and devices, ranks agreeing, stopping.
+What every script needs first: output, files, downloads, processes and devices, ranks agreeing, stopping.
 
 Output (UserError, logging, print0, format_value); the base directory and files written all or nothing; the locked
 download; compute_init for plain and torchrun launches; the collectives by which ranks agree; Interrupted phases.
@@ -32,15 +32,18 @@ logging.getLogger("nanochat").addHandler(logging.NullHandler())  # library etiqu
 # Output
 
 class UserError(Exception):
-    """A mistake in the user's input (a setting, missing data or checkpoint, the launch), not a bug: scripts print
-    it as one line, `error: <message>`, and exit 1. The message says what to do."""
+    """
+    A mistake in the user's input (a setting, missing data or checkpoint, the launch), not a bug: scripts print
+    it as one line, `error: <message>`, and exit 1. The message says what to do.
+    """
 
 
 def _user_error_hook(exc_type, exc, tb, _previous=sys.excepthook):
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     if exc_type.__name__ == "OutOfMemoryError":  # torch's (a GPU's memory): a size to lower, not a bug to report
-        exc_type, exc = UserError, UserError(f"out of memory ({'. '.join(str(exc).split('. ')[:2])}): lower --device_batch_size")
+        exc_type = UserError
+        exc = UserError(f"out of memory ({'. '.join(str(exc).split('. ')[:2])}): lower --device_batch_size")
     if issubclass(exc_type, (UserError, KeyboardInterrupt)):  # Ctrl-C: a script without a stop protocol (evals, chat)
         text = f"error: {exc}" if issubclass(exc_type, UserError) else "interrupted (Ctrl-C)"
         print(f"{prefix}{text}", file=sys.stderr, flush=True)
@@ -53,12 +56,17 @@ def _use_color(stream):  # for a human at a terminal only; https://no-color.org:
 
 
 class ColoredFormatter(logging.Formatter):
-    """`2025-12-25 10:00:01 - nanochat.dataset - INFO - Downloaded Shard 3 (95.2 MB)`; at a terminal the level is
-    colored and INFO messages show sizes, percentages and shard numbers in bold (plain with NO_COLOR or no terminal)."""
+    """
+    `2025-12-25 10:00:01 - nanochat.dataset - INFO - Downloaded Shard 3 (95.2 MB)`; at a terminal the level is
+    colored and INFO messages show sizes, percentages and shard numbers in bold (plain with NO_COLOR or no terminal).
+    """
 
-    COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m", "CRITICAL": "\033[35m"}
-    BOLD, RESET = "\033[1m", "\033[0m"
-    FIGURE, SHARD = re.compile(r"(\d[\d,]*\.?\d*\s*(?:GB|MB|KB|%|docs))"), re.compile(r"(Shard \d+)")
+    COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m",
+              "CRITICAL": "\033[35m"}
+    BOLD = "\033[1m"
+    RESET = "\033[0m"
+    FIGURE = re.compile(r"(\d[\d,]*\.?\d*\s*(?:GB|MB|KB|%|docs))")
+    SHARD = re.compile(r"(Shard \d+)")
 
     def __init__(self, color=True):
         super().__init__("%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
@@ -75,13 +83,16 @@ class ColoredFormatter(logging.Formatter):
         if record.levelno == logging.INFO:
             message = self.FIGURE.sub(lambda m: f"{self.BOLD}{m.group(1)}{self.RESET}", message)
             message = self.SHARD.sub(lambda m: f"{color}{self.BOLD}{m.group(1)}{self.RESET}", message)
-        record.msg, record.args = message, None
+        record.msg = message
+        record.args = None
         return super().format(record)
 
 
 def setup_default_logging(level=logging.INFO):
-    """For scripts (configure() and compute_init() call it; idempotent): "nanochat" and its children log to stderr
-    through ColoredFormatter, a UserError ends the program in one line. The root logger is never touched."""
+    """
+    For scripts (configure() and compute_init() call it; idempotent): "nanochat" and its children log to stderr
+    through ColoredFormatter, a UserError ends the program in one line. The root logger is never touched.
+    """
     nano = logging.getLogger("nanochat")
     if not any(getattr(h, "_nanochat", False) for h in nano.handlers):
         handler = logging.StreamHandler(sys.stderr)
@@ -93,8 +104,18 @@ def setup_default_logging(level=logging.INFO):
     sys.excepthook = _user_error_hook
 
 
+# Where stdout goes on a cluster: to files, not a terminal. torchrun's ranks write to its own stdout, one merged
+# stream per machine (with --log-dir and --redirects or --tee: one file per rank); a scheduler (Slurm's srun, a
+# Kubernetes job) writes what the processes print into log files on the shared network filesystem, one per rank
+# (srun --output=log-%t) or one merged stream (the default), lines prefixed by their rank on request (srun --label).
+# If every rank printed, each log line would be written N times to that filesystem (NFS, Lustre, Ceph), which every
+# job of the cluster shares: N processes appending small writes, one per line (flush=True puts each line in the log
+# at once, so a crash loses none), contention on file servers that other jobs wait on too, and in the merged stream
+# N interleaved copies of every line. Rank 0 alone prints because the ranks run the same step with the same numbers
+# (those logged are reduced over the ranks): its line stands for all. What differs per rank is printed on purpose,
+# prefixed "[rank r]" (each rank's first batch; a UserError, by _user_error_hook).
 def print0(s="", **kwargs):
-    """print() on rank 0 only (under torchrun every rank runs the script: 64 ranks, 64 copies of each line); any time."""
+    """print() on rank 0 only, at any time (it reads $RANK): under torchrun every rank runs the script."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(s, flush=True, **kwargs)
 
@@ -112,7 +133,9 @@ def format_value(v):
         return "n/a"  # None: e.g. no grad norm without clipping; never report a non-finite number as a result
     if not isinstance(v, float):
         return v
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.4f}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.4f}"
 
 
 def print_banner():
@@ -134,8 +157,10 @@ _checked_base_dirs = set()
 
 
 def get_base_dir():
-    """Where nanochat writes everything (data, tokenizer, checkpoints, reports): $NANOCHAT_BASE_DIR, else
-    ~/.cache/nanochat. Created on demand, checked once to be writable (at start-up, not at the first save)."""
+    """
+    Where nanochat writes everything (data, tokenizer, checkpoints, reports): $NANOCHAT_BASE_DIR, else
+    ~/.cache/nanochat. Created on demand, checked once to be writable (at start-up, not at the first save).
+    """
     base_dir = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
     if base_dir not in _checked_base_dirs:
         hint = "set NANOCHAT_BASE_DIR to a writable directory"
@@ -146,16 +171,19 @@ def get_base_dir():
             with tempfile.TemporaryFile(dir=base_dir):
                 pass
         except OSError as e:
-            raise UserError(f"NANOCHAT_BASE_DIR {base_dir} cannot be created, or is not writable ({e.strerror}): {hint}") from None
+            raise UserError(f"NANOCHAT_BASE_DIR {base_dir} cannot be created, or is not writable ({e.strerror}): "
+                            f"{hint}") from None
         _checked_base_dirs.add(base_dir)
     return base_dir
 
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
-    """`with atomic_write(path) as f:` writes `path` all or nothing, via `<path>.tmp<pid>` renamed over it at the end
+    """
+    `with atomic_write(path) as f:` writes `path` all or nothing, via `<path>.tmp<pid>` renamed over it at the end
     (os.replace is atomic): `path` holds its old or its complete new content, never part. A full disk or a read-only
-    directory is a one-line UserError. Everything another process or a later run reads is written this way."""
+    directory is a one-line UserError. Everything another process or a later run reads is written this way.
+    """
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
@@ -166,7 +194,8 @@ def atomic_write(path, mode="wb"):
             os.remove(tmp)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise UserError(f"no space left on {os.path.dirname(os.path.abspath(path))} while writing "
-                            f"{os.path.basename(path)} (nothing partial was kept): free some space and run again") from None
+                            f"{os.path.basename(path)} (nothing partial was kept): free some space and run "
+                            f"again") from None
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise UserError(f"cannot write {path}: {e.strerror}") from None
         raise
@@ -183,7 +212,8 @@ def file_sha256(path):
 
 def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=None,
                             retries=5, timeout=30, backoff=2.0, retry_command=None):
-    """Download `url` to `<base_dir>/<filename>` once, however many processes ask at the same time; returns the path.
+    """
+    Download `url` to `<base_dir>/<filename>` once, however many processes ask at the same time; returns the path.
     Why a lock: torchrun starts N copies of the script at once; without one all N download the file, and each,
     taking the others' temporary files for a dead downloader's, deletes them mid-download. So: (1) the file exists
     -> return it, no lock; (2) take an inter-process file lock (`<path>.lock`), the others wait; (3) check again
@@ -192,7 +222,8 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
     `<path>.tmp<pid>`, check the optional sha256, run the optional postprocess_fn(tmp), os.replace it to the final
     name, which never holds partial bytes. After a kill -9 the OS frees the lock; the next downloader removes the
     temporary file. An unreachable host: UserError at once (naming `retry_command`); transient failures (5xx, 429, a
-    dropped connection, a read timeout): `retries` attempts in all, exponential backoff; other 4xx: final."""
+    dropped connection, a read timeout): `retries` attempts in all, exponential backoff; other 4xx: final.
+    """
     import requests  # imported here: only code paths that download need it
 
     file_path = os.path.join(get_base_dir(), filename)
@@ -227,7 +258,8 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
                 status = getattr(getattr(e, "response", None), "status_code", None)
                 permanent = status is not None and 400 <= status < 500 and status != 429
                 if permanent or attempt == retries:
-                    raise UserError(f"could not download {url} -> {file_path} after {attempt} attempt(s): {e}{again}") from None
+                    raise UserError(f"could not download {url} -> {file_path} after {attempt} attempt(s): "
+                                    f"{e}{again}") from None
                 wait = backoff ** attempt
                 logger.warning(f"download of {url} failed ({e}); retry {attempt}/{retries - 1} in {wait:.0f}s")
                 time.sleep(wait)
@@ -237,13 +269,18 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
 
 
 def _stream_to_file(url, path, timeout):
-    """GET `url` into `path`, logging the progress of files above 10 MB; the sha256 of the bytes. Raises on HTTP
-    errors and on a connection closed before Content-Length bytes."""
+    """
+    GET `url` into `path`, logging the progress of files above 10 MB; the sha256 of the bytes. Raises on HTTP
+    errors and on a connection closed before Content-Length bytes.
+    """
     import requests
     with requests.get(url, stream=True, timeout=(5, timeout)) as response:  # (connect, read) timeouts
         response.raise_for_status()
         total = int(response.headers.get("Content-Length") or 0)
-        done, next_report, sha, t0 = 0, total // 10, hashlib.sha256(), time.time()
+        done = 0
+        next_report = total // 10
+        sha = hashlib.sha256()
+        t0 = time.time()
         with open(path, "wb") as f:
             for chunk in response.iter_content(chunk_size=1 << 20):
                 f.write(chunk)
@@ -263,7 +300,8 @@ def _unreachable_reason(e):
     import requests
     from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
     reason = getattr(e.args[0], "reason", None) if isinstance(e, requests.ConnectionError) and e.args else None
-    if isinstance(e, requests.exceptions.ConnectTimeout) or isinstance(reason, (NewConnectionError, ConnectTimeoutError)):
+    if isinstance(e, requests.exceptions.ConnectTimeout) or isinstance(reason, (NewConnectionError,
+                                                                                  ConnectTimeoutError)):
         return str(reason if reason is not None else e).split(": ", 1)[-1]
 
 
@@ -273,38 +311,47 @@ def _unreachable_reason(e):
 # One process per device: `torchrun --nproc_per_node=N` starts N copies of the script (processes sidestep Python's
 # GIL, so each drives its GPU at full speed) and tells each who it is in environment variables: LOCAL_RANK, its index
 # on its own machine, 0..nproc_per_node-1, which selects the GPU (GPUs are numbered per machine); RANK, the global
-# index 0..WORLD_SIZE-1 (rank 0 prints, logs and saves): RANK = node_rank x nproc_per_node + LOCAL_RANK, node_rank
-# being the machine's index (torchrun --node_rank), so on one machine RANK == LOCAL_RANK, on the 2nd of two 8-GPU
-# machines RANK = 8 + LOCAL_RANK; WORLD_SIZE = machines x nproc_per_node = GPUs in use.
+# index 0..WORLD_SIZE-1: RANK = node_rank x nproc_per_node + LOCAL_RANK, node_rank being the machine's index
+# (torchrun --node_rank), so on one machine RANK == LOCAL_RANK, on the 2nd of two 8-GPU machines RANK = 8 +
+# LOCAL_RANK; WORLD_SIZE = machines x nproc_per_node = GPUs in use. Rank 0 prints, logs, and writes a checkpoint's
+# weights and meta file; every rank writes its own optimizer shard (nanochat/checkpoint_manager.py).
 
 
 def get_dist_info():
-    """(ddp, rank, local_rank, world_size); outside torchrun (False, 0, 0, 1). Launched by torchrun (or any launcher
+    """
+    (ddp, rank, local_rank, world_size); outside torchrun (False, 0, 0, 1). Launched by torchrun (or any launcher
     setting the env:// variables) when any of RANK / LOCAL_RANK / WORLD_SIZE is set, not only RANK: all three must
-    then be set and consistent (0 <= local_rank <= rank < world_size), or a UserError says which is not."""
+    then be set and consistent (0 <= local_rank <= rank < world_size), or a UserError says which is not.
+    """
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     if not any(v in os.environ for v in names):
         return False, 0, 0, 1
     found = ", ".join(f"{v}={os.environ[v]}" for v in names if v in os.environ)
     if any(v not in os.environ for v in names):
-        raise UserError(f"distributed launch is incomplete: {', '.join(v for v in names if v not in os.environ)} not set "
-                        f"(found {found}); launch with `torchrun --nproc_per_node=N -m scripts.X`, or unset them to run one process")
+        missing = ", ".join(v for v in names if v not in os.environ)
+        raise UserError(f"distributed launch is incomplete: {missing} not set (found {found}); launch with "
+                        f"`torchrun --nproc_per_node=N -m scripts.X`, or unset them to run one process")
     try:
         rank, local_rank, world_size = (int(os.environ[v]) for v in names)
     except ValueError:
         raise UserError(f"RANK, LOCAL_RANK and WORLD_SIZE must be integers, got {found}") from None
     if not (world_size >= 1 and 0 <= rank < world_size and 0 <= local_rank <= rank):
-        raise UserError(f"inconsistent distributed environment: RANK={rank} LOCAL_RANK={local_rank} WORLD_SIZE={world_size} "
-                        f"(need 0 <= LOCAL_RANK <= RANK < WORLD_SIZE)")
+        raise UserError(f"inconsistent distributed environment: RANK={rank} LOCAL_RANK={local_rank} "
+                        f"WORLD_SIZE={world_size} (need 0 <= LOCAL_RANK <= RANK < WORLD_SIZE)")
     return True, rank, local_rank, world_size
 
 
 def autodetect_device_type():
-    """The best device PyTorch can see, cuda > mps > cpu (PyTorch answers "is X available" per backend; choosing is
+    """
+    The best device PyTorch can see, cuda > mps > cpu (PyTorch answers "is X available" per backend; choosing is
     ours). AMD GPUs with a ROCm build of PyTorch report as "cuda" (HIP behind the torch.cuda API): the same path.
-    TPUs need torch_xla and are not supported."""
+    TPUs need torch_xla and are not supported.
+    """
     mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
-    device_type = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    if torch.cuda.is_available():
+        device_type = "cuda"
+    else:
+        device_type = "mps" if mps else "cpu"
     print0(f"Autodetected device type: {device_type}")
     return device_type
 
@@ -314,7 +361,8 @@ def compute_init(device_type="cuda"):
     Set up the process for computing, once, at the top of every script (also its output: setup_default_logging).
     Returns (ddp, ddp_rank, ddp_local_rank, ddp_world_size, device); plain `python -m scripts.X`: (False, 0, 0, 1, ..):
       ddp            True under torchrun: there are other ranks to agree with (collectives, sharded optimizers)
-      ddp_rank       global rank; rank 0 is the "master process" that prints, logs to wandb and saves
+      ddp_rank       global rank; rank 0 is the "master process" that prints, logs to wandb and writes a
+                     checkpoint's weights and meta file (every rank writes its own optimizer shard)
       ddp_local_rank rank within this machine; selects the GPU (cuda:<local_rank>)
       ddp_world_size number of processes; divides the work (batch arithmetic, data striding)
       device         the torch.device this process computes on
@@ -337,9 +385,11 @@ def compute_init(device_type="cuda"):
     # own: GPT.init_weights). Ranks read different data because the loaders shard by rank, not by seed.
     torch.manual_seed(42)
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if device_type == "cpu" and sys.platform == "linux" else None
-    if mallopt:  # glibc: freed memory kept for the next tensors (M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB), not given back to
-        # return as pages the kernel zeroes: ~40k a step at the CPU speedrun's size (docs/hardware.md, "Freed memory...")
-        mallopt(-4, 0), mallopt(-1, 2**31 - 1)
+    if mallopt:
+        # glibc: freed memory kept for the next step's tensors, not given back to come back as pages the kernel maps
+        # and zeroes one fault at a time (docs/hardware.md, "Freed memory on a CPU")
+        mallopt(-4, 0)  # M_MMAP_MAX: no block gets a mapping of its own
+        mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD 2 GiB: the heap is not trimmed
     if device_type == "cuda":
         torch.cuda.manual_seed(42)
         # TF32 tensor cores for the fp32 matmuls bf16 autocast leaves (10-bit mantissa inputs, fp32 sums): much
@@ -349,8 +399,8 @@ def compute_init(device_type="cuda"):
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if ddp and device_type == "cuda":
         if ddp_local_rank >= torch.cuda.device_count():  # more processes than this machine has GPUs
-            raise UserError(f"LOCAL_RANK={ddp_local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible: "
-                            f"--nproc_per_node must not exceed the GPUs of one machine")
+            raise UserError(f"LOCAL_RANK={ddp_local_rank} but only {torch.cuda.device_count()} CUDA device(s) are "
+                            f"visible: --nproc_per_node must not exceed the GPUs of one machine")
         device = torch.device("cuda", ddp_local_rank)
         # set_device first, or every process creates its CUDA context (and NCCL its buffers) on GPU 0; device_id
         # binds the NCCL communicator to this GPU now instead of guessing later
@@ -402,8 +452,10 @@ def gather_from_ranks(obj):
 
 
 def any_rank(*flags):
-    """Each flag True on every rank if it is True on ANY rank (one all_reduce): a rank that stopped alone (a signal
-    that reached it only, its data ran out first) would leave the others waiting in their next collective."""
+    """
+    Each flag True on every rank if it is True on ANY rank (one all_reduce): a rank that stopped alone (a signal
+    that reached it only, its data ran out first) would leave the others waiting in their next collective.
+    """
     return tuple(v > 0 for v in _reduced([float(bool(f)) for f in flags], dist.ReduceOp.MAX))
 
 
@@ -432,15 +484,19 @@ def _reduced(values, op=dist.ReduceOp.SUM):
 
 
 class Interrupted(Exception):
-    """A long phase (an evaluation, sampling) stopped on a stop request (its `stop()`: a stage's StopRequest); its
-    incomplete result is not reported. With collectives, raised on every rank at one point (interruptible)."""
+    """
+    A long phase (an evaluation, sampling) stopped on a stop request (its `stop()`: a stage's StopRequest); its
+    incomplete result is not reported. With collectives, raised on every rank at one point (interruptible).
+    """
 
 
 @contextlib.contextmanager
 def interruptible():
-    """`with interruptible(): <a rank's own share, which may raise Interrupted>`, then the phase's collectives: the
+    """
+    `with interruptible(): <a rank's own share, which may raise Interrupted>`, then the phase's collectives: the
     Interrupted is held to the end of the block, where the ranks learn whether any was interrupted (one all_reduce)
-    and all raise it together, or all go on. No rank is left waiting in a collective that the others skipped."""
+    and all raise it together, or all go on. No rank is left waiting in a collective that the others skipped.
+    """
     stopped = False
     try:
         yield

@@ -88,7 +88,10 @@ def _check_python_value(key, value, default, source):
 
 
 def _comments(path):
-    """Trailing `# comments` of the `key = value` lines of the script, shown by --help (a comment line below is not read)."""
+    """
+    Trailing `# comments` of the `key = value` lines of the script, shown by --help (a comment line below is not
+    read).
+    """
     comments = {}
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -106,7 +109,8 @@ def format_help(keys, script_path=None, doc=None):
     if doc:
         lines += [doc.strip(), ""]
     lines.append(f"usage: python -m scripts.{name} [config_file.py] [--key=value ...]")
-    lines.append("       (under torchrun: torchrun --standalone --nproc_per_node=N -m scripts.%s [--key=value ...])" % name)
+    lines.append("       (under torchrun: torchrun --standalone --nproc_per_node=N -m scripts.%s [--key=value ...])"
+                 % name)
     lines.append("")
     lines.append("config keys (type, default):")
     width = max(len(k) for k in keys) if keys else 0
@@ -130,7 +134,8 @@ def parse_args(argv, keys, script_path=None, doc=None):
         if not arg.startswith("--"):
             # a config file of python assignments
             if not os.path.isfile(arg):
-                raise UserError(f"config file {arg!r} not found (arguments are --key=value, or a path to a .py config file)")
+                raise UserError(f"config file {arg!r} not found "
+                                "(arguments are --key=value, or a path to a .py config file)")
             file_scope = {}
             with open(arg, encoding="utf-8") as f:
                 try:
@@ -151,7 +156,8 @@ def parse_args(argv, keys, script_path=None, doc=None):
                 _once(key, given)
                 overrides[key] = True  # `--flag` alone turns a bool on
                 continue
-            raise UserError(f"argument {arg!r} has no value: use --{key}=VALUE" + ("" if key in keys else _suggest(key, keys)))
+            raise UserError(f"argument {arg!r} has no value: use --{key}=VALUE"
+                            + ("" if key in keys else _suggest(key, keys)))
         key, raw = body.split("=", 1)  # split once: values may contain '='
         key = key.replace("-", "_")
         if key not in keys:

@@ -1,19 +1,21 @@
 """
-The data loader of the chat stages: conversations of a task mixture in, rendered with their training mask, token
-batches out (mid_train packs them into rows, chat_sft puts one in each row; ConversationLoader says how).
+The data loader of the chat stages: conversations in, rendered with their training mask, token batches out.
+
+mid_train packs conversations into rows, chat_sft puts one in each row (ConversationLoader says how):
 
     loader = ConversationLoader(dataset, tokenizer, B, T, device, packed=True)
     x, y = next(loader)   # x (B, T) int32, y (B, T) int64 (-1 where not trained on), on `device`
 
-padded_batch() pads rows of (ids, mask) into one batch: the unpacked loader's and chat_rl's policy-gradient
-batches. Pretraining's loader: nanochat/dataloader.py.
+chat_train_loader() is the two stages' training loader with the lines they print of their data. padded_batch()
+pads rows of (ids, mask) into one batch: the unpacked loader's and chat_rl's policy-gradient batches. Pretraining's
+loader: nanochat/dataloader.py.
 """
 
 from collections import deque
 
 import torch
 
-from nanochat.common import UserError
+from nanochat.common import UserError, print0
 
 
 def padded_batch(rows, pad_id, device):
@@ -30,15 +32,6 @@ def padded_batch(rows, pad_id, device):
         inputs[r, :len(ids) - 1] = row[:-1]
         targets[r, :len(ids) - 1] = torch.where(torch.tensor(mask[1:], dtype=torch.bool), row[1:], -1)
     return inputs.to(device, torch.int32), targets.to(device)
-
-
-def check_rank_shares(train_size, val_size, world_size):
-    """Every rank must read at least one training and one validation conversation (rank r reads r, r + W, ...):
-    UserError naming the counts otherwise."""
-    if min(train_size, val_size) < world_size:
-        raise UserError(f"{train_size} training and {val_size} validation conversations for {world_size} ranks: every "
-                         f"rank needs one of each (of a --conversations file, the first n // 20 are validation); use "
-                         f"fewer processes or more conversations")
 
 
 class ConversationLoader:
@@ -67,8 +60,15 @@ class ConversationLoader:
 
     def __init__(self, dataset, tokenizer, B, T, device, *, packed, size=None, rank=0, world_size=1,
                  train_on_all_tokens=False):
-        self.dataset, self.tokenizer, self.B, self.T, self.device = dataset, tokenizer, B, T, torch.device(device)
-        self.packed, self.train_on_all_tokens, self.rank, self.world_size = packed, train_on_all_tokens, rank, world_size
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.B = B
+        self.T = T
+        self.device = torch.device(device)
+        self.packed = packed
+        self.train_on_all_tokens = train_on_all_tokens
+        self.rank = rank
+        self.world_size = world_size
         self.size = len(dataset) if size is None or size < 0 else min(size, len(dataset))
         self.pad_id = tokenizer.encode_special("<|assistant_end|>")  # any id does: padded targets are ignored
         self.load_state_dict(None)
@@ -89,7 +89,9 @@ class ConversationLoader:
         stats = {"read": 0, "split": 0, "cut": 0, "first": []} if state is None else state["stats"]
         self.stats = dict(stats, first=list(stats["first"]))  # a copy: the caller's states stay as they were
         # packed: the token buffer, and [conversation index, its tokens in the buffer, offset of the first of them]
-        self.ids, self.mask, self.segments = deque(), deque(), deque()
+        self.ids = deque()
+        self.mask = deque()
+        self.segments = deque()
 
     def __iter__(self):
         return self
@@ -100,8 +102,10 @@ class ConversationLoader:
         return state, [next(self) for _ in range(n)]
 
     def progress(self, step, num_iterations):
-        """How far a run is, for its schedule: (step, num_iterations) for a run of num_iterations steps, else (-1: one
-        epoch) (conversations of this rank's share of the epoch read so far, the epoch's size)."""
+        """
+        How far a run is, for its schedule: (step, num_iterations) for a run of num_iterations steps, else (-1: one
+        epoch) (conversations of this rank's share of the epoch read so far, the epoch's size).
+        """
         if num_iterations > 0:
             return step, num_iterations
         return (self.size if self.epoch_done else self.cursor), self.size
@@ -115,8 +119,10 @@ class ConversationLoader:
             self.cursor -= self.size  # wrap around: the next epoch
             self.epoch_done = True
         if self.reread:  # resuming inside this conversation: it was already read and counted
-            ids, mask, self.skip, self.reread = ids[self.skip:], mask[self.skip:], 0, False
-            return index, ids, mask
+            skip = self.skip
+            self.skip = 0
+            self.reread = False
+            return index, ids[skip:], mask[skip:]
         self.stats["read"] += 1
         self.stats["split" if self.packed else "cut"] += len(ids) > self.T + 1
         if len(self.stats["first"]) < 8:
@@ -152,10 +158,34 @@ class ConversationLoader:
         self.position = (self.segments[0][0], self.segments[0][2])  # the leftover is the tail of segments[0]
         self.position_read = True
         tokens = torch.tensor(ids, dtype=torch.int64)
-        inputs, targets = tokens[:-1].view(self.B, self.T), tokens[1:].view(self.B, self.T)
+        inputs = tokens[:-1].view(self.B, self.T)
+        targets = tokens[1:].view(self.B, self.T)
         if not self.train_on_all_tokens:  # the loss counts only what the model must learn to write (mask 1)
             targets = torch.where(torch.tensor(mask[1:], dtype=torch.bool).view(self.B, self.T), targets, -1)
         if self.device.type == "cuda":  # page-locked staging memory: the copy to the GPU runs asynchronously
             return (inputs.to(torch.int32).pin_memory().to(self.device, non_blocking=True),
                     targets.pin_memory().to(self.device, non_blocking=True))
         return inputs.to(self.device, torch.int32), targets.to(self.device)
+
+
+def chat_train_loader(train_dataset, val_dataset, tokenizer, B, T, device, *, mixture, conversations, own_split,
+                      size, **loader_args):
+    """
+    The training loader of a chat stage (mid_train, chat_sft): a ConversationLoader of `train_dataset`'s first `size`
+    conversations, and the lines both stages print of their data: the mixture's counts, and with --conversations
+    (`conversations`, the file; `own_split`, its (validation, training) counts: tasks.registry.conversations_split)
+    how the file splits. UserError unless every rank reads at least one training and one validation conversation
+    (rank r reads r, r + W, ...).
+    """
+    loader = ConversationLoader(train_dataset, tokenizer, B, T, device, size=size, **loader_args)
+    print0(f"Mixture {mixture}: {loader.size:,} training conversations (of {len(train_dataset):,}), "
+           f"{len(val_dataset):,} validation")
+    if conversations:
+        own_val, own_train = own_split
+        print0(f"Your conversations ({conversations}): {own_train:,} training, {own_val:,} validation "
+               f"(its first max(1, n // 20))")
+    if min(loader.size, len(val_dataset)) < loader.world_size:
+        raise UserError(f"{loader.size} training and {len(val_dataset)} validation conversations for "
+                        f"{loader.world_size} ranks: every rank needs one of each (of a --conversations file, the "
+                        f"first n // 20 are validation); use fewer processes or more conversations")
+    return loader

@@ -1,5 +1,5 @@
 """
-The offline evaluation bundle: CORE-style tasks built from the pydocs records, in the DCLM bundle's exact format.
+The offline evaluation bundle: CORE-style tasks from the pydocs records, in the DCLM bundle's exact format.
 
 For runs without network, and for models trained on pydocs, which have never read DCLM's web text. core_eval reads
 and scores it with the same code; prepare_bundle("offline") builds it into <base_dir>/eval_bundle_pydocs_v<N>/, the
@@ -43,8 +43,9 @@ def _docs():
 
 
 def _pick(rng, pool, n, exclude_lines):
-    """n entries of `pool` whose first lines differ from each other and from `exclude_lines` (64 random draws), or None."""
-    picked, lines = [], set(exclude_lines)
+    """n entries of `pool` whose first lines differ from each other and from `exclude_lines` (64 draws), or None."""
+    picked = []
+    lines = set(exclude_lines)
     for _ in range(64):
         d = rng.choice(pool)
         if d[2] not in lines:
@@ -63,8 +64,10 @@ def _options(rng, gold, others):
 
 
 def _matched_items(rng, usable, pool_of, make_item):
-    """Up to ITEMS_PER_TASK items: each usable entry, in random order, with OPTIONS - 1 others from pool_of(entry)
-    whose first lines all differ (entries for which no such others are found are skipped)."""
+    """
+    Up to ITEMS_PER_TASK items: each usable entry, in random order, with OPTIONS - 1 others from pool_of(entry)
+    whose first lines all differ (entries for which no such others are found are skipped).
+    """
     items = []
     for d in rng.sample(usable, len(usable)):
         others = _pick(rng, pool_of(d), OPTIONS - 1, {d[2]})

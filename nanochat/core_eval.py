@@ -1,5 +1,7 @@
 """
-The CORE metric of the DCLM paper (https://arxiv.org/abs/2406.11794): a base model's centered accuracy on 22 tasks.
+The CORE metric of the DCLM paper: a base model's centered accuracy on 22 in-context-learning tasks.
+
+The paper: https://arxiv.org/abs/2406.11794. In a run:
 
     bundle_dir = prepare_bundle()       # at start-up: a run must not find out at step 2000 that it is offline
     results = evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=500)   # ["score"], ["name"]
@@ -21,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from filelock import FileLock
 
-from nanochat.common import (Interrupted, UserError, download_file_with_lock, duration, get_base_dir, interruptible, is_distributed, print0)
+from nanochat.common import (Interrupted, UserError, download_file_with_lock, duration, get_base_dir, interruptible,
+                             is_distributed, print0)
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 BUNDLE_KINDS = ("dclm", "offline")
@@ -44,9 +47,9 @@ def bundle_url():
 
 
 def default_bundle_kind():
-    """`offline` when the corpus is pydocs (a pydocs model has read none of DCLM's web text), else `dclm`."""
-    from nanochat.dataset import dataset_name
-    return "offline" if dataset_name() == "pydocs" else "dclm"
+    """The selected corpus's bundle (nanochat/dataset.py, CORPORA): `offline` for pydocs, `dclm` for the others."""
+    from nanochat.dataset import corpus_of, dataset_name
+    return corpus_of(dataset_name()).bundle
 
 
 def prepare_bundle(kind=""):
@@ -68,7 +71,8 @@ def prepare_bundle(kind=""):
     try:
         zip_path = download_file_with_lock(url, "eval_bundle.zip")
     except UserError as e:
-        raise UserError(f"{e}. Without network, evaluate on the offline bundle instead (base_eval --bundle=offline)") from None
+        raise UserError(f"{e}. Without network, evaluate on the offline bundle instead "
+                        f"(base_eval --bundle=offline)") from None
 
     def unzip(tmp):
         try:
@@ -76,7 +80,8 @@ def prepare_bundle(kind=""):
                 zf.extractall(tmp)  # extractall drops absolute paths and `..` from member names
         except zipfile.BadZipFile as e:
             os.remove(zip_path)  # so that the next call downloads it again
-            raise UserError(f"{zip_path} (from {url}) is not a zip file ({e}); removed it, run again to re-download") from None
+            raise UserError(f"{zip_path} (from {url}) is not a zip file ({e}); removed it, run again to "
+                            f"re-download") from None
         # the DCLM zip holds one top folder, eval_bundle/; accept the files at the top level too
         if os.path.exists(os.path.join(tmp, "core.yaml")):
             return tmp
@@ -140,11 +145,13 @@ def load_bundle(bundle_dir):
         missing = [k for k in ("label", "icl_task_type", "dataset_uri", "num_fewshot") if k not in entry]
         if missing:
             raise UserError(f"{config_path}: task entry {entry} lacks {', '.join(missing)}: {hint}")
-        label, kind = entry["label"], entry["icl_task_type"]
+        label = entry["label"]
+        kind = entry["icl_task_type"]
         path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
         shots = entry["num_fewshot"]
         if kind not in TASK_TYPES:
-            raise UserError(f"task {label} in {config_path} has icl_task_type {kind!r}; supported: {', '.join(TASK_TYPES)}")
+            raise UserError(f"task {label} in {config_path} has icl_task_type {kind!r}; supported: "
+                            f"{', '.join(TASK_TYPES)}")
         if not os.path.exists(path):
             raise UserError(f"task {label}: {path} is missing: {hint}")
         try:
@@ -242,7 +249,8 @@ def pack_rows(rows, batch_tokens):
     Batches of row indices, every row in exactly one: longest rows first; a batch holds at most `batch_tokens` padded
     tokens (a longer row goes alone) and only rows at least 1 - PAD_SLACK as long as its first.
     """
-    batches, current = [], []
+    batches = []
+    current = []
     for i in sorted(range(len(rows)), key=lambda i: -len(rows[i][0])):
         longest = len(rows[current[0]][0]) if current else 0  # sorted: a batch's padded length is its first row's
         if current and ((len(current) + 1) * longest > batch_tokens or len(rows[i][0]) < (1 - PAD_SLACK) * longest):
@@ -272,7 +280,8 @@ def _forward_rows(model, rows, device, pad_id):
     """One forward over `rows` (padded to the longest); the per-row (mean loss, all argmax correct)."""
     T = max(len(tokens) for tokens, _, _ in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    row_index, positions = [], []
+    row_index = []
+    positions = []
     for r, (tokens, start, end) in enumerate(rows):
         ids[r, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         row_index += [r] * (end - start)
@@ -295,8 +304,8 @@ def _forward_rows(model, rows, device, pad_id):
 # 4. Tasks and the score
 
 
-def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_tokens=DEFAULT_BATCH_TOKENS, max_seq_len=None,
-                  stop=None):
+def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_tokens=DEFAULT_BATCH_TOKENS,
+                  max_seq_len=None, stop=None):
     """
     Evaluate one task on `data` (already shuffled and cropped) with `num_fewshot` shots (at most len(data) - 1);
     rank r of W takes examples r, r + W, ... batch_tokens > 0: forwards of up to that many padded tokens (pack_rows);
@@ -318,17 +327,21 @@ def evaluate_task(model, tokenizer, task, data, device, num_fewshot, batch_token
     return correct, total, outcomes
 
 
-def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewshot, batch_tokens, max_seq_len, stop=None):
+def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewshot, batch_tokens, max_seq_len,
+                       stop=None):
     """Render, tokenize and score the examples data[i] for i in `indices`: their outcomes (see evaluate_task)."""
-    kind, delimiter = task["type"], task["delimiter"]
-    prompts, counts = [], []
+    kind = task["type"]
+    prompts = []
+    counts = []
     for i in indices:
         fewshot = [data[j] for j in fewshot_indices(len(data), i, num_fewshot)] if num_fewshot > 0 else []
-        example_prompts = render_prompts(kind, data[i], delimiter, fewshot)
+        example_prompts = render_prompts(kind, data[i], task["delimiter"], fewshot)
         prompts += example_prompts
         counts.append(len(example_prompts))
     token_lists = tokenizer.encode(prompts, prepend=tokenizer.get_bos_token_id()) if prompts else []
-    rows, row_ranges, offset = [], [], 0
+    rows = []
+    row_ranges = []
+    offset = 0
     for n in counts:
         example_rows = continuation_rows(kind, token_lists[offset:offset + n])
         row_ranges.append((len(rows), len(rows) + len(example_rows)))
@@ -342,7 +355,8 @@ def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewsho
     for i, (a, b) in zip(indices, row_ranges):
         losses = [loss for loss, _ in scores[a:b]]
         if kind == "language_modeling":
-            pred, correct = None, scores[a][1]
+            pred = None
+            correct = scores[a][1]
         else:
             pred = losses.index(min(losses))  # ties go to the first option
             correct = pred == data[i]["gold"]
@@ -364,7 +378,9 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_t
     bundle = load_bundle(bundle_dir)
     if max_seq_len is None:
         max_seq_len = getattr(getattr(model, "config", None), "sequence_len", None)
-    name, tasks, results = bundle["name"], bundle["tasks"], {}
+    name = bundle["name"]
+    tasks = bundle["tasks"]
+    results = {}
     datasets = []
     for task in tasks:
         data = load_task_data(task["path"])
@@ -374,7 +390,9 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_t
         if not data:
             raise UserError(f"task {task['label']} has no examples ({task['path']})")
         datasets.append(data)
-    total_examples, examples_done, started = sum(len(data) for data in datasets), 0, time.time()
+    total_examples = sum(len(data) for data in datasets)
+    examples_done = 0
+    started = time.time()
     if verbose:  # what it covers, up front; after each task, the time left at the rate so far
         print0(f"{name}: {len(tasks)} tasks, {total_examples:,} examples from {bundle_dir}"
                + (f" (at most {max_per_task} each)" if max_per_task > 0 else ""))
@@ -394,8 +412,9 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_t
         examples_done += len(data)
         if verbose:
             left = (total_examples - examples_done) * (time.time() - started) / examples_done
+            left_text = f"  (~{duration(left)} left)" if examples_done < total_examples else ""
             print0(f"{task['label']:<32} {task['type']:<17} {shots:>5} {total:>8} {accuracy:>8.4f} {centered:>8.4f} "
-                   f"{time.time() - t0:>6.1f}s" + (f"  (~{duration(left)} left)" if examples_done < total_examples else ""))
+                   f"{time.time() - t0:>6.1f}s{left_text}")
     score = sum(r["centered"] for r in results.values()) / len(results)
     if verbose:
         print0(f"{name} metric: {score:.4f}")

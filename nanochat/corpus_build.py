@@ -1,7 +1,8 @@
 """
-Building a corpus on this machine, in the hub corpora's shard format: pydocs (from this Python's documentation) and
-yours (from your files: `python -m nanochat.dataset --from=PATH --name=NAME`). nanochat/dataset.py selects and reads
-corpora; here they are written. How and why: docs/data.md.
+Building a corpus on this machine, in the hub corpora's shard format: pydocs, and yours from your files.
+
+pydocs is built from this Python's documentation, yours by `python -m nanochat.dataset --from=PATH --name=NAME`.
+nanochat/dataset.py selects and reads corpora; here they are written. How and why: docs/data.md.
 
 The shard format: shard_NNNNN.parquet files with one string column `text` (a document per row), in row groups of
 ROW_GROUP_SIZE documents, and SHA256SUMS beside them; the last shard is the validation shard. A corpus built here is
@@ -94,20 +95,20 @@ def record_checksums(directory, digests):
         write_checksums(directory, dict(read_checksums(directory), **digests))
 
 
-
 # -----------------------------------------------------------------------------
 # Writing: pydocs, and yours
 
 
 def _write_shards(directory, shards):
-    """Write each list of documents in `shards` as shard_00000.parquet, ... into the new `directory`, with SHA256SUMS."""
+    """Write each list of documents in `shards` as shard_00000.parquet, ... into the new `directory`, and SHA256SUMS."""
     os.makedirs(directory)
     for index, shard in enumerate(shards):
         table = pa.table({"text": pa.array(shard, type=pa.string())})
         # the same bytes on every build: no timestamps in parquet metadata, a fixed codec
         pq.write_table(table, os.path.join(directory, shard_name(index)), row_group_size=ROW_GROUP_SIZE,
                        compression="zstd")
-    write_checksums(directory, {shard_name(i): file_sha256(os.path.join(directory, shard_name(i))) for i in range(len(shards))})
+    names = [shard_name(i) for i in range(len(shards))]
+    write_checksums(directory, {name: file_sha256(os.path.join(directory, name)) for name in names})
 
 
 def _write_pydocs(directory):
@@ -136,7 +137,8 @@ def _build_in_place(final, write, is_done):
         for name in os.listdir(parent):  # we hold the lock: such a directory is a dead builder's
             if name.startswith((base + ".tmp", base + ".old")):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        tmp, old = f"{final}.tmp{os.getpid()}", f"{final}.old{os.getpid()}"
+        tmp = f"{final}.tmp{os.getpid()}"
+        old = f"{final}.old{os.getpid()}"
         try:
             result = write(tmp)
             if os.path.isdir(final):
@@ -162,7 +164,8 @@ def build_pydocs():
     built = _build_in_place(final, _write_pydocs, lambda: os.path.isdir(final))
     if built:
         docs, chars, shards = built
-        logger.info(f"Built pydocs: {docs:,} docs, {chars / 1e6:.2f}M chars, {shards} shards in {time.time() - t0:.1f}s")
+        logger.info(f"Built pydocs: {docs:,} docs, {chars / 1e6:.2f}M chars, {shards} shards in "
+                    f"{time.time() - t0:.1f}s")
     return final
 
 
@@ -195,21 +198,24 @@ def build_own_corpus(final, name, sources, field="text", split="file", skip_bad=
     num_val = max(1, len(docs) // OWN_VAL_EVERY)
     train, val = docs[:-num_val], docs[-num_val:]
     if not train or sum(len(d) for d in val) < OWN_VAL_MIN_CHARS:
+        advice = ", or split it with --split=paragraph (a document per paragraph)" if split == "file" else ""
         raise UserError(f"too little text for a validation shard: {len(docs):,} document(s) of {sum(map(len, docs)):,} "
                         f"characters; 1 in {OWN_VAL_EVERY} (at least one, and never all) are held out, and need "
-                        f"{OWN_VAL_MIN_CHARS:,} characters: add text" + (", or split it with --split=paragraph (a document "
-                        "per paragraph)" if split == "file" else ""))
-    digest, utf8_bytes = hashlib.sha256(), 0
+                        f"{OWN_VAL_MIN_CHARS:,} characters: add text{advice}")
+    digest = hashlib.sha256()
+    utf8_bytes = 0
     for d in docs:  # the documents, in order, are the corpus: the fingerprint says whether they changed
         data = d.encode()
         digest.update(f"{len(d)}:".encode() + data)
         utf8_bytes += len(data)
-    command = "python -m nanochat.dataset " + " ".join(f"--from={p}" for p in sources) + f" --name={name}" + \
-        (f" --field={field}" if field != "text" else "") + (f" --split={split}" if split != "file" else "") + \
-        (" --skip_bad" if skip_bad else "")
-    manifest = dict(name=name, sources=sources, field=field, split=split, skip_bad=skip_bad, fingerprint=digest.hexdigest(),
-                    documents=len(docs), characters=sum(map(len, docs)), utf8_bytes=utf8_bytes,
-                    val_documents=num_val, shards=(len(train) + OWN_SHARD_DOCS - 1) // OWN_SHARD_DOCS + 1, command=command)
+    command = "python -m nanochat.dataset " + " ".join(f"--from={p}" for p in sources) + f" --name={name}"
+    command += f" --field={field}" if field != "text" else ""
+    command += f" --split={split}" if split != "file" else ""
+    command += " --skip_bad" if skip_bad else ""
+    manifest = dict(name=name, sources=sources, field=field, split=split, skip_bad=skip_bad,
+                    fingerprint=digest.hexdigest(), documents=len(docs), characters=sum(map(len, docs)),
+                    utf8_bytes=utf8_bytes, val_documents=num_val,
+                    shards=(len(train) + OWN_SHARD_DOCS - 1) // OWN_SHARD_DOCS + 1, command=command)
 
     def unchanged():
         old = read_manifest(final)
@@ -236,14 +242,19 @@ PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")  # a blank line (maybe with spaces) 
 
 
 def _kind(path):
+    """How a file is read, by its name: "jsonl", "parquet", "text", or None (not a kind read here)."""
     name = path.lower()
-    return "jsonl" if name.endswith(".jsonl") else "parquet" if name.endswith(".parquet") else \
-        "text" if name.endswith(TEXT_SUFFIXES) else None
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text" if name.endswith(TEXT_SUFFIXES) else None
 
 
 def source_files(paths):
     """[(path, kind)] of every file the paths name, in a fixed order (each path's files sorted), each once."""
-    found, other = [], {}
+    found = []
+    other = {}
     for path in paths:
         if not os.path.exists(path):
             raise UserError(f"--from={path}: no such file or directory")
@@ -349,11 +360,14 @@ def file_documents(path, kind, field="text", split="file"):
 
 
 def read_documents(paths, field="text", split="file", skip_bad=False):
-    """Every document of the files `paths` name (source_files), in a fixed order. skip_bad: a file with a problem is
-    skipped with a warning instead of ending the build. UserError when nothing is left."""
+    """
+    Every document of the files `paths` name (source_files), in a fixed order. skip_bad: a file with a problem is
+    skipped with a warning instead of ending the build. UserError when nothing is left.
+    """
     if split not in SPLITS:
         raise UserError(f"--split={split}: use one of {', '.join(SPLITS)}")
-    docs, skipped = [], []
+    docs = []
+    skipped = []
     for path, kind in source_files(paths):
         try:
             docs.extend(file_documents(path, kind, field, split))

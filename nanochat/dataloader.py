@@ -1,6 +1,7 @@
 """
-The data loader of pretraining: parquet documents in, token batches out, forever, for THIS rank only; and the
-micro-steps a step of total_batch_size tokens takes (grad_accum_steps_for; base_train and mid_train use it too).
+The data loader of pretraining: parquet documents in, token batches out, forever, for THIS rank only.
+
+Also the micro-steps a step of total_batch_size tokens takes (grad_accum_steps_for; mid_train uses it too).
 
     loader = tokenizing_distributed_data_loader(B, T, "train", device, total_batch_size=...)
     x, y = next(loader)   # x (B, T) int32, y (B, T) int64, on `device`
@@ -76,9 +77,11 @@ def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world
     per_micro = device_batch_size * max_seq_len * world_size  # tokens of one micro-step on all ranks together
     if total_batch_size % per_micro == 0 and total_batch_size > 0:
         if show:
-            print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {device_batch_size * max_seq_len:,}")
+            print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = "
+                   f"{device_batch_size * max_seq_len:,}")
             print0(f"Tokens / micro-batch (all {world_size} ranks): {per_micro:,}")
-            print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {total_batch_size // per_micro}")
+            print0(f"Total batch size {total_batch_size:,} => gradient accumulation steps: "
+                   f"{total_batch_size // per_micro}")
         return total_batch_size // per_micro
     lower = total_batch_size // per_micro * per_micro
     options = [f"--total_batch_size={v}" for v in (lower, lower + per_micro) if v > 0]
@@ -112,7 +115,8 @@ class _BestFitBuffer:
     def __init__(self, width):
         self.width = width
         self.pieces = {}  # seq -> piece, in the order they came in
-        self.starts, self.leftovers = [], []
+        self.starts = []
+        self.leftovers = []
         self.seq = 0
 
     def __len__(self):
@@ -159,8 +163,16 @@ class _Slot:
 
     def __init__(self, slot, num_slots, row_groups, seed, tokenizer, bos_id, threads, doc_batch, shuffle, split,
                  width=None, state=None):
-        self.slot, self.num_slots, self.row_groups, self.seed, self.shuffle = slot, num_slots, row_groups, seed, shuffle
-        self.tokenizer, self.bos_id, self.threads, self.doc_batch, self.split = tokenizer, bos_id, threads, doc_batch, split
+        self.slot = slot
+        self.num_slots = num_slots
+        self.row_groups = row_groups
+        self.seed = seed
+        self.shuffle = shuffle
+        self.tokenizer = tokenizer
+        self.bos_id = bos_id
+        self.threads = threads
+        self.doc_batch = doc_batch
+        self.split = split
         self.width = width
         if width is None and isinstance(state, dict):
             raise UserError("this data position was saved by a run with bos_aligned=True: resume with bos_aligned=True")
@@ -168,7 +180,8 @@ class _Slot:
         if width is not None and state is not None:
             if not isinstance(state, dict):  # saved before best fit: a document start, nothing in a buffer
                 state = {"next": state[:3], "pieces": []}
-            state, pieces = [*state["next"], 0], state["pieces"]
+            pieces = state["pieces"]
+            state = [*state["next"], 0]
         # reading position: the next document to tokenize is document `next_doc` of unit `unit_pos` of `epoch`
         self.epoch, self.unit_pos, self.next_doc, resume_offset = state if state is not None else (0, 0, 0, 0)
         self.my_units = self._epoch_units(self.epoch)
@@ -178,7 +191,10 @@ class _Slot:
         self.docs = deque()
         self.offset = 0
         self.buffered = 0  # tokens in the buffer not yet consumed
-        self.tokens_seen, self.tokens_dropped, self.tokens_placed, self.tokens_leftover = 0, 0, 0, 0
+        self.tokens_seen = 0
+        self.tokens_dropped = 0
+        self.tokens_placed = 0
+        self.tokens_leftover = 0
         if resume_offset:
             self._refill()
             self.offset = resume_offset
@@ -204,8 +220,10 @@ class _Slot:
         return (self.epoch, self.unit_pos, self.next_doc, 0)
 
     def state(self, snapshot=None):
-        """Stream: [epoch, unit, document, token offset] of the first token not yet returned. Best-fit: {"next":
-        [epoch, unit, document] of the next document to read, "pieces": [[epoch, unit, document, start, end], ...]}."""
+        """
+        Stream: [epoch, unit, document, token offset] of the first token not yet returned. Best-fit: {"next":
+        [epoch, unit, document] of the next document to read, "pieces": [[epoch, unit, document, start, end], ...]}.
+        """
         snapshot = self.snapshot() if snapshot is None else snapshot
         if self.width is None:
             return list(snapshot)
@@ -214,14 +232,18 @@ class _Slot:
 
     def _load_pieces(self, pieces):
         """Rebuild a saved best-fit buffer: the documents its pieces come from are read and tokenized again."""
-        units, texts, docs = {}, {}, {}
+        units = {}
+        texts = {}
+        docs = {}
         for epoch, unit_pos, doc_idx, _, _ in pieces:
             if (epoch, unit_pos) not in texts:
                 units.setdefault(epoch, self._epoch_units(epoch))
                 g, j, k = units[epoch][unit_pos]
                 texts[epoch, unit_pos] = read_row_group(*self.row_groups[g])[j::k]
             docs[epoch, unit_pos, doc_idx] = texts[epoch, unit_pos][doc_idx]
-        encoded = self.tokenizer.encode(list(docs.values()), prepend=self.bos_id, num_threads=self.threads) if docs else []
+        encoded = []
+        if docs:
+            encoded = self.tokenizer.encode(list(docs.values()), prepend=self.bos_id, num_threads=self.threads)
         tokens = {where: np.asarray(ids, dtype=np.int32) for where, ids in zip(docs, encoded)}
         for epoch, unit_pos, doc_idx, start, end in pieces:
             self.bestfit.put(((epoch, unit_pos, doc_idx), tokens[epoch, unit_pos, doc_idx], start, end))
@@ -232,16 +254,19 @@ class _Slot:
             g, j, k = self.my_units[self.unit_pos]
             self.unit_texts = read_row_group(*self.row_groups[g])[j::k]
         texts = self.unit_texts[self.next_doc:self.next_doc + self.doc_batch]
-        for i, ids in enumerate(self.tokenizer.encode(texts, prepend=self.bos_id, num_threads=self.threads) if texts else []):
+        encoded = self.tokenizer.encode(texts, prepend=self.bos_id, num_threads=self.threads) if texts else []
+        for i, ids in enumerate(encoded):
             self.docs.append([self.epoch, self.unit_pos, self.next_doc + i, np.asarray(ids, dtype=np.int32)])
             self.buffered += len(ids)
             self.tokens_seen += len(ids)
         self.next_doc += len(texts)
         if self.next_doc >= len(self.unit_texts):  # unit done: next unit, or next epoch
-            self.unit_texts, self.next_doc = None, 0
+            self.unit_texts = None
+            self.next_doc = 0
             self.unit_pos += 1
             if self.unit_pos == len(self.my_units):
-                self.epoch, self.unit_pos = self.epoch + 1, 0
+                self.epoch += 1
+                self.unit_pos = 0
                 self.my_units = self._epoch_units(self.epoch)
                 if self.split == "train":
                     print0(f"Data slot {self.slot} ({self.split}): starting epoch {self.epoch}")
@@ -254,11 +279,13 @@ class _Slot:
         while self.buffered < n + 1:
             self._refill()
         out = np.empty(n + 1, dtype=np.int32)
-        filled, start = 0, self.offset
+        filled = 0
+        start = self.offset
         for entry in self.docs:
             chunk = entry[3][start:start + n + 1 - filled]
             out[filled:filled + len(chunk)] = chunk
-            filled, start = filled + len(chunk), 0
+            filled += len(chunk)
+            start = 0
             if filled == n + 1:
                 break
         remaining = n  # advance by n: drop fully consumed documents, move the offset into the next one
@@ -307,7 +334,11 @@ class DistributedTokenLoader:
                  bos_aligned=False, tokenizer_threads=4, tokenizer_batch_size=128):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        self.B, self.T, self.split, self.device, self.bos_aligned = B, T, split, torch.device(device), bos_aligned
+        self.B = B
+        self.T = T
+        self.split = split
+        self.device = torch.device(device)
+        self.bos_aligned = bos_aligned
         if total_batch_size is None:  # one slot per rank, e.g. for evaluation
             total_batch_size = B * T * world_size
         self.accum = grad_accum_steps_for(total_batch_size, B, T, world_size)  # micro-batches per rank per step
@@ -329,7 +360,8 @@ class DistributedTokenLoader:
         seed, tokenizer, bos_id, threads, doc_batch = self.slot_args
         width = self.T + 1 if self.bos_aligned else None
         self.slots = [_Slot(s, self.num_slots, self.row_groups, seed, tokenizer, bos_id, threads, doc_batch,
-                            shuffle=(self.split == "train"), split=self.split, width=width, state=slot_states.get(str(s)))
+                            shuffle=(self.split == "train"), split=self.split, width=width,
+                            state=slot_states.get(str(s)))
                       for s in self.my_slots]
         self.micro = states[0].get("micro", 0) % self.accum  # which of my slots serves the next batch
         self.last = None  # (slot index, snapshot of its state before the last returned batch)
@@ -343,10 +375,12 @@ class DistributedTokenLoader:
         self.last = (i, slot.snapshot())
         if self.bos_aligned:
             rows = slot.take_rows(self.B)
-            inputs, targets = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+            inputs = torch.from_numpy(rows[:, :-1])
+            targets = torch.from_numpy(rows[:, 1:])
         else:
             buf = torch.from_numpy(slot.take_tokens(self.B * self.T))
-            inputs, targets = buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+            inputs = buf[:-1].view(self.B, self.T)
+            targets = buf[1:].view(self.B, self.T)
         self.micro = (self.micro + 1) % len(self.slots)
         if self.device.type == "cuda":
             # page-locked staging memory lets the copy to the GPU run asynchronously (non_blocking); the
@@ -366,8 +400,10 @@ class DistributedTokenLoader:
         return sum(s.tokens_dropped for s in self.slots) / max(seen, 1)
 
     def leftover_fraction(self):
-        """Best-fit: the fraction of the tokens put in rows that continue a document begun elsewhere (leftovers),
-        so are trained without their document's start."""
+        """
+        Best-fit: the fraction of the tokens put in rows that continue a document begun elsewhere (leftovers),
+        so are trained without their document's start.
+        """
         placed = sum(s.tokens_placed for s in self.slots)
         return sum(s.tokens_leftover for s in self.slots) / max(placed, 1)
 
@@ -393,5 +429,6 @@ def tokenizing_distributed_data_loader(B, T, split, device="cpu", *, tokenizer=N
     _, rank, _, world_size = get_dist_info()
     tokenizer = tokenizer or get_tokenizer()
     return DistributedTokenLoader(B=B, T=T, split=split, device=device, tokenizer=tokenizer, rank=rank,
-                                  world_size=world_size, total_batch_size=total_batch_size, seed=seed, bos_aligned=bos_aligned,
+                                  world_size=world_size, total_batch_size=total_batch_size, seed=seed,
+                                  bos_aligned=bos_aligned,
                                   tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size)

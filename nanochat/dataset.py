@@ -1,7 +1,10 @@
 """
-The pretraining corpora (fineweb-edu, climbmix, pydocs, and yours): getting them onto disk as parquet shards, and
-reading them back. Yours: `python -m nanochat.dataset --from=PATH --name=NAME`, built by nanochat/corpus_build.py
-(where the shard format is written down, and pydocs is built).
+The pretraining corpora: which one is selected, getting it onto disk as parquet shards, and reading it back.
+
+Three kinds, each an entry of CORPORA: a hub corpus (fineweb-edu, climbmix) is downloaded shard by shard from the
+Hugging Face hub; a generated one (pydocs, from this Python's documentation) is built here whole; a corpus of your
+own is built from your files (`python -m nanochat.dataset --from=PATH --name=NAME`). The building, and the shard
+format: nanochat/corpus_build.py.
 
 $NANOCHAT_DATASET picks the corpus (read at every call). All lie in <base_dir>/base_data/<corpus>/ as
 shard_NNNNN.parquet files with one `text` column, in row groups of ~1024 documents; the LAST shard of the dataset
@@ -16,7 +19,9 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
@@ -27,18 +32,35 @@ from nanochat.corpus_build import (SHARD_RE, SPLITS, build_own_corpus, build_pyd
 
 logger = logging.getLogger("nanochat.dataset")  # not __name__: that is "__main__" under `python -m`
 
-CORPORA = ("fineweb-edu", "climbmix", "pydocs")  # built in; a corpus of your own has a name of its own
-DEFAULT_CORPUS = "fineweb-edu"
 
-# The corpora downloaded from the Hugging Face hub: {name: (URL of its shards, number of shards)}. Each was shuffled
-# before sharding, so the first N shards are a uniform sample of the whole; the last shard is the validation shard.
-HUB_CORPORA = {
+@dataclass(frozen=True)
+class Corpus:
+    """How a corpus gets onto disk, and what a model trained on it is evaluated on."""
+
+    kind: str  # "hub": downloaded shard by shard; "generated": built here whole; "own": built from your files
+    command: str  # the command that gets it (after NANOCHAT_DATASET=<name>, unless it is the default); errors quote it
+    bundle: str  # the CORE bundle a model trained on it is evaluated on by default (nanochat/core_eval.py)
+    url: str = ""  # hub: the base URL of its shards
+    shards: int = 0  # hub: how many there are; the last is the validation shard
+    build: Callable[[], str] | None = None  # generated: builds it whole if missing, returns its directory
+
+
+# The built-in corpora; any other name is a corpus of your own (OWN_CORPUS). A new hub corpus is one entry here. Each
+# hub corpus was shuffled before sharding, so its first N shards are a uniform sample of the whole.
+CORPORA = {
     # FineWeb-Edu 100B: educational web text (shard_00000 .. shard_01822)
-    "fineweb-edu": ("https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main", 1823),
-    # ClimbMix 400B: NVIDIA's clustered web mixture, karpathy/nanochat's corpus since March 2026 (shard_00000 ..
-    # shard_06542), where it cut the time to a GPT-2-grade model by 27% (its LEADERBOARD.md: 2h46m -> 2h01m)
-    "climbmix": ("https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main", 6543),
+    "fineweb-edu": Corpus("hub", "python -m nanochat.dataset -n 8", "dclm", shards=1823,
+                          url="https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"),
+    # ClimbMix 400B: NVIDIA's clustered web mixture (shard_00000 .. shard_06542), karpathy/nanochat's corpus since
+    # March 2026, where it was the largest single gain (docs/data.md)
+    "climbmix": Corpus("hub", "python -m nanochat.dataset -n 8", "dclm", shards=6543,
+                       url="https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"),
+    # this Python's documentation, built offline (nanochat/corpus_build.py); a model trained on it has read none of
+    # DCLM's web text, so it is scored on the offline bundle built from the same documentation
+    "pydocs": Corpus("generated", "python -m nanochat.dataset", "offline", build=build_pydocs),
 }
+OWN_CORPUS = Corpus("own", "python -m nanochat.dataset", "dclm")  # built again from the files it was built from
+DEFAULT_CORPUS = "fineweb-edu"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # the name of a corpus of your own: a directory's
 
 
@@ -63,12 +85,17 @@ def dataset_name():
     """The selected corpus: $NANOCHAT_DATASET, `fineweb-edu` when unset. Anything else is a UserError."""
     name = os.environ.get("NANOCHAT_DATASET") or DEFAULT_CORPUS
     if name not in CORPORA and own_manifest(name) is None:
-        known = CORPORA + tuple(own_corpora())
+        known = tuple(CORPORA) + tuple(own_corpora())
         hint = closest(name, known)
         raise UserError(f"NANOCHAT_DATASET={name!r} is not a corpus; use one of {', '.join(known)}"
                         + (f" (did you mean {hint[0]}?)" if hint else "")
                         + f", or build it from your files: `python -m nanochat.dataset --from=DIR --name={name}`")
     return name
+
+
+def corpus_of(name):
+    """The entry of the corpus `name`: CORPORA's, or OWN_CORPUS for a corpus of your own."""
+    return CORPORA.get(name, OWN_CORPUS)
 
 
 def data_dir():
@@ -79,11 +106,8 @@ def data_dir():
 def fetch_command():
     """The exact command that gets the selected corpus; error messages quote it."""
     name = dataset_name()
-    if name == "pydocs":
-        return "NANOCHAT_DATASET=pydocs python -m nanochat.dataset"
-    if name not in CORPORA:  # yours: build it again from the files it was built from
-        return f"NANOCHAT_DATASET={name} python -m nanochat.dataset"
-    return "python -m nanochat.dataset -n 8" if name == DEFAULT_CORPUS else f"NANOCHAT_DATASET={name} python -m nanochat.dataset -n 8"
+    command = corpus_of(name).command
+    return command if name == DEFAULT_CORPUS else f"NANOCHAT_DATASET={name} {command}"
 
 
 # -----------------------------------------------------------------------------
@@ -133,20 +157,21 @@ def _local_shards(directory):
 def list_parquet_files(split):
     """
     Sorted paths of the shards of `split`: "train" = every shard present except the validation shard, "val" = [the
-    validation shard], the dataset's last (shard_01822 of FineWeb-Edu, whatever was downloaded). pydocs is built
-    first if missing. UserError naming the command that fixes it when data is missing or a shard is damaged.
+    validation shard], the dataset's last (shard_01822 of FineWeb-Edu, whatever was downloaded). A generated corpus
+    is built first if missing. UserError naming the command that fixes it when data is missing or a shard is damaged.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     name = dataset_name()
-    if name == "pydocs":
-        directory = build_pydocs()
+    corpus = corpus_of(name)
+    if corpus.kind == "generated":
+        directory = corpus.build()
         shards = _local_shards(directory)
         if not shards:
-            raise UserError(f"the pydocs corpus at {directory} has no shards; delete that directory and run "
+            raise UserError(f"the {name} corpus at {directory} has no shards; delete that directory and run "
                             f"`{fetch_command()}`")
         val_index = max(shards)  # built all at once, atomically: the last shard present is the last shard
-    elif name not in CORPORA:
+    elif corpus.kind == "own":
         directory = data_dir()
         shards = _local_shards(directory)
         val_index = own_manifest(name)["shards"] - 1  # also built whole; the manifest says how many
@@ -204,10 +229,10 @@ def parquets_iter_batched(split, start=0, step=1):
 
 
 def hub_num_shards():
-    """Number of shards of the selected hub corpus (HUB_CORPORA), or $NANOCHAT_DATA_SHARDS (tests serve a tiny one)."""
+    """Number of shards of the selected hub corpus (its entry), or $NANOCHAT_DATA_SHARDS (tests serve a tiny one)."""
     raw = os.environ.get("NANOCHAT_DATA_SHARDS")
     if not raw:
-        return HUB_CORPORA[dataset_name()][1]
+        return corpus_of(dataset_name()).shards
     try:
         n = int(raw)
     except ValueError:
@@ -219,7 +244,7 @@ def hub_num_shards():
 
 def hub_url():
     """Base URL the shards are downloaded from: the hub, or $NANOCHAT_DATA_URL (a mirror, or a test server)."""
-    return (os.environ.get("NANOCHAT_DATA_URL") or HUB_CORPORA[dataset_name()][0]).rstrip("/")
+    return (os.environ.get("NANOCHAT_DATA_URL") or corpus_of(dataset_name()).url).rstrip("/")
 
 
 def download_shards(num_train_shards, workers=4):
@@ -230,7 +255,7 @@ def download_shards(num_train_shards, workers=4):
     UserError if any download failed (the others are kept).
     """
     name = dataset_name()
-    if name not in HUB_CORPORA:
+    if corpus_of(name).kind != "hub":
         raise UserError(f"NANOCHAT_DATASET={name} is not downloaded: it is built (`{fetch_command()}`)")
     total = hub_num_shards()
     val_index = total - 1
@@ -261,11 +286,13 @@ def download_shards(num_train_shards, workers=4):
 
     def fetch(i):
         path = download_file_with_lock(f"{hub_url()}/{shard_name(i)}", os.path.join("base_data", name, shard_name(i)),
-                                       postprocess_fn=check_shard, retry_command=f"python -m nanochat.dataset -n {num_train_shards}")
+                                       postprocess_fn=check_shard,
+                                       retry_command=f"python -m nanochat.dataset -n {num_train_shards}")
         record_checksums(directory, {shard_name(i): file_sha256(path)})  # so later damage is caught (verify_shard)
         return os.path.getsize(path)
 
-    done, failed = [], []
+    done = []
+    failed = []
     # threads suffice: downloads wait on the network, the parquet check runs in C++, neither holds the GIL
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
         futures = {pool.submit(fetch, i): i for i in todo}
@@ -287,15 +314,50 @@ def download_shards(num_train_shards, workers=4):
 
 
 # -----------------------------------------------------------------------------
-# Command line
+# Command line: one function per kind of corpus, main() dispatches on the selected corpus's kind
 
 
-def _build_own(name, sources, field, split, skip_bad):
-    """Build (or find unchanged) the corpus of your own `name` from `sources`; log what happened."""
+def download_hub_corpus(num_files, workers):
+    """`-n N`: download the first N training shards and the validation shard of the selected hub corpus."""
+    if num_files is None:
+        raise UserError("say how many training shards to download: -n 8 is enough to train the tokenizer, "
+                        f"-n -1 downloads all {hub_num_shards() - 1} (plus the validation shard)")
+    t0 = time.time()
+    downloaded = download_shards(num_files, workers)
+    print(f"Downloaded {len(downloaded)} shard(s) in {time.time() - t0:.1f}s: "
+          f"{', '.join(shard_name(i) for i in downloaded) or 'none, all were present'}")
+
+
+def build_generated_corpus(name, corpus, num_files):
+    """Build the generated corpus `name` if missing; one damaged shard rebuilds all of it (it is built whole)."""
+    if num_files is not None:
+        logger.warning(f"-n is ignored for {name}: the corpus is built whole")
+    directory = data_dir()
+    if os.path.isdir(directory):
+        damaged = []
+        for path in sorted(_local_shards(directory).values()):
+            try:
+                check_shard(path)
+                verify_shard(path)
+            except (IOError, UserError) as e:
+                damaged.append(os.path.basename(path))
+                logger.warning(f"{e}")
+        if damaged:  # built deterministically: the same bytes again
+            logger.warning(f"{name}: {', '.join(damaged)} damaged; rebuilding the corpus in {directory}")
+            shutil.rmtree(directory)
+        else:
+            logger.info(f"{name} is already built in {directory} and its shards are intact (delete that directory "
+                        f"to rebuild it)")
+    corpus.build()
+
+
+def build_own(name, sources, field, split, skip_bad):
+    """`--from=PATH --name=NAME`: build (or find unchanged) the corpus of your own `name`; log what happened."""
     if name in CORPORA:
         raise UserError(f"--name={name} is a built-in corpus; choose another name for yours")
     if not NAME_RE.match(name):
-        raise UserError(f"--name={name!r}: use letters, digits, '.', '_' and '-' (it names a directory), e.g. --name=my-notes")
+        raise UserError(f"--name={name!r}: use letters, digits, '.', '_' and '-' (it names a directory), "
+                        f"e.g. --name=my-notes")
     t0 = time.time()
     directory = os.path.join(get_base_dir(), "base_data", name)
     manifest, built = build_own_corpus(directory, name, sources, field=field, split=split, skip_bad=skip_bad)
@@ -305,92 +367,89 @@ def _build_own(name, sources, field, split, skip_bad):
                 f"of {manifest['val_documents']:,} docs")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m nanochat.dataset",
-        description="Get the pretraining corpus selected by $NANOCHAT_DATASET (fineweb-edu | climbmix | pydocs | yours) "
-                    "into <base_dir>/base_data/<corpus>. fineweb-edu, climbmix: download the first N training shards and "
-                    "the fixed validation shard. pydocs: build it from this Python's documentation. Yours: build it from "
-                    "your files with --from and --name (then NANOCHAT_DATASET=NAME selects it); without them, build it "
-                    "again from the files it was built from (nothing changes when they did not).")
-    parser.add_argument("-n", "--num-files", type=int, default=None,
-                        help="fineweb-edu, climbmix: number of training shards to download, -1 = all (1822, 6542)")
-    parser.add_argument("-w", "--num-workers", type=int, default=4, help="parallel downloads (default 4)")
-    parser.add_argument("--from", dest="sources", action="append", default=[], metavar="PATH",
-                        help="your text: a file or a directory (walked), repeatable; .txt .md .rst (one document per "
-                             "file), .jsonl (one per line), .parquet (one per row)")
-    parser.add_argument("--name", default="", help="the name of the corpus built from --from (a directory name)")
-    parser.add_argument("--field", default="text", help="the field of a .jsonl line, the column of a .parquet file "
-                                                        "(default text)")
-    parser.add_argument("--split", default="file", choices=SPLITS,
-                        help="a text file is one document (file, the default) or one per paragraph (paragraph)")
-    parser.add_argument("--skip_bad", "--skip-bad", action="store_true",
-                        help="skip files that are empty, binary or not UTF-8 (default: stop at the first, naming it)")
-    args = parser.parse_args(argv)
-    setup_default_logging()
-    t0 = time.time()
-    if args.sources or args.name:
-        if not (args.sources and args.name):
-            raise UserError("--from=PATH and --name=NAME go together: the files to build your corpus from, and its name")
-        if args.num_files is not None:
-            raise UserError("-n is for the hub corpora; a corpus of your own is built whole from --from")
-        _build_own(args.name, args.sources, args.field, args.split, args.skip_bad)
-        os.environ["NANOCHAT_DATASET"] = args.name  # for the summary below
-    name = dataset_name()
-    if name == "pydocs":
-        if args.num_files is not None:
-            logger.warning("-n is ignored for pydocs: the corpus is built whole")
-        if os.path.isdir(data_dir()):
-            damaged = []
-            for path in sorted(_local_shards(data_dir()).values()):
-                try:
-                    check_shard(path)
-                    verify_shard(path)
-                except (IOError, UserError) as e:
-                    damaged.append(os.path.basename(path))
-                    logger.warning(f"{e}")
-            if damaged:  # the corpus is built whole and deterministically: rebuild all of it
-                logger.warning(f"pydocs: {', '.join(damaged)} damaged; rebuilding the corpus in {data_dir()}")
-                shutil.rmtree(data_dir())
-            else:
-                logger.info(f"pydocs is already built in {data_dir()} and its shards are intact (delete that directory to rebuild it)")
-        build_pydocs()
-    elif name not in CORPORA and not args.sources:  # yours, selected by $NANOCHAT_DATASET: from its recorded files
-        manifest = own_manifest(name)
-        gone = [p for p in manifest["sources"] if not os.path.exists(p)]
-        if gone:
-            raise UserError(f"{name} was built from {', '.join(gone)}, which is gone: build it from where your files "
-                            f"are now, `python -m nanochat.dataset --from=PATH --name={name}`")
-        _build_own(name, manifest["sources"], manifest["field"], manifest["split"], manifest["skip_bad"])
-    elif name in HUB_CORPORA:
-        if args.num_files is None:
-            raise UserError("say how many training shards to download: -n 8 is enough to train the tokenizer, "
-                            f"-n -1 downloads all {hub_num_shards() - 1} (plus the validation shard)")
-        downloaded = download_shards(args.num_files, args.num_workers)
-        print(f"Downloaded {len(downloaded)} shard(s) in {time.time() - t0:.1f}s: "
-              f"{', '.join(shard_name(i) for i in downloaded) or 'none, all were present'}")
-    # Summary of what is on disk now
-    directory = data_dir()
+def rebuild_own(name):
+    """No --from, NANOCHAT_DATASET=NAME: build your corpus again from the files it was built from (its manifest)."""
+    manifest = own_manifest(name)
+    gone = [p for p in manifest["sources"] if not os.path.exists(p)]
+    if gone:
+        raise UserError(f"{name} was built from {', '.join(gone)}, which is gone: build it from where your files "
+                        f"are now, `python -m nanochat.dataset --from=PATH --name={name}`")
+    build_own(name, manifest["sources"], manifest["field"], manifest["split"], manifest["skip_bad"])
+
+
+def print_summary(name, corpus):
+    """What is on disk now: shards, row groups, documents, characters where they are known cheaply, megabytes."""
     val = list_parquet_files("val")
     try:
         train = list_parquet_files("train")
     except UserError:  # `-n 0` downloads only the validation shard
         train = []
-    docs = chars = row_groups = 0
+    docs = 0
+    chars = 0
+    row_groups = 0
     for path in train + val:
         pf = pq.ParquetFile(path)
         docs += pf.metadata.num_rows
         row_groups += pf.num_row_groups
-        if name == "pydocs":  # counting a hub corpus's characters would read every shard; pydocs is small
+        if corpus.kind == "generated":  # small; counting a hub corpus's characters would read every shard
             chars += sum(len(t) for t in pf.read(columns=["text"]).column("text").to_pylist())
-    chars = own_manifest(name)["characters"] if name not in CORPORA else chars
+    if corpus.kind == "own":
+        chars = own_manifest(name)["characters"]
     size = sum(os.path.getsize(p) for p in train + val)
     chars_text = f", {chars:,} chars" if chars else ""
     print(f"{name}: {len(train)} train shard(s) + 1 val shard ({os.path.basename(val[0])}), "
-          f"{row_groups} row groups, {docs:,} docs{chars_text}, {size / 2**20:.1f} MB in {directory}")
-    if name not in CORPORA:
-        print(f"Next: NANOCHAT_DATASET={name} python -m scripts.tok_train, then the other stages with NANOCHAT_DATASET={name} "
-              f"(README, \"Train on your own text\")")
+          f"{row_groups} row groups, {docs:,} docs{chars_text}, {size / 2**20:.1f} MB in {data_dir()}")
+    if corpus.kind == "own":
+        print(f"Next: NANOCHAT_DATASET={name} python -m scripts.tok_train, then the other stages with "
+              f"NANOCHAT_DATASET={name} (README, \"Train on your own text\")")
+
+
+def _parser():
+    hub = [name for name, corpus in CORPORA.items() if corpus.kind == "hub"]
+    parser = argparse.ArgumentParser(
+        prog="python -m nanochat.dataset",
+        description=f"Get the pretraining corpus selected by $NANOCHAT_DATASET ({' | '.join(CORPORA)} | yours) "
+                    f"into <base_dir>/base_data/<corpus>. {', '.join(hub)}: download the first N training shards "
+                    "and the fixed validation shard. pydocs: build it from this Python's documentation. Yours: build "
+                    "it from your files with --from and --name (then NANOCHAT_DATASET=NAME selects it); without "
+                    "them, build it again from the files it was built from (nothing changes when they did not).")
+    all_shards = ", ".join(str(CORPORA[name].shards - 1) for name in hub)
+    parser.add_argument("-n", "--num-files", type=int, default=None,
+                        help=f"{', '.join(hub)}: number of training shards to download, -1 = all ({all_shards})")
+    parser.add_argument("-w", "--num-workers", type=int, default=4, help="parallel downloads (default 4)")
+    parser.add_argument("--from", dest="sources", action="append", default=[], metavar="PATH",
+                        help="your text: a file or a directory (walked), repeatable; .txt .md .rst (one document per "
+                             "file), .jsonl (one per line), .parquet (one per row)")
+    parser.add_argument("--name", default="", help="the name of the corpus built from --from (a directory name)")
+    parser.add_argument("--field", default="text",
+                        help="the field of a .jsonl line, the column of a .parquet file (default text)")
+    parser.add_argument("--split", default="file", choices=SPLITS,
+                        help="a text file is one document (file, the default) or one per paragraph (paragraph)")
+    parser.add_argument("--skip_bad", "--skip-bad", action="store_true",
+                        help="skip files that are empty, binary or not UTF-8 (default: stop at the first, naming it)")
+    return parser
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    setup_default_logging()
+    if args.sources or args.name:  # yours, from your files; then it is the selected corpus
+        if not (args.sources and args.name):
+            raise UserError("--from=PATH and --name=NAME go together: the files to build your corpus from, and its "
+                            "name")
+        if args.num_files is not None:
+            raise UserError("-n is for the hub corpora; a corpus of your own is built whole from --from")
+        build_own(args.name, args.sources, args.field, args.split, args.skip_bad)
+        os.environ["NANOCHAT_DATASET"] = args.name
+    name = dataset_name()
+    corpus = corpus_of(name)
+    if corpus.kind == "hub":
+        download_hub_corpus(args.num_files, args.num_workers)
+    elif corpus.kind == "generated":
+        build_generated_corpus(name, corpus, args.num_files)
+    elif not args.sources:  # yours, selected by $NANOCHAT_DATASET
+        rebuild_own(name)
+    print_summary(name, corpus)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ and `seed`. How it works, with examples: docs/engine.md.
 """
 
 import codecs
-import functools
 import math
 import operator
 from collections import deque
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from nanochat.common import UserError
 from nanochat.execution import use_calculator
 from nanochat.gpt import attention, hidden_states, softcapped, weights_of
-from nanochat.hardware import best_in_turns, cpu_model_name, kept_per_machine, native_bf16_gemv, onednn_off
+from nanochat.probes import fp32_cache_pays, native_bf16_gemv, onednn_off
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -36,8 +35,12 @@ class KVCache:
     """
 
     def __init__(self, batch_size, n_kv_head, max_len, head_dim, n_layer, device, dtype, capacity=None):
-        self.batch_size, self.n_kv_head, self.head_dim, self.n_layer = batch_size, n_kv_head, head_dim, n_layer
-        self.max_len, self.pos = max_len, 0
+        self.batch_size = batch_size
+        self.n_kv_head = n_kv_head
+        self.head_dim = head_dim
+        self.n_layer = n_layer
+        self.max_len = max_len
+        self.pos = 0
         self.k = self.v = None
         self._allocate(max_len if capacity is None else max(1, min(capacity, max_len)), device, dtype)
 
@@ -48,9 +51,15 @@ class KVCache:
         if self.k is not None:
             k[:, :, :, :self.pos] = self.k[:, :, :, :self.pos]
             v[:, :, :, :self.pos] = self.v[:, :, :, :self.pos]
-        self.k, self.v, self.capacity = k, v, capacity
-        # per-layer views (B, n_kv_head, capacity, head_dim), made once rather than at every step
-        self.k_layers, self.v_layers = [k[i] for i in range(self.n_layer)], [v[i] for i in range(self.n_layer)]
+        self.k = k
+        self.v = v
+        self.capacity = capacity
+        self._layer_views()
+
+    def _layer_views(self):
+        """The per-layer views k_layers, v_layers (B, n_kv_head, capacity, head_dim): made once, not at every step."""
+        self.k_layers = [self.k[i] for i in range(self.n_layer)]
+        self.v_layers = [self.v[i] for i in range(self.n_layer)]
 
     def reserve(self, t1):
         """Make room for positions up to t1 (exclusive): grow if needed; ValueError past max_len."""
@@ -78,17 +87,18 @@ class KVCache:
 
     def keep_rows(self, rows):
         """Keep only the rows `rows` (a tensor of row indices, in their new order): the others are dropped."""
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
         self.batch_size = self.k.size(1)
-        self.k_layers, self.v_layers = [self.k[i] for i in range(self.n_layer)], [self.v[i] for i in range(self.n_layer)]
+        self._layer_views()
 
     def place(self, other, rows, end):
         """
         Copy the filled positions of the batch-1 cache `other` into `rows` (a slice) of this cache, right-aligned to
         end at column `end`; pos is not moved. ValueError if the shapes do not match or `other` does not fit.
         """
-        if other.batch_size != 1 or (other.n_layer, other.n_kv_head, other.head_dim) != (
-                self.n_layer, self.n_kv_head, self.head_dim) or other.pos > end:
+        shape = (self.n_layer, self.n_kv_head, self.head_dim)
+        if other.batch_size != 1 or (other.n_layer, other.n_kv_head, other.head_dim) != shape or other.pos > end:
             raise ValueError("place: the caches' shapes do not match")
         self.reserve(end)
         self.k[:, rows, :, end - other.pos:end] = other.k[:, :, :, :other.pos]
@@ -105,7 +115,7 @@ def decode_weights(model, dtype=None, row_major=False):
     """
     The gpt.Weights decode_step reads. On CUDA the parameters themselves; on CPU copies of the matrices in `dtype`
     (default the weights') stored column-major, which streams faster through oneDNN and MKL (docs/model.md), or with
-    row_major, for torch's own kernels (hardware.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte,
+    row_major, for torch's own kernels (probes.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte,
     value embeddings) are looked up, not multiplied: kept as they are. Copies are stale once the weights change.
     """
     if model.lm_head.weight.device.type == "cpu":
@@ -118,9 +128,9 @@ def decode_weights(model, dtype=None, row_major=False):
 @torch.no_grad()
 def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
     """
-    model(idx[:, None], kv_cache=kv_cache)[:, -1] for one new token per row, gpt.hidden_states without nn.Module
-    calls: idx (B,) the newest token of each row, kv_cache everything before it (attention runs in the cache's dtype:
-    fp32 under bf16 where fp32_cache_pays), `weights` from decode_weights(); returns the logits (B, vocab) fp32 and
+    model(idx[:, None], kv_cache=kv_cache)[:, -1] for one new token per row, gpt.hidden_states without nn.Module calls:
+    idx (B,) the newest token of each row, kv_cache everything before it (attention runs in the cache's dtype: fp32
+    under bf16 where probes.fp32_cache_pays), `weights` from decode_weights(); returns the logits (B, vocab) fp32 and
     advances the cache one position. Right-aligned rows of different prompt lengths: `positions` (B,) each row's own
     position, `key_mask` (B, 1, 1, >= pos + 1) bool, False on the padding before its prompt.
     """
@@ -128,44 +138,36 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
     if pos + 1 > model.rotary_len:
         raise ValueError(f"sequence of {pos + 1} tokens exceeds the rotary table ({model.rotary_len})")
     kv_cache.reserve(pos + 1)
-    dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else weights.wte.dtype
+    dtype = weights.wte.dtype
+    if torch.is_autocast_enabled(idx.device.type):
+        dtype = torch.get_autocast_dtype(idx.device.type)
     if positions is None:  # every row at the cache's position
-        cos, sin = model.cos[:, pos:pos + 1].to(dtype), model.sin[:, pos:pos + 1].to(dtype)
+        cos = model.cos[:, pos:pos + 1].to(dtype)
+        sin = model.sin[:, pos:pos + 1].to(dtype)
     else:  # (B, 1, 1, D/2): each row at its own position
-        cos, sin = model.cos[0, positions][:, None].to(dtype), model.sin[0, positions][:, None].to(dtype)
+        cos = model.cos[0, positions][:, None].to(dtype)
+        sin = model.sin[0, positions][:, None].to(dtype)
     mask = None if key_mask is None else key_mask[..., :pos + 1]
 
     def attend(i, q, k, v, window):  # this position's keys and values into the cache, then attend over all of it
-        k_cache, v_cache = kv_cache.k_layers[i], kv_cache.v_layers[i]  # (B, Hkv, capacity, D)
+        k_cache = kv_cache.k_layers[i]  # (B, Hkv, capacity, D)
+        v_cache = kv_cache.v_layers[i]
         k_cache[:, :, pos] = k[:, :, 0]
         v_cache[:, :, pos] = v[:, :, 0]
-        return attention(q.to(k_cache.dtype), k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask, window).to(q.dtype)
+        y = attention(q.to(k_cache.dtype), k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1], mask, window)
+        return y.to(q.dtype)
 
     # matrices already copies in the compute dtype (decode_weights on a CPU): autocast would only add its check to
     # each of the step's ~300 ops, so it is off for the step. Row-major copies on a CPU are multiplied by torch's own
-    # kernels, with oneDNN off (decode_weights(row_major=True), where hardware.native_bf16_gemv measured it faster)
+    # kernels, with oneDNN off (decode_weights(row_major=True), where probes.native_bf16_gemv measured it faster)
     copies = torch.is_autocast_enabled(idx.device.type) and weights.lm_head.dtype == dtype
     native = idx.device.type == "cpu" and weights.lm_head.is_contiguous()
-    with torch.autocast(idx.device.type, enabled=False) if copies else nullcontext(), onednn_off() if native else nullcontext():
+    autocast_off = torch.autocast(idx.device.type, enabled=False) if copies else nullcontext()
+    with autocast_off, onednn_off() if native else nullcontext():
         x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
         logits = softcapped(F.linear(x[:, -1], weights.lm_head))
     kv_cache.advance()
     return logits
-
-
-def fp32_cache_pays():
-    """Whether a bf16 decode on this CPU keeps its KV cache in fp32 (exact copies of the bf16 keys and values, twice
-    the memory): where SDPA of one query over 8 rows x 4 heads x 256 positions ran >= 1.2x as fast on fp32 (a Zen 4:
-    1.6-4.5x; docs/engine.md). Measured once per CPU model, threads and torch, kept in <base_dir>/decode_attention.json."""
-    def probe():  # the dtypes in turns (best_in_turns: the best of 5 means of 5 calls); inputs from a private generator
-        rng = torch.Generator().manual_seed(0)
-        inputs = [torch.randn(8, 4, n, 128, generator=rng) for n in (1, 256, 256)]
-        best = best_in_turns({dtype: functools.partial(F.scaled_dot_product_attention, *[t.to(dtype) for t in inputs])
-                              for dtype in (torch.bfloat16, torch.float32)}, rounds=5, calls=5)
-        return round(best[torch.bfloat16] / best[torch.float32], 3)
-    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    with torch.autocast("cpu", enabled=False):  # the probe's dtypes as given; 1.2x: clearly faster, as native_bf16_gemv
-        return kept_per_machine("decode_attention.json", key, lambda known: known or probe())[0] >= 1.2
 
 
 def sample_next_token(logits, rng, temperature=1.0, top_k=None):
@@ -233,8 +235,10 @@ class TextStreamer:
 
 
 class _Sample:
-    """One sample's state: tokens the tool still has to force in, the python expression being written
-    (None outside <|python_start|> ... <|python_end|>), and the token that ended it (None while it runs)."""
+    """
+    One sample's state: tokens the tool still has to force in, the python expression being written (None outside
+    <|python_start|> ... <|python_end|>), and the token that ended it (None while it runs).
+    """
 
     def __init__(self):
         self.forced = deque()
@@ -261,30 +265,39 @@ class Engine:
         `context_len`: the longest sequence (prompt + generated) a generation may reach; default
         model.config.sequence_len, the training length. At most model.rotary_len.
         """
-        self.model, self.tokenizer = model, tokenizer
+        self.model = model
+        self.tokenizer = tokenizer
         self.context_len = model.config.sequence_len if context_len is None else context_len
-        if isinstance(context_len, bool) or not isinstance(self.context_len, int) or not 2 <= self.context_len <= model.rotary_len:
+        fits = isinstance(self.context_len, int) and 2 <= self.context_len <= model.rotary_len
+        if isinstance(context_len, bool) or not fits:
             raise UserError(f"context_len must be an integer in [2, {model.rotary_len}] (the model's rotary table), "
                             f"got {context_len!r}")
         self.vocab_size = model.config.vocab_size
         special = tokenizer.encode_special
         self.end_tokens = (special("<|assistant_end|>"), special("<|bos|>"))
-        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
-        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
-        self._weights, self._weights_key = None, None
+        self.python_start = special("<|python_start|>")
+        self.python_end = special("<|python_end|>")
+        self.output_start = special("<|output_start|>")
+        self.output_end = special("<|output_end|>")
+        self._weights = None
+        self._weights_key = None
 
     def _decode_weights(self, rows=None):
         """
-        decode_weights(model) in the dtype in use, for decoding `rows` rows (row-major copies where native_bf16_gemv
-        says so), made again only when the dtype, the layout or a parameter changed since the last call (its
-        identity, or its version counter, which torch bumps at every in-place change).
+        decode_weights(model) in the dtype in use, for decoding `rows` rows (row-major copies where
+        probes.native_bf16_gemv says so), made again only when the dtype, the layout or a parameter changed since the
+        last call (its identity, or its version counter, which torch bumps at every in-place change).
         """
         head = self.model.lm_head.weight
-        dtype = torch.get_autocast_dtype(head.device.type) if torch.is_autocast_enabled(head.device.type) else head.dtype
-        row_major = rows is not None and head.device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_gemv(rows)
+        dtype = head.dtype
+        if torch.is_autocast_enabled(head.device.type):
+            dtype = torch.get_autocast_dtype(head.device.type)
+        bf16_cpu = head.device.type == "cpu" and dtype == torch.bfloat16
+        row_major = rows is not None and bf16_cpu and native_bf16_gemv(rows)
         key = (dtype, row_major, *((id(p), p._version) for p in self.model.parameters()))
         if key != self._weights_key:
-            self._weights, self._weights_key = decode_weights(self.model, dtype, row_major), key
+            self._weights = decode_weights(self.model, dtype, row_major)
+            self._weights_key = key
         return self._weights
 
     def _check_arguments(self, tokens, num_samples, max_tokens, temperature, top_k, seed):
@@ -310,8 +323,8 @@ class Engine:
         room = self.context_len - len(tokens)
         if max_tokens is None:
             if room < 1:
-                raise UserError(f"the prompt ({len(tokens)} tokens) leaves no room in the context of {self.context_len} "
-                                f"tokens: shorten it")
+                raise UserError(f"the prompt ({len(tokens)} tokens) leaves no room in the context of "
+                                f"{self.context_len} tokens: shorten it")
             return tokens, room
         if max_tokens > room:
             raise UserError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) = {len(tokens) + max_tokens} "
@@ -345,7 +358,8 @@ class Engine:
     def _generate(self, prompts, num_samples, steps, temperature, top_k, seed):
         if steps == 0:
             return
-        model, cfg = self.model, self.model.config
+        model = self.model
+        cfg = model.config
         device = model.lm_head.weight.device
         autocast = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head.weight.dtype  # the compute dtype
@@ -356,20 +370,25 @@ class Engine:
 
         # Each prompt once at batch 1, then copied into its samples' rows, right-aligned (docs/engine.md). The last
         # token sampled is never fed back, hence the - 1.
-        cache_dtype = torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 and fp32_cache_pays() else dtype
+        cache_dtype = dtype
+        if device.type == "cpu" and dtype == torch.bfloat16 and fp32_cache_pays():
+            cache_dtype = torch.float32
         cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, cache_dtype,
                         capacity=longest + 256)
         logits = []
         for p, tokens in enumerate(prompts):
             prompt_cache = KVCache(1, cfg.n_kv_head, len(tokens), head_dim, cfg.n_layer, device, dtype)
-            logits.append(model.prefill(torch.tensor([tokens], dtype=torch.long, device=device), prompt_cache))  # (1, vocab)
+            prompt = torch.tensor([tokens], dtype=torch.long, device=device)
+            logits.append(model.prefill(prompt, prompt_cache))  # (1, vocab)
             rows_of_p = slice(p * num_samples, (p + 1) * num_samples)
             cache.place(prompt_cache, rows_of_p, longest)
             # masked-out padding still multiplies its value by a zero weight: zeros, not uninitialised memory (0 x NaN)
             cache.k[:, rows_of_p, :, :longest - len(tokens)] = cache.v[:, rows_of_p, :, :longest - len(tokens)] = 0
         cache.advance(longest)
-        logits = torch.cat(logits).repeat_interleave(num_samples, dim=0)  # every sample starts from its prompt's prediction
-        padding = torch.tensor([longest - len(tokens) for tokens in prompts], device=device).repeat_interleave(num_samples)
+        # every sample starts from its prompt's prediction
+        logits = torch.cat(logits).repeat_interleave(num_samples, dim=0)
+        padding = torch.tensor([longest - len(tokens) for tokens in prompts], device=device)
+        padding = padding.repeat_interleave(num_samples)
         if padding.any():  # prompts of different lengths: each row at its own position, its padding masked out
             key_mask = torch.arange(cache.max_len, device=device)[None, None, None, :] >= padding[:, None, None, None]
         else:  # one prompt, or prompts of one length: the plain step
@@ -378,10 +397,12 @@ class Engine:
         # Decode. The cache's rows are the samples still running (`in_cache`, sample numbers); when a quarter of them
         # have ended, the rest move to a smaller cache, so ended samples stop costing compute (docs/engine.md).
         samples = [_Sample() for _ in range(rows)]
-        in_cache, weights = list(range(rows)), None
+        in_cache = list(range(rows))
+        weights = None
         for step in range(steps):
             sampled = dict(zip(in_cache, sample_next_token(logits, rng, temperature, top_k).tolist()))
-            column, masks = [], []
+            column = []
+            masks = []
             for i, sample in enumerate(samples):
                 token, mask = self._next_token(sample, sampled.get(i))
                 column.append(token)
@@ -399,17 +420,19 @@ class Engine:
             if weights is None:  # made after the first token is out, so they do not delay it
                 weights = self._decode_weights(len(in_cache))
             positions = None if padding is None else cache.pos - padding
-            logits = decode_step(model, torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device), cache,
-                                       weights, positions, key_mask)
+            newest = torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device)
+            logits = decode_step(model, newest, cache, weights, positions, key_mask)
 
     def _next_token(self, sample, sampled):
         """The token sample `sample` gets this step, and its mask; runs the tool when an expression closes."""
         if sample.end_token is not None:
             return sample.end_token, 0  # padding: the sample has ended
         if sample.forced:
-            token, mask = sample.forced.popleft(), 0
+            token = sample.forced.popleft()
+            mask = 0
         else:
-            token, mask = sampled, 1
+            token = sampled
+            mask = 1
         if token in self.end_tokens:
             sample.end_token = token
         elif token == self.python_start:

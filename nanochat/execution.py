@@ -1,5 +1,5 @@
 """
-What the model writes, run safely: its calculator expressions, in this process, and its programs, in a child process.
+What the model writes, run safely: calculator expressions in this process, programs in a child process.
 
     use_calculator("12*3 + 4")         # "40"; None for anything it does not evaluate (the Engine's calculator tool)
     result = execute_code("print(1 + 1)")
@@ -189,7 +189,8 @@ def execute_code(code, timeout=5.0, maximum_memory_bytes=256 * 1024 * 1024, max_
     """
     with tempfile.TemporaryDirectory(prefix="nanochat_exec_", ignore_cleanup_errors=True) as root:
         program = os.path.join(root, "program.py")
-        stdout_path, stderr_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
+        stdout_path = os.path.join(root, "stdout")
+        stderr_path = os.path.join(root, "stderr")
         workdir = os.path.join(root, "work")  # the child's cwd, empty: the files above stay out of its way
         os.mkdir(workdir)
         with open(program, "w", encoding="utf-8") as f:

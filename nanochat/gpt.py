@@ -4,7 +4,8 @@ The GPT model: a decoder-only transformer (rotary, QK norm, GQA, ReLU², untied 
 The architecture is written once, in the part between the two ARCHITECTURE lines (torch only): the config, the
 parameters, one block's arithmetic (block) and the transformer around it (hidden_states). Training (GPT.forward),
 decoding (engine.decode_step) and the transformers export (modeling_nanochat_gpt.py, written with this part's text in
-it) all run it; they differ only in where keys and values go (`attend`). Then GPT: init, loss, FLOPs, optimizers, the
+it) all run it; they differ only in where keys and values go (`attend`), and training on a CPU in the kernels of its
+norms and attention (`norm`, `attend`: nanochat/cpu_kernels.py). Then GPT: init, loss, FLOPs, optimizers, the
 prompt's prefill (the rest of decoding: engine.py). The choices, initialisation, memory and FLOPs: docs/model.md.
 """
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat import cpu_kernels
 from nanochat.common import UserError, is_distributed, print0
 from nanochat.fp8 import fp8_fits, fp8_linear
 from nanochat.hardware import autocast_dtype
@@ -39,9 +41,11 @@ class GPTConfig:
     # with our own modeling file (export_model --layout=remote), which runs this part of this file.
     rope_base: float = 10000.0  # rotary base: 10k (2025) or 100k (2026): slower-turning low channels
     qk_scale: float = 1.0  # q and k multiplied by this after their RMSNorm (2026: 1.2, attention logits x1.44)
-    layer_scalars: bool = False  # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0: the normed embedding)
+    # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0: the normed embedding)
+    layer_scalars: bool = False
     value_embeds: bool = False  # every other layer (the last included) adds a gated token embedding to its values
-    window_pattern: str = "L"  # per layer, tiled, the last layer L: L sees the whole context, S its last quarter (HEAD: SSSL)
+    # per layer, tiled, the last layer L: L sees the whole context, S its last quarter (HEAD: SSSL)
+    window_pattern: str = "L"
 
     def to_dict(self):
         return asdict(self)
@@ -49,10 +53,6 @@ class GPTConfig:
 
 SOFTCAP = 15.0  # logits = SOFTCAP * tanh(logits / SOFTCAP): in (-15, 15), smooth (docs/model.md)
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block's input (as HEAD does)
-RMS_EPS = torch.finfo(torch.float32).eps  # the eps F.rms_norm(x, shape) uses for fp32 and bf16 inputs alike
-# attention(dense=True) by blocks of DENSE_ROWS queries (2x below 8 heads in all), each against the key pieces it sees: the
-# square's upper blocks are never made; pieces joined by cat, whose gradient is a split (a slice's is zero-padded; RESULTS)
-DENSE_ROWS = 128
 
 
 def check_shapes(config):
@@ -63,12 +63,16 @@ def check_shapes(config):
     if config.value_embeds and config.n_embd < VE_GATE_CHANNELS:
         raise ValueError(f"value embeddings need n_embd >= {VE_GATE_CHANNELS}, got {config.n_embd}")
     if not config.window_pattern or set(config.window_pattern) - set("SL"):
-        raise ValueError(f"window_pattern is a string of S (short window) and L (long), e.g. SSSL; got {config.window_pattern!r}")
+        raise ValueError(f"window_pattern is a string of S (short window) and L (long), e.g. SSSL; "
+                         f"got {config.window_pattern!r}")
 
 
 def layer_windows(config):
-    """Per layer, how many earlier tokens its attention sees (a query at i sees keys i - w .. i), None for all of them:
-    window_pattern tiled over the layers, the last one L; S = sequence_len / 4 rounded up to 128 (HEAD's rule: 512 of 2048)."""
+    """
+    Per layer, how many earlier tokens its attention sees (a query at i sees keys i - w .. i), None for all of them:
+    window_pattern tiled over the layers, the last one L; S = sequence_len / 4 rounded up to 128 (HEAD's rule: 512
+    of 2048).
+    """
     short = -(-config.sequence_len // 512) * 128
     pattern = [config.window_pattern[i % len(config.window_pattern)] for i in range(config.n_layer - 1)] + ["L"]
     return [short if c == "S" else None for c in pattern]
@@ -80,31 +84,42 @@ def has_value_embeds(config, layer_idx):
 
 
 class Block(nn.Module):
-    """One layer's parameters, each matrix (out, in) (their arithmetic: block()): attn.c_q, c_k, c_v, c_proj (and
-    ve_gate, in a layer with a value embedding), mlp.c_fc, c_proj (4 x n_embd wide)."""
+    """
+    One layer's parameters, each matrix (out, in) (their arithmetic: block()): attn.c_q, c_k, c_v, c_proj (and
+    ve_gate, in a layer with a value embedding), mlp.c_fc, c_proj (4 x n_embd wide).
+    """
 
     def __init__(self, config, layer_idx):
         super().__init__()
-        C, Q, KV = config.n_embd, config.n_embd, config.n_kv_head * (config.n_embd // config.n_head)
+        C = config.n_embd
+        KV = config.n_kv_head * (config.n_embd // config.n_head)  # the keys' (and the values') width
         linear = lambda fan_in, fan_out: nn.Linear(fan_in, fan_out, bias=False)
-        self.attn, self.mlp = nn.Module(), nn.Module()
-        self.attn.c_q, self.attn.c_k, self.attn.c_v, self.attn.c_proj = linear(C, Q), linear(C, KV), linear(C, KV), linear(Q, C)
+        self.attn = nn.Module()
+        self.attn.c_q = linear(C, C)
+        self.attn.c_k = linear(C, KV)
+        self.attn.c_v = linear(C, KV)
+        self.attn.c_proj = linear(C, C)
         self.attn.ve_gate = linear(VE_GATE_CHANNELS, config.n_kv_head) if has_value_embeds(config, layer_idx) else None
-        self.mlp.c_fc, self.mlp.c_proj = linear(C, 4 * C), linear(4 * C, C)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = linear(C, 4 * C)
+        self.mlp.c_proj = linear(4 * C, C)
 
 
 def build_parameters(model, config):
-    """Every parameter of a GPT of `config`, as attributes of `model` (our GPT, or the exported transformers model) under
-    the checkpoints' names: transformer.wte, transformer.h.<i>..., lm_head, the layer scalars, value_embeds.<i>."""
+    """
+    Every parameter of a GPT of `config`, as attributes of `model` (our GPT, or the exported transformers model)
+    under the checkpoints' names: transformer.wte, transformer.h.<i>..., lm_head, the layer scalars, value_embeds.<i>.
+    """
     check_shapes(config)
-    table = lambda rows, cols: nn.Embedding(rows, cols, _weight=torch.empty(rows, cols))  # left undrawn: docs/model.md
+    table = lambda rows, cols: nn.Embedding(rows, cols, _weight=torch.empty(rows, cols))  # undrawn: docs/model.md
     model.transformer = nn.ModuleDict(dict(wte=table(config.vocab_size, config.n_embd),
                                            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)])))
     model.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
     if config.layer_scalars:  # the identity until initialised: x = 1 * x + 0 * x0
         model.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
         model.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
-    model.value_embeds = nn.ModuleDict({str(i): table(config.vocab_size, config.n_kv_head * (config.n_embd // config.n_head))
+    kv_width = config.n_kv_head * (config.n_embd // config.n_head)
+    model.value_embeds = nn.ModuleDict({str(i): table(config.vocab_size, kv_width)
                                         for i in range(config.n_layer) if has_value_embeds(config, i)})
 
 
@@ -121,22 +136,31 @@ def weights_of(model, prep=lambda w: w, linear=F.linear):
     layers = []
     for i, block in enumerate(model.transformer.h):
         attn, mlp = block.attn, block.mlp
-        ve = (prep(attn.ve_gate.weight), model.value_embeds[str(i)].weight) if attn.ve_gate is not None else (None, None)
+        ve_gate = ve_table = None
+        if attn.ve_gate is not None:
+            ve_gate = prep(attn.ve_gate.weight)
+            ve_table = model.value_embeds[str(i)].weight
         qkv = prep(torch.cat([attn.c_q.weight, attn.c_k.weight, attn.c_v.weight]))
-        layers.append(LayerWeights(qkv, *(prep(lin.weight) for lin in (attn.c_proj, mlp.c_fc, mlp.c_proj)), *ve, linear))
+        layers.append(LayerWeights(qkv, prep(attn.c_proj.weight), prep(mlp.c_fc.weight), prep(mlp.c_proj.weight),
+                                   ve_gate, ve_table, linear))
     return Weights(model.transformer.wte.weight, layers, prep(model.lm_head.weight),
                    getattr(model, "resid_lambdas", None), getattr(model, "x0_lambdas", None))
 
 
-def norm(x):
-    """Parameter-free RMSNorm over the last dimension (F.rms_norm's default eps: float32's machine epsilon)."""
-    if x.requires_grad and x.device.type == "cpu" and not torch.compiler.is_compiling():
-        return _RMSNorm.apply(x, 1.0)
-    return F.rms_norm(x, (x.size(-1),))
+def norm(x, scale=1.0, cos=None, sin=None):
+    """
+    scale * the parameter-free RMSNorm of x over its last dimension (F.rms_norm's default eps: float32's machine
+    epsilon); given cos, sin, of apply_rotary_emb(x, cos, sin): the QK norm after rotary.
+    """
+    y = F.rms_norm(x if cos is None else apply_rotary_emb(x, cos, sin), (x.size(-1),))
+    return y * scale if scale != 1.0 else y
 
 
 def rotary(positions, head_dim, base):
-    """cos, sin (..., T, 1, head_dim/2) fp32 at `positions` (..., T): channel pair i turns base^(-2i/head_dim) rad a position."""
+    """
+    cos, sin (..., T, 1, head_dim/2) fp32 at `positions` (..., T): channel pair i turns base^(-2i/head_dim) rad a
+    position.
+    """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     angles = positions.float()[..., None] * inv_freq
     return angles.cos()[..., None, :], angles.sin()[..., None, :]
@@ -148,89 +172,44 @@ def apply_rotary_emb(x, cos, sin):
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
 
 
-# Training on a CPU the norms are a Function with its gradient written out, in fewer passes over memory than torch's
-# separate ops, which nothing fuses there unless compiled (docs/model.md); inference and torch.compile run the ops.
-class _RMSNorm(torch.autograd.Function):
-    """scale * norm(x); given cos, sin: scale * norm(apply_rotary_emb(x, cos, sin)) (a rotation keeps the rms).
-    With r = 1 / rms(x) and a = the gradient turned back by the rotation: dx = scale * (r a - r^3 mean(a x) x)."""
-
-    @staticmethod
-    def forward(ctx, x, scale, cos=None, sin=None):
-        acc = torch.promote_types(x.dtype, torch.float32)  # the reduction in fp32 (fp64 for fp64)
-        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square_().div_(x.size(-1)).add_(RMS_EPS).rsqrt_()
-        ctx.save_for_backward(x, r, cos, sin)
-        ctx.scale = scale
-        return (x if cos is None else _rotate(x, cos, sin)) * (r * scale).to(x.dtype)  # bf16 * fp32 ran 3x as slow
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, r, cos, sin = ctx.saved_tensors
-        a = grad if cos is None else _rotate(grad, cos, sin, -1)
-        k = (a * x).mean(dim=-1, keepdim=True, dtype=r.dtype).mul_(r ** 3 * ctx.scale)
-        return (a * (r * ctx.scale).to(a.dtype)).sub_(x * k.to(x.dtype)), None, None, None
-
-
-def _rotate(x, cos, sin, sign=1):
-    """apply_rotary_emb(x, cos, sign * sin) into a new tensor, in four ops (sign -1: the rotation turned back)."""
-    d = x.size(-1) // 2
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.mul(x[..., :d], cos, out=y[..., :d]).addcmul_(x[..., d:], sin, value=sign)
-    torch.mul(x[..., d:], cos, out=y[..., d:]).addcmul_(x[..., :d], sin, value=-sign)
-    return y
-
-
-def rotary_norm(x, cos, sin, scale=1.0):
-    """scale * norm(apply_rotary_emb(x, cos, sin)): the QK norm after rotary."""
-    if x.requires_grad and x.device.type == "cpu" and not torch.compiler.is_compiling():
-        return _RMSNorm.apply(x, scale, cos, sin)
-    y = norm(apply_rotary_emb(x, cos, sin))
-    return y * scale if scale != 1.0 else y
-
-
 def value_gate(w_gate, x):
-    """(..., n_kv_head, 1): 3 * sigmoid(w_gate @ x[..., :12]); starts near 1.5 (w_gate ~ U(0, 0.02)), can reach 0 or 3."""
+    """
+    (..., n_kv_head, 1): 3 * sigmoid(w_gate @ x[..., :VE_GATE_CHANNELS]); starts near 1.5 (w_gate ~ U(0, 0.02)), can
+    reach 0 or 3.
+    """
     return 3 * torch.sigmoid(F.linear(x[..., :VE_GATE_CHANNELS], w_gate)).unsqueeze(-1)
 
 
-def attention(q, k, v, key_mask=None, window=None, dense=False):
+def attention(q, k, v, key_mask=None, window=None):
     """
     q (B, H, Tq, D) attends over k, v (B, Hkv, Tk, D), whose first Tk - Tq positions are a cached prefix: causal
     when there is none (training, a prefill), all of it for one new token, all of the prefix and causal within a
     chunk of new tokens. key_mask (B, 1, 1, Tk) bool: False on keys a row must not see (padding before its prompt).
-    window (layer_windows): a query sees only its own key and the `window` before it (None: no limit). dense (Tq == Tk):
-    the scores in batched matmuls, by blocks of queries (GPT.dense_attention: training on a CPU, where faster).
+    window (layer_windows): a query sees only its own key and the `window` before it (None: no limit).
     """
     Tq, Tk, gqa = q.size(2), k.size(2), q.size(1) != k.size(1)
     window = window if window is not None and window < Tk - 1 else None  # a window that covers everything is none
-    if Tq == Tk and key_mask is None and window is None and not dense:
+    if Tq == Tk and key_mask is None and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if Tq == 1:  # one new token: the keys it sees are the last window + 1
-        k, v, key_mask = (k, v, key_mask) if window is None else (k[:, :, -window - 1:], v[:, :, -window - 1:],
-                                                                   None if key_mask is None else key_mask[..., -window - 1:])
+        if window is not None:
+            k, v = k[:, :, -window - 1:], v[:, :, -window - 1:]
+            key_mask = None if key_mask is None else key_mask[..., -window - 1:]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, enable_gqa=gqa)
     query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
     back = query_pos - torch.arange(Tk, device=q.device)  # (Tq, Tk): how far back each key is from each query
     mask = (back >= 0) if window is None else (back >= 0) & (back <= window)
-    if dense and key_mask is None and not gqa and Tq == Tk:  # -inf where masked, then the softmax: SDPA's math in matmuls
-        B, H, _, D = q.shape
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        rows = DENSE_ROWS * (1 if B * H >= 8 else 2)  # blocks of queries, each against the key pieces it sees: DENSE_ROWS
-        q, k, v = (t.reshape(B * H, Tq, D).split(rows, 1) for t in (q, k, v))
-        outs = []
-        for j, q_block in enumerate(q):
-            i, first = j * rows, 0 if window is None else max(0, j * rows - window) // rows  # the first piece it sees
-            keys, values = (torch.cat(t[first:j + 1], 1) for t in (k, v))
-            scores = torch.baddbmm(bias[i:i + rows, first * rows:i + rows], q_block, keys.mT, alpha=D ** -0.5)
-            outs.append(torch.bmm(scores.softmax(-1), values))
-        return torch.cat(outs, 1).view(B, H, Tq, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if key_mask is None else mask & key_mask, enable_gqa=gqa)
+    if key_mask is not None:
+        mask = mask & key_mask
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def block(x, w, ve, cos_sin, attend, config):
+def block(x, w, ve, cos_sin, attend, config, norm=norm):
     """
     One transformer block: x (B, T, n_embd) -> x + attention(norm(x)), then + MLP(norm(.)). `w`: the layer's
     LayerWeights; `ve` (B, T, kv width) its value embedding or None; `attend(q, k, v)` (B, heads, T, D) -> (B, H, T, D):
-    where the keys and values go (nowhere, a KV cache, transformers' cache), then attention() with the layer's window.
+    where the keys and values go (nowhere, a KV cache, transformers' cache), then attention() with the layer's window;
+    `norm`: norm() or what computes it (hidden_states).
     """
     B, T, _ = x.size()
     H, Hkv, D = config.n_head, config.n_kv_head, config.n_embd // config.n_head
@@ -239,18 +218,19 @@ def block(x, w, ve, cos_sin, attend, config):
     qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
     if ve is not None:  # the token's own value embedding, mixed in per head (ResFormer-style)
         v = v + value_gate(w.ve_gate, h) * ve.view(B, T, Hkv, D)
-    qk = rotary_norm(qk, *cos_sin, config.qk_scale)  # QK norm after rotary, every head of q and k at once (per head)
+    qk = norm(qk, config.qk_scale, *cos_sin)  # QK norm after rotary, every head of q and k at once (per head)
     q, k = qk[:, :, :H], qk[:, :, H:]
     y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, D)
     x = x + w.linear(y.transpose(1, 2).reshape(B, T, H * D), w.attn_proj)
     return x + w.linear(F.relu(w.linear(norm(x), w.c_fc)).square(), w.mlp_proj)  # ReLU² MLP
 
 
-def hidden_states(w, idx, cos_sin, attend, config):
+def hidden_states(w, idx, cos_sin, attend, config, norm=norm):
     """
     The transformer without its head: token ids idx (B, T) -> the final normed hidden states (B, T, n_embd), computed
     in cos_sin's dtype (the compute dtype: under autocast the residual stream too, docs/model.md). `w`: Weights;
-    `attend(layer, q, k, v, window)`: see block() (window: layer_windows(), for attention()).
+    `attend(layer, q, k, v, window)`: see block() (window: layer_windows(), for attention()); `norm(x, scale, cos,
+    sin)`: how activations are normed, norm() (training on a CPU: cpu_kernels.norm, GPT._final_hidden).
     """
     dtype = cos_sin[0].dtype
     x = x0 = norm(F.embedding(idx, w.wte).to(dtype))
@@ -258,7 +238,7 @@ def hidden_states(w, idx, cos_sin, attend, config):
         if config.layer_scalars:
             x = w.resid_lambdas[i].to(dtype) * x + w.x0_lambdas[i].to(dtype) * x0
         ve = F.embedding(idx, layer.ve_table).to(dtype) if layer.ve_table is not None else None
-        x = block(x, layer, ve, cos_sin, partial(attend, i, window=window), config)
+        x = block(x, layer, ve, cos_sin, partial(attend, i, window=window), config, norm)
     return norm(x)
 
 
@@ -268,10 +248,15 @@ def softcapped(logits):
 
 # ================================================ ARCHITECTURE END ================================================
 
+RMS_EPS = cpu_kernels.RMS_EPS  # the norms' eps, F.rms_norm's (hf_format writes it into a transformers config)
+
 
 def config_from_depth(depth, vocab_size=65536, sequence_len=2048, **parts):
-    """The GPTConfig of a model `depth` layers deep: width 64 * depth, heads ceil(width / 128) (128 wide at even depths;
-    the odd ones: docs/model.md), kv heads = heads. `parts`: the other GPTConfig fields (rope_base, ..., window_pattern)."""
+    """
+    The GPTConfig of a model `depth` layers deep: width 64 * depth, heads ceil(width / 128) (128 wide at even
+    depths; the odd ones: docs/model.md), kv heads = heads. `parts`: the other GPTConfig fields (rope_base, ...,
+    window_pattern).
+    """
     if not isinstance(depth, int) or depth < 1:
         raise UserError(f"depth must be a positive integer, got {depth!r}")
     n_embd = 64 * depth
@@ -283,14 +268,17 @@ def config_from_depth(depth, vocab_size=65536, sequence_len=2048, **parts):
 
 
 class GPT(nn.Module):
-    """Built on the meta device, materialised where it will live, initialised once: `with torch.device("meta"): model =
-    GPT(config)`, then `model.to_empty(device=device)` and `model.init_weights()`."""
+    """
+    Built on the meta device, materialised where it will live, initialised once: `with torch.device("meta"): model =
+    GPT(config)`, then `model.to_empty(device=device)` and `model.init_weights()`.
+    """
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         self.fp8 = False  # training steps multiply the blocks' matrices in float8 (base_train --fp8; nanochat/fp8.py)
-        self.dense_attention = False  # training steps' attention(dense=True): set by Stage.start where its probe measured it faster
+        # training steps' attention by cpu_kernels.dense_attention: set by Stage.start where its probe found it faster
+        self.dense_attention = False
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
         self.rotary_len = config.sequence_len * 10
@@ -309,14 +297,19 @@ class GPT(nn.Module):
         if recipe not in self.INIT_RECIPES:
             raise ValueError(f"init recipe must be one of {self.INIT_RECIPES}, got {recipe!r}")
         rng = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
-        uniform = lambda w, std: nn.init.uniform_(w, -math.sqrt(3.0) * std, math.sqrt(3.0) * std, generator=rng)  # std a/sqrt(3)
-        n_embd, L = self.config.n_embd, self.config.n_layer
+        # U(-a, a) has std a / sqrt(3)
+        uniform = lambda w, std: nn.init.uniform_(w, -math.sqrt(3.0) * std, math.sqrt(3.0) * std, generator=rng)
+        n_embd = self.config.n_embd
+        L = self.config.n_layer
         nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0 if recipe == "2025" else 0.8, generator=rng)
         for block in self.transformer.h:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
                 fan_out, fan_in = lin.weight.shape
-                uniform(lin.weight, 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in)) if recipe == "2025"
-                        else (0.4 if lin is block.mlp.c_fc else 1.0) / math.sqrt(n_embd))
+                if recipe == "2025":
+                    std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+                else:
+                    std = (0.4 if lin is block.mlp.c_fc else 1.0) / math.sqrt(n_embd)
+                uniform(lin.weight, std)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
             if block.attn.ve_gate is not None:
@@ -342,17 +335,21 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        """idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy loss, `loss_reduction` "mean" (over
-        counted targets; 0, not NaN, if none counts), "sum", or "none" ((B*T,), 0 at ignored targets). Without targets:
-        logits (B, T, vocab) in fp32. With a kv_cache, idx holds only the new tokens."""
+        """
+        idx (B, T) token ids. With targets (B, T) (-1 = ignore): the cross-entropy loss, `loss_reduction` "mean" (over
+        counted targets; 0, not NaN, if none counts), "sum", or "none" ((B*T,), 0 at ignored targets). Without
+        targets: logits (B, T, vocab) in fp32. With a kv_cache, idx holds only the new tokens.
+        """
         x = self._final_hidden(idx, kv_cache)
         if targets is None:
             return softcapped(self.lm_head(x))
         return next_token_loss(self._per_token_loss, x, targets, self.config.vocab_size, loss_reduction)
 
     def last_logits(self, idx, last):
-        """Logits (B, vocab) in fp32 at one position of each row, last[b] of row b: forward(idx)[arange(B), last] with
-        the head applied to B positions instead of B*T (the head was half of categorical scoring's time)."""
+        """
+        Logits (B, vocab) in fp32 at one position of each row, last[b] of row b: forward(idx)[arange(B), last] with
+        the head applied to B positions instead of B*T (the head was half of categorical scoring's time).
+        """
         x = self._final_hidden(idx)
         return softcapped(self.lm_head(x[torch.arange(idx.size(0), device=idx.device), last]))
 
@@ -363,16 +360,25 @@ class GPT(nn.Module):
         if t0 + T > self.rotary_len:
             raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
         # under autocast the residual stream (and the rotary tables) in the compute dtype too: docs/model.md
-        dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) else self.lm_head.weight.dtype
+        dtype = self.lm_head.weight.dtype
+        if torch.is_autocast_enabled(idx.device.type):
+            dtype = torch.get_autocast_dtype(idx.device.type)
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
-        dense = self.dense_attention and torch.is_grad_enabled() and dtype == torch.bfloat16  # evaluation: SDPA
-        attend = lambda i, q, k, v, window: attention(q, k, v, window=window, dense=dense)  # training: nothing kept
+        training = torch.is_grad_enabled()
+        attend = lambda i, q, k, v, window: attention(q, k, v, window=window)  # training: nothing kept
+        dense = self.dense_attention and training and dtype == torch.bfloat16  # evaluation: SDPA
+        if dense and self.config.n_kv_head == self.config.n_head:  # the dense kernel has no GQA
+            attend = lambda i, q, k, v, window: cpu_kernels.dense_attention(q, k, v, window)
         if kv_cache is not None:  # the new keys and values into the cache, then attention over all of it
             attend = lambda i, q, k, v, window: attention(q, *kv_cache.insert_kv(i, k, v), window=window)
         linear = F.linear  # evaluation never in fp8; training with self.fp8, the matrices torch._scaled_mm takes
-        if self.fp8 and torch.is_grad_enabled():
+        if self.fp8 and training:
             linear = lambda x, w: fp8_linear(x, w) if fp8_fits(w) else F.linear(x, w)
-        return hidden_states(weights_of(self, linear=linear), idx, cos_sin, attend, self.config)
+        # training on a CPU, uncompiled: the norms as one Function (nothing fuses torch's separate ops there;
+        # torch.compile does, and its tracing failed on the Function's writes into slices)
+        cpu_training = training and idx.device.type == "cpu" and not torch.compiler.is_compiling()
+        return hidden_states(weights_of(self, linear=linear), idx, cos_sin, attend, self.config,
+                             cpu_kernels.norm if cpu_training else norm)
 
     def _per_token_loss(self, x, targets):
         if x.device.type == "cpu":  # the same loss in fewer passes over the logits (nanochat/losses.py says why)
@@ -387,24 +393,26 @@ class GPT(nn.Module):
     def estimate_flops(self):
         """
         Training FLOPs per token, forward + backward, at T = sequence_len: 6 * (parameters except the lookup tables) +
-        12 * n_head * head_dim * T per layer for attention (the full T x T square; a window w: T x min(w, T)). docs/model.md.
+        12 * n_head * head_dim * T per layer for attention (the full T x T square; a window w: T x min(w, T)).
+        docs/model.md.
         """
         cfg = self.config
         lookups = [self.transformer.wte.weight] + [t.weight for t in self.value_embeds.values()]
-        n_matmul, T = self.num_params() - sum(w.numel() for w in lookups), cfg.sequence_len
+        n_matmul = self.num_params() - sum(w.numel() for w in lookups)
+        T = cfg.sequence_len
         return 6 * n_matmul + sum(12 * cfg.n_embd * (T if w is None else min(w, T)) for w in layer_windows(cfg))
 
-    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, matrix_weight_decay=0.0,
-                         scalar_lr=0.5):
+    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
+                         matrix_weight_decay=0.0, scalar_lr=0.5):
         """
         [adamw, muon], each parameter in exactly one (why two: docs/optimizers.md). Muon: every matrix of the blocks,
         nearly all the compute. AdamW: wte and lm_head (a lookup table and a classifier whose rows see very different
         gradient scales), betas (0.8, 0.95), eps 1e-10, lrs scaled by (n_embd / 768) ** -0.5 (tuned at width 768),
         weight_decay on both; with the 2026 parts also the value embeddings (half wte's lr, as HEAD) and the layer
         scalars (x0: scalar_lr, betas (0.96, 0.95); resid: scalar_lr / 100, a multiplier of the whole stream; no decay).
-        Muon's cautious matrix_weight_decay (nanochat/muon.py). With a process group, DistAdamW / DistMuon (gradients
-        averaged inside step()). Every group gets "initial_lr": the loop sets lr = initial_lr * the schedule's
-        multiplier. Prints the groups.
+        Muon's cautious matrix_weight_decay (nanochat/muon.py). With a process group, DistAdamW / DistMuon (the ranks'
+        gradients averaged in optim.clip_grad_norm_ when clipping is on, the default, else in step()). Every group gets
+        "initial_lr": the loop sets lr = initial_lr * the schedule's multiplier. Prints the groups.
         """
         from nanochat.adamw import AdamW, DistAdamW
         from nanochat.muon import DistMuon, Muon
@@ -415,19 +423,24 @@ class GPT(nn.Module):
             ("wte", [self.transformer.wte.weight], embedding_lr * lr_scale, f"{embedding_lr} x (n_embd/768)^-0.5", {}),
         ]
         if self.config.value_embeds:
-            adam_groups.append(("value embeddings", [t.weight for t in self.value_embeds.values()], embedding_lr * lr_scale / 2,
+            tables = [t.weight for t in self.value_embeds.values()]
+            adam_groups.append(("value embeddings", tables, embedding_lr * lr_scale / 2,
                                 f"{embedding_lr} x (n_embd/768)^-0.5 / 2", {}))
         if self.config.layer_scalars:
-            adam_groups.append(("resid_lambdas", [self.resid_lambdas], scalar_lr / 100, f"{scalar_lr} / 100", dict(weight_decay=0.0)))
-            adam_groups.append(("x0_lambdas", [self.x0_lambdas], scalar_lr, f"{scalar_lr}", dict(betas=(0.96, 0.95), weight_decay=0.0)))
+            adam_groups.append(("resid_lambdas", [self.resid_lambdas], scalar_lr / 100, f"{scalar_lr} / 100",
+                                dict(weight_decay=0.0)))
+            adam_groups.append(("x0_lambdas", [self.x0_lambdas], scalar_lr, f"{scalar_lr}",
+                                dict(betas=(0.96, 0.95), weight_decay=0.0)))
         n_assigned = len(matrix_params) + sum(len(g[1]) for g in adam_groups)
         if n_assigned != len(list(self.parameters())) or any(p.dim() != 2 for p in matrix_params):
             raise RuntimeError("setup_optimizers: parameter groups do not partition the model's parameters")
         distributed = is_distributed()
-        adamw = (DistAdamW if distributed else AdamW)([dict(params=ps, lr=lr, **extra) for _, ps, lr, _, extra in adam_groups],
-                                                      betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
+        param_groups = [dict(params=ps, lr=lr, **extra) for _, ps, lr, _, extra in adam_groups]
+        adamw = (DistAdamW if distributed else AdamW)(param_groups, betas=(0.8, 0.95), eps=1e-10,
+                                                      weight_decay=weight_decay)
         # Newton-Schulz computes in the compute dtype, decided once for the run (nanochat/hardware.py)
-        muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=matrix_weight_decay,
+        muon = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, momentum=0.95,
+                                                   weight_decay=matrix_weight_decay,
                                                    ns_dtype=autocast_dtype(self.lm_head.weight.device.type))
         optimizers = [adamw, muon]
         for group in (group for opt in optimizers for group in opt.param_groups):
@@ -442,10 +455,12 @@ class GPT(nn.Module):
                f"cautious weight decay {matrix_weight_decay}")
         return optimizers
 
-    # ------------- decoding with a KV cache: the prompt here; then one token at a time, engine.decode_step -------------
+    # ------------ decoding with a KV cache: the prompt here; then one token at a time, engine.decode_step ------------
 
     @torch.no_grad()
     def prefill(self, idx, kv_cache):
-        """Run the prompt idx (B, T) into kv_cache; the logits (B, vocab) fp32 of its last position: forward(idx,
-        kv_cache=kv_cache)[:, -1] without the head at the other positions."""
+        """
+        Run the prompt idx (B, T) into kv_cache; the logits (B, vocab) fp32 of its last position: forward(idx,
+        kv_cache=kv_cache)[:, -1] without the head at the other positions.
+        """
         return softcapped(self.lm_head(self._final_hidden(idx, kv_cache)[:, -1]))

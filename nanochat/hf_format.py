@@ -1,9 +1,11 @@
 """
-Converts models to and from the Hugging Face `NanoChat` format (transformers >= 5.0), for export_model/import_model:
-config.json (transformers' NanoChat, or our own modeling file: the remote layout), the weights' names, tokenizer.json
-and the chat template, safetensors files read and written without the `safetensors` package, and directories written
-all or nothing. Pure data mapping, no transformers import: exporting needs none of the Hugging Face libraries. How
-each part maps, and the two differences that remain in the tokenizer: docs/export.md.
+Converts models to and from the Hugging Face `NanoChat` format (transformers >= 5.0), for export and import.
+
+For export_model and import_model: config.json (transformers' NanoChat, or our own modeling file: the remote
+layout), the weights' names, tokenizer.json and the chat template, safetensors files read and written without the
+`safetensors` package, and directories written all or nothing. Pure data mapping, no transformers import: exporting
+needs none of the Hugging Face libraries. How each part maps, and the two differences that remain in the tokenizer:
+docs/export.md.
 """
 
 import contextlib
@@ -26,7 +28,8 @@ GPT_FIELDS = {field.name: field for field in fields(GPTConfig)}  # rope_base's d
 # holds as rope_theta, and the rest (the 2026 parts, and any field added since), which it holds only at GPTConfig's
 # defaults: a model with another value of one exports with our own modeling file, the remote layout below.
 MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
-HF_ONLY_AT_DEFAULT = {name: f.default for name, f in GPT_FIELDS.items() if name not in MODEL_CONFIG_KEYS + ("rope_base",)}
+HF_ONLY_AT_DEFAULT = {name: f.default for name, f in GPT_FIELDS.items()
+                      if name not in MODEL_CONFIG_KEYS + ("rope_base",)}
 
 # -----------------------------------------------------------------------------
 # Weights
@@ -39,18 +42,23 @@ LAYER_WEIGHTS = [("attn.c_q", "self_attn.q_proj"), ("attn.c_k", "self_attn.k_pro
 def weight_names(n_layer):
     """[(our name, HF name)] of every weight of an n_layer model."""
     return ([("transformer.wte.weight", "model.embed_tokens.weight")]
-            + [(f"transformer.h.{i}.{ours}.weight", f"model.layers.{i}.{hf}.weight") for i in range(n_layer) for ours, hf in LAYER_WEIGHTS]
+            + [(f"transformer.h.{i}.{ours}.weight", f"model.layers.{i}.{hf}.weight")
+               for i in range(n_layer) for ours, hf in LAYER_WEIGHTS]
             + [("lm_head.weight", "lm_head.weight")])
 
 
 def check_weight_names(names, n_layer, hf, where, expected=None):
-    """Every weight of an n_layer model (HF names if `hf`, else ours), or of `expected`, must be in `names`, and nothing else."""
+    """
+    Every weight of an n_layer model (HF names if `hf`, else ours), or of `expected`, must be in `names`, and nothing
+    else.
+    """
     expected = expected or [pair[1 if hf else 0] for pair in weight_names(n_layer)]
     missing = [name for name in expected if name not in names]
     unknown = sorted(set(names) - set(expected))
     if missing or unknown:
         listed = missing or unknown
-        what = f"lacks {', '.join(listed[:3])}" if missing else f"has weights a nanochat model does not: {', '.join(listed[:3])}"
+        what = (f"lacks {', '.join(listed[:3])}" if missing
+                else f"has weights a nanochat model does not: {', '.join(listed[:3])}")
         raise UserError(f"{where} {what}" + (f" (and {len(listed) - 3} more)" if len(listed) > 3 else ""))
 
 
@@ -71,9 +79,12 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
     naming it. layout "mlx": mlx-lm's nanochat model reads the rotary base from a top-level rope_theta.
     """
     lacking = settings_without_equivalent(model_config)
-    if lacking:  # GPTConfig's fields are computed by our own modeling file (the remote layout); anything else by nothing
-        fix = "export it with --layout=remote (transformers, trust_remote_code=True)" if lacking.keys() <= HF_ONLY_AT_DEFAULT.keys() else "this model cannot be exported"
-        raise UserError(f"the model's setting {', '.join(f'{k}={v!r}' for k, v in lacking.items())} has no equivalent in the Hugging Face NanoChat format (nor mlx-lm's): {fix}")
+    # GPTConfig's fields are computed by our own modeling file (the remote layout); anything else by nothing
+    if lacking:
+        fix = ("export it with --layout=remote (transformers, trust_remote_code=True)"
+               if lacking.keys() <= HF_ONLY_AT_DEFAULT.keys() else "this model cannot be exported")
+        raise UserError(f"the model's setting {', '.join(f'{k}={v!r}' for k, v in lacking.items())} "
+                        f"has no equivalent in the Hugging Face NanoChat format (nor mlx-lm's): {fix}")
     c = model_config
     special = tokenizer.get_special_tokens()
     config = {
@@ -98,16 +109,20 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
 def settings_without_equivalent(model_config):
     """{setting: value} of model_config that the NanoChat format (transformers' and mlx-lm's) cannot hold."""
     return {k: v for k, v in model_config.items()
-            if k not in MODEL_CONFIG_KEYS + ("rope_base",) and not (k in HF_ONLY_AT_DEFAULT and HF_ONLY_AT_DEFAULT[k] == v)}
+            if k not in MODEL_CONFIG_KEYS + ("rope_base",)
+            and not (k in HF_ONLY_AT_DEFAULT and HF_ONLY_AT_DEFAULT[k] == v)}
 
 
 def model_config_from_hf(config, where):
     """Our model_config from an HF config.json dict; a setting our GPT cannot reproduce is a UserError naming it."""
     if config.get("model_type") != "nanochat":
-        raise UserError(f"{where} is a {config.get('model_type')!r} model, not 'nanochat': only NanoChat models can be imported")
+        raise UserError(f"{where} is a {config.get('model_type')!r} model, not 'nanochat': "
+                        f"only NanoChat models can be imported")
     try:
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        model_config = dict(sequence_len=int(config.get("max_position_embeddings", 2048)), vocab_size=int(config["vocab_size"]),
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        model_config = dict(sequence_len=int(config.get("max_position_embeddings", 2048)),
+                            vocab_size=int(config["vocab_size"]),
                             n_layer=int(config["num_hidden_layers"]), n_head=heads,
                             n_kv_head=int(config.get("num_key_value_heads") or heads), n_embd=hidden)
     except (KeyError, TypeError, ValueError) as e:
@@ -147,16 +162,21 @@ REMOTE_CLASSES = ("NanoChatGPTConfig", "NanoChatGPTForCausalLM")
 def architecture_source():
     """The text of gpt.py's architecture part: its "# ==== ARCHITECTURE (" line to its "ARCHITECTURE END" line."""
     gpt = open(os.path.join(os.path.dirname(__file__), "gpt.py"), encoding="utf-8").read().splitlines(keepends=True)
-    marks = [[i for i, line in enumerate(gpt) if line.startswith("# ====") and mark in line] for mark in ("ARCHITECTURE (", "ARCHITECTURE END")]
+    marks = [[i for i, line in enumerate(gpt) if line.startswith("# ====") and mark in line]
+             for mark in ("ARCHITECTURE (", "ARCHITECTURE END")]
     if [len(found) for found in marks] != [1, 1]:
         raise RuntimeError("gpt.py's ARCHITECTURE lines are not there once each")
     return "".join(gpt[marks[0][0]:marks[1][0] + 1])
 
 
 def modeling_source():
-    """The modeling file as an export holds it: nanochat/modeling_nanochat_gpt.py with its one `from nanochat.gpt import`
-    line replaced by architecture_source(): the architecture is written once, and the exported file runs without nanochat."""
-    modeling = open(os.path.join(os.path.dirname(__file__), MODELING_FILE), encoding="utf-8").read().splitlines(keepends=True)
+    """
+    The modeling file as an export holds it: nanochat/modeling_nanochat_gpt.py with its one `from nanochat.gpt
+    import` line replaced by architecture_source(): the architecture is written once, and the exported file runs
+    without nanochat.
+    """
+    modeling = open(os.path.join(os.path.dirname(__file__), MODELING_FILE),
+                    encoding="utf-8").read().splitlines(keepends=True)
     imports = [i for i, line in enumerate(modeling) if line.startswith("from nanochat.gpt import ")]
     if len(imports) != 1:
         raise RuntimeError(f"{MODELING_FILE} must import nanochat.gpt in one line")
@@ -168,7 +188,8 @@ def remote_config(model_config, tokenizer, dtype):
     stem = MODELING_FILE.removesuffix(".py")
     return {
         "architectures": [REMOTE_CLASSES[1]], "model_type": REMOTE_MODEL_TYPE,
-        "auto_map": {"AutoConfig": f"{stem}.{REMOTE_CLASSES[0]}", "AutoModelForCausalLM": f"{stem}.{REMOTE_CLASSES[1]}"},
+        "auto_map": {"AutoConfig": f"{stem}.{REMOTE_CLASSES[0]}",
+                     "AutoModelForCausalLM": f"{stem}.{REMOTE_CLASSES[1]}"},
         **model_config,
         "rms_norm_eps": None,  # F.rms_norm's default, as GPT's norm
         "final_logit_softcapping": SOFTCAP, "tie_word_embeddings": False, "use_cache": True,
@@ -179,8 +200,10 @@ def remote_config(model_config, tokenizer, dtype):
 
 
 def model_config_from_remote(config, where):
-    """Our model_config from a remote-code layout's config.json (a field it lacks: GPTConfig's default); what our GPT
-    cannot reproduce is a UserError."""
+    """
+    Our model_config from a remote-code layout's config.json (a field it lacks: GPTConfig's default); what our GPT
+    cannot reproduce is a UserError.
+    """
     missing = [key for key in MODEL_CONFIG_KEYS if key not in config]
     if missing:
         raise UserError(f"{where} lacks {', '.join(missing)}: not a config.json of export_model --layout=remote")
@@ -216,7 +239,8 @@ def gpt_weight_names(model_config):
 def bytes_to_unicode():
     """GPT-2's byte-level alphabet: byte -> a printable character (the byte itself when printable, else 256 + n)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {b: chr(b) for b in printable}, 0
+    table = {b: chr(b) for b in printable}
+    extra = 0
     for b in range(256):
         if b not in table:
             table[b] = chr(256 + extra)
@@ -293,7 +317,8 @@ def tokenizer_from_json(data, where):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         made = model["vocab"].get(left + right)
         if made is None or made < last:
-            raise UserError(f"{where}: the merge {left!r} + {right!r} is {'not in the vocabulary' if made is None else 'out of rank order'}: "
+            raise UserError(f"{where}: the merge {left!r} + {right!r} is "
+                            f"{'not in the vocabulary' if made is None else 'out of rank order'}: "
                             f"not a rank-ordered (tiktoken-style) BPE")
         last = made
     try:
@@ -320,7 +345,8 @@ def generation_config(tokenizer):
             "pad_token_id": special["<|bos|>"]}
 
 
-# The chat template: Tokenizer.render_conversation in Jinja, with add_generation_prompt render_for_completion (docs/export.md)
+# The chat template: Tokenizer.render_conversation in Jinja, with add_generation_prompt render_for_completion
+# (docs/export.md)
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja"), encoding="utf-8") as _f:
     CHAT_TEMPLATE = _f.read()
 
@@ -340,7 +366,8 @@ def save_safetensors(tensors, path):
     header, offset = {}, 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}  # older readers insist on it
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -370,9 +397,11 @@ def load_safetensors(path):
                 continue
             dtype = DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
             if dtype is None:
-                raise UserError(f"{path}: tensor {name} has dtype {info.get('dtype') if isinstance(info, dict) else info!r}; "
+                raise UserError(f"{path}: tensor {name} has dtype "
+                                f"{info.get('dtype') if isinstance(info, dict) else info!r}; "
                                 f"readable: {', '.join(DTYPES)}")
-            shape, (begin, end) = info["shape"], info["data_offsets"]
+            shape = info["shape"]
+            begin, end = info["data_offsets"]
             count = math.prod(shape)
             if end - begin != count * dtype.itemsize or not 0 <= begin <= end <= size - 8 - n:
                 raise UserError(f"{path}: tensor {name} does not fit the file (truncated?)")
@@ -380,7 +409,8 @@ def load_safetensors(path):
             buffer = bytearray(end - begin)
             if f.readinto(buffer) != len(buffer):
                 raise UserError(f"{path}: tensor {name} is cut short (truncated file)")
-            tensors[name] = torch.frombuffer(buffer, dtype=dtype).reshape(shape) if count else torch.empty(shape, dtype=dtype)
+            tensors[name] = (torch.frombuffer(buffer, dtype=dtype).reshape(shape) if count
+                             else torch.empty(shape, dtype=dtype))
     return tensors
 
 

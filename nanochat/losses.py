@@ -1,7 +1,9 @@
 """
-The losses: the training loss over the vocabulary on a CPU (softcapped_cross_entropy), the supervised loss of the
-conversation stages (normalised over a whole step), the policy-gradient loss of RL, and bits per byte, the
-validation metric. Why each is computed the way it is (and the derivation of the CPU loss's backward): docs/losses.md.
+The losses: the training loss, the supervised and policy-gradient losses, and bits per byte.
+
+The training loss over the vocabulary on a CPU (softcapped_cross_entropy), the supervised loss of the conversation
+stages (normalised over a whole step), the policy-gradient loss of RL, and bits per byte, the validation metric.
+Why each is computed the way it is (and the derivation of the CPU loss's backward): docs/losses.md.
 
 Invariants: the supervised and policy-gradient losses give the gradient of the mean over every counted token of
 the step, however the step is split into micro-batches and ranks; bpb = sum of the target tokens' losses (nats) /
@@ -48,20 +50,22 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
                 piece.copy_(p.mul_(torch.addcmul(cap_tensor, logits, logits, value=-1 / cap)))
         if want_grad:
             ctx.save_for_backward(x, w, u)
-            ctx.cap, ctx.weight_dtype = cap, weight.dtype
+            ctx.cap = cap
+            ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         x, w, g = ctx.saved_tensors
         upstream = grad_loss.float()
-        if upstream.numel() and bool((upstream == upstream[0]).all()):  # a sum or a mean: one factor, which goes into the matmuls' alpha
+        # a sum or a mean: one factor, which goes into the matmuls' alpha
+        if upstream.numel() and bool((upstream == upstream[0]).all()):
             scaled, alpha = g, upstream[0].item() / ctx.cap
         else:  # a weight per row (RL's advantages)
             scaled, alpha = (g * upstream[:, None]).to(g.dtype), 1 / ctx.cap
         grad_x = torch.addmm(g.new_zeros(()), scaled, w, beta=0, alpha=alpha) if ctx.needs_input_grad[0] else None
-        grad_w = torch.addmm(g.new_zeros(()), scaled.t(), x, beta=0, alpha=alpha).to(ctx.weight_dtype) \
-            if ctx.needs_input_grad[1] else None
+        grad_w = (torch.addmm(g.new_zeros(()), scaled.t(), x, beta=0, alpha=alpha).to(ctx.weight_dtype)
+                  if ctx.needs_input_grad[1] else None)
         return grad_x, grad_w, None, None, None
 
 
@@ -88,13 +92,14 @@ def next_token_loss(per_token_loss, x, targets, vocab_size, reduction="mean"):
     rows (all the logits at once would be training's biggest tensors: docs/model.md). reduction "mean" over the
     counted targets (all masked, possible in chat data, gives 0, not 0/0), "sum", or "none" ((B*T,), 0 where ignored).
     """
-    flat_x, flat_targets = x.view(-1, x.size(-1)), targets.reshape(-1)
+    flat_x = x.view(-1, x.size(-1))
+    flat_targets = targets.reshape(-1)
     rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab_size)
     if flat_x.size(0) <= rows:
         per_token = per_token_loss(flat_x, flat_targets)
     else:
-        loss_of = (lambda xc, tc: checkpoint(per_token_loss, xc, tc, use_reentrant=False)) if torch.is_grad_enabled() \
-            else per_token_loss
+        loss_of = ((lambda xc, tc: checkpoint(per_token_loss, xc, tc, use_reentrant=False)) if torch.is_grad_enabled()
+                   else per_token_loss)
         per_token = torch.cat([loss_of(xc, tc) for xc, tc in zip(flat_x.split(rows), flat_targets.split(rows))])
     if reduction == "none":
         return per_token

@@ -1,8 +1,9 @@
 """
-nanochat's GPT as a transformers model (remote code), for models with parts transformers' own NanoChat lacks
-(qk_scale, layer scalars, value embeddings). `scripts/export_model.py --layout=remote` writes this file beside the
-weights, with the text of nanochat/gpt.py's architecture part in place of the import line marked below, and
-config.json's auto_map points at its two classes:
+nanochat's GPT as a transformers model (remote code), for models with parts transformers' own NanoChat lacks.
+
+The parts: qk_scale, layer scalars, value embeddings, sliding windows. `scripts/export_model.py --layout=remote`
+writes this file beside the weights, with the text of nanochat/gpt.py's architecture part in place of the import line
+marked below, and config.json's auto_map points at its two classes:
 
     AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
 
@@ -16,37 +17,43 @@ Batches: rows of one length. A padded attention_mask (zeros) is refused: positio
 over every token, as nanochat's are. Tested with transformers 5.24.
 """
 
-from collections import namedtuple  # noqa: F401  (what nanochat/gpt.py's architecture part uses)
+# what nanochat/gpt.py's architecture part uses (an export writes its text in place of the nanochat.gpt line below)
+from collections import namedtuple  # noqa: F401
 from dataclasses import asdict, dataclass, fields  # noqa: F401  (fields: NanoChatGPTConfig too)
 from functools import partial  # noqa: F401
 
 import torch
-import torch.nn as nn
+import torch.nn as nn  # noqa: F401
 import torch.nn.functional as F  # noqa: F401
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from nanochat.gpt import GPTConfig, SOFTCAP, attention, build_parameters, hidden_states, rotary, softcapped, weights_of  # nanochat.gpt's architecture
+# nanochat.gpt's architecture: an export writes its text here (nanochat/hf_format.py, modeling_source)
+from nanochat.gpt import GPTConfig, SOFTCAP, attention, build_parameters, hidden_states, rotary, softcapped, weights_of
 
 # the output field that carries the cache: "cache" in recent transformers releases, "past_key_values" before
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class NanoChatGPTConfig(PretrainedConfig):
-    """GPTConfig's fields, with its defaults (whatever fields it has), plus the RMSNorm epsilon and the logit soft cap."""
+    """GPTConfig's fields, with its defaults (whatever fields it has), plus the RMSNorm eps and the logit soft cap."""
 
     model_type = "nanochat_gpt"
     attribute_map = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
                      "num_key_value_heads": "n_kv_head", "max_position_embeddings": "sequence_len"}
 
-    def __init__(self, rms_norm_eps=None, final_logit_softcapping=SOFTCAP, tie_word_embeddings=False, use_cache=True, **kwargs):
+    def __init__(self, rms_norm_eps=None, final_logit_softcapping=SOFTCAP, tie_word_embeddings=False, use_cache=True,
+                 **kwargs):
         for field in fields(GPTConfig):
             setattr(self, field.name, kwargs.pop(field.name, field.default))
         if rms_norm_eps is not None or final_logit_softcapping != SOFTCAP or tie_word_embeddings:
-            raise ValueError(f"nanochat's GPT computes rms_norm_eps=None (F.rms_norm's default), final_logit_softcapping="
-                             f"{SOFTCAP} and an untied head; got {rms_norm_eps}, {final_logit_softcapping}, {tie_word_embeddings}")
-        self.rms_norm_eps, self.final_logit_softcapping, self.use_cache = None, SOFTCAP, use_cache
+            raise ValueError(f"nanochat's GPT computes rms_norm_eps=None (F.rms_norm's default), "
+                             f"final_logit_softcapping={SOFTCAP} and an untied head; got {rms_norm_eps}, "
+                             f"{final_logit_softcapping}, {tie_word_embeddings}")
+        self.rms_norm_eps = None
+        self.final_logit_softcapping = SOFTCAP
+        self.use_cache = use_cache
         super().__init__(tie_word_embeddings=False, **kwargs)
 
 
@@ -90,7 +97,8 @@ class NanoChatGPTForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values  # its name before transformers renamed it `cache`
         if cache is None and (self.config.use_cache if use_cache is None else use_cache):
             cache = DynamicCache(config=self.config)
-        cfg, T = self.config, input_ids.size(1)
+        cfg = self.config
+        T = input_ids.size(1)
         if position_ids is None:
             t0 = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(t0, t0 + T, device=input_ids.device)[None]

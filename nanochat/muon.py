@@ -59,8 +59,10 @@ def _lr_scale(p):
 
 
 def _apply_update(p, update, group):
-    """p -= lr * update, lr = the group's lr x _lr_scale(p); plus the cautious weight decay lr * wd * p on the entries
-    where update and p have the same sign (where the step already pulls the weight toward zero)."""
+    """
+    p -= lr * update, lr = the group's lr x _lr_scale(p); plus the cautious weight decay lr * wd * p on the entries
+    where update and p have the same sign (where the step already pulls the weight toward zero).
+    """
     lr = group["lr"] * _lr_scale(p)
     wd = group.get("weight_decay", 0.0)
     if wd:
@@ -93,7 +95,7 @@ def _batches(params):
 
 
 def _momentum_state(opt, params, name_of):
-    """Checkpoint entries (nanochat.checkpoint_manager) of the momentum buffers of `params`: whole matrices, from row 0."""
+    """The checkpoint entries (nanochat.checkpoint_manager) of the momentum buffers of `params`: whole matrices."""
     return {name_of[p]: {"row_start": 0, "step": None, "momentum_buffer": opt.state[p]["momentum_buffer"]}
             for p in params if "momentum_buffer" in opt.state.get(p, {})}
 
@@ -113,7 +115,8 @@ class Muon(torch.optim.Optimizer):
     dtype). Parameters without a gradient are skipped.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32, weight_decay=0.0):
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32,
+                 weight_decay=0.0):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype,
                         weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -133,11 +136,13 @@ class Muon(torch.optim.Optimizer):
                     state = self.state[p]
                     if "momentum_buffer" not in state:
                         state["momentum_buffer"] = torch.zeros_like(p)
-                    directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]))
+                    directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
+                                                          group["nesterov"]))
                 if len(batch) == 1:
                     updates = [zeropower_via_newtonschulz5(directions[0], group["ns_steps"], group["ns_dtype"])]
                 else:  # stacked straight into the compute dtype, and the updates applied in it: no fp32 round trips
-                    stacked = torch.empty((len(batch), *batch[0].shape), dtype=group["ns_dtype"], device=batch[0].device)
+                    stacked = torch.empty((len(batch), *batch[0].shape), dtype=group["ns_dtype"],
+                                          device=batch[0].device)
                     for i, direction in enumerate(directions):
                         stacked[i].copy_(direction)
                     updates = zeropower_via_newtonschulz5(stacked, group["ns_steps"], group["ns_dtype"]).unbind(0)
@@ -155,20 +160,23 @@ class Muon(torch.optim.Optimizer):
 
 class DistMuon(ShardedGradients, torch.optim.Optimizer):
     """
-    Muon sharded across ranks, ZeRO-2 style (docs/optimizers.md): each WHOLE matrix (Newton-Schulz needs all of it)
-    has one owner rank, which alone keeps its momentum buffer and computes its update. Matrices are grouped by shape,
-    one param group each, walked in blocks of W (world size): rank r owns matrix k*W + r of its group. step(): per
-    block, reduce_scatter the gradients (the owner gets its matrix's, averaged over the ranks; a short last block is
-    padded with a zero matrix), update the owned matrix, all_gather the block; afterwards every rank holds the same
-    full matrices. params: an iterable of 2-D tensors (not dicts: groups are made by shape); lr and momentum are read
-    from every group at each step. Requirements: an initialised process group; every rank has the same parameters in
-    the same order, a gradient for each, and calls step() together. Checkpoints: owned_state / load_owned_state
-    through nanochat.checkpoint_manager, across world sizes.
+    Muon sharded across ranks, ZeRO-2 style (docs/optimizers.md): each WHOLE matrix (Newton-Schulz needs all of it) has
+    one owner rank, which alone keeps its momentum buffer and computes its update. Matrices are grouped by shape, one
+    param group each, walked in blocks of W (world size): rank r owns matrix k*W + r of its group. The gradients: per
+    block, reduce_scatter them (the owner gets its matrix's, averaged over the ranks; a short last block is padded with
+    a zero matrix) in optim.clip_grad_norm_ when clipping is on (the default), else in step(); then step(): update the
+    owned matrix, all_gather the block; afterwards every rank holds the same full matrices. params: an iterable of 2-D
+    tensors (not dicts: groups are made by shape); lr and momentum are read from every group at each step. Requirements:
+    an initialised process group; every rank has the same parameters in the same order, a gradient for each, and calls
+    step() together. Checkpoints: owned_state / load_owned_state through nanochat.checkpoint_manager, across world
+    sizes.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32, weight_decay=0.0):
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32,
+                 weight_decay=0.0):
         if not is_distributed():
-            raise RuntimeError("DistMuon needs an initialised process group (torchrun + compute_init); use Muon in a single process")
+            raise RuntimeError("DistMuon needs an initialised process group (torchrun + compute_init); "
+                               "use Muon in a single process")
         params = list(params)
         _check_matrices(params, "DistMuon")
         by_shape = {}  # shape -> params, in first-seen order, which is the same on every rank
@@ -212,7 +220,8 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
+        world_size = dist.get_world_size()
         blocks = self._take_pending()  # one reduce_scatter per block, issued now unless clipping issued them
 
         # Block by block: wait for its gradients, update the matrix this rank owns, issue the all_gather.
@@ -226,7 +235,8 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 # one matrix at a time: the block's others belong to other ranks
-                direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+                direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"],
+                                                group["nesterov"])
                 update = zeropower_via_newtonschulz5(direction, group["ns_steps"], group["ns_dtype"])
                 _apply_update(p, update, group)
                 source = p
@@ -240,7 +250,8 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
 
     def _owned(self):
         """The matrices this rank owns: position j of its shape group, j % world_size == rank."""
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
+        world_size = dist.get_world_size()
         return [p for group in self.param_groups for j, p in enumerate(group["params"]) if j % world_size == rank]
 
     def owned_state(self, name_of):

@@ -1,6 +1,8 @@
 """
-The update of a training step (step_optimizers): what Muon and AdamW share, ZeRO-2 sharding across ranks and
-gradient clipping; the schedules of the learning rate and of Muon's momentum; the weight decay by depth.
+The update of a training step: ZeRO-2 sharding, gradient clipping, the learning-rate and momentum schedules.
+
+step_optimizers runs it: what Muon and AdamW share, ZeRO-2 sharding across ranks and gradient clipping; the
+schedules of the learning rate and of Muon's momentum; the weight decay by depth.
 
 Under torchrun every rank holds the whole model and computes a full gradient on its own micro-batches; only the
 optimizer is sharded (its state and the update's arithmetic): reduce_scatter the gradients (each rank receives the
@@ -99,7 +101,8 @@ def clip_grad_norm_(optimizers, max_norm):
     for p, row, grad_rows in pieces:
         start = first_row[p] + row
         # each row's norm, squared: one pass over the gradient, with no full-size square in between
-        row_sq[start:start + grad_rows.size(0)] = torch.linalg.vector_norm(grad_rows, dim=1, dtype=torch.float32).square_()
+        row_sq[start:start + grad_rows.size(0)] = torch.linalg.vector_norm(grad_rows, dim=1,
+                                                                           dtype=torch.float32).square_()
     if distributed:
         dist.all_reduce(row_sq)
     norm = row_sq.sum().sqrt()
@@ -107,7 +110,8 @@ def clip_grad_norm_(optimizers, max_norm):
     if distributed:
         for opt in optimizers:
             opt.scale_gradients(scale)
-    # x 1 (the norm within max_norm) changes nothing: a CPU skips that pass over the gradient (a GPU would wait for .item())
+    # x 1 (the norm within max_norm) changes nothing: a CPU skips that pass over the gradient (a GPU would wait for
+    # .item())
     elif params[0].device.type != "cpu" or scale.item() < 1.0:
         for p in params:
             if p.grad is not None:
@@ -158,13 +162,14 @@ def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95, final=None, num_
 # 16,384 tokens a step, where 2M tokens are ~3 epochs and a small model learns the repeated text by heart unless
 # decayed (bench/RESULTS.md, "Quality at the acceptance size" and "AdamW's weight decay"). Fewer parameters on fewer
 # tokens want more decay, as in karpathy/nanochat's own scaling of it by the horizon.
-# Muon's cautious decay of the block matrices: d6 0.80 measured here (0.40 memorized); d8, d12, d20 what
-# karpathy/nanochat measured best (its dev/LOG.md, fresh data at large batches).
+# Muon's cautious decay of the block matrices: d6 0.80, the best measured here (at 0.40 it memorized: "Quality at
+# the acceptance size"); d8, d12, d20 what karpathy/nanochat measured best (its dev/LOG.md, fresh data at large
+# batches).
 MATRIX_WEIGHT_DECAY_BY_DEPTH = ((6, 0.80), (8, 0.40), (12, 0.22), (20, 0.08))
 # AdamW's decay of the lookup tables and lm_head (in effect of wte and the value embeddings: lm_head's lr is 50x
-# smaller): 0.20 at d4 and d6, measured here (d4: 0 -> 1.3953 bpb, 0.03 -> 1.3848, 0.1 -> 1.3715, 0.2 -> 1.3685, 0.3
-# -> 1.3787; d6: 1.349 -> 1.310), kept to d8, the largest CPU size; none from d12, the GPU sizes that read fresh
-# data once (karpathy/nanochat: 0.001-0.01, no sweep).
+# smaller): 0.20, the best measured here at d4 and d6 (the sweep: bench/RESULTS.md, "AdamW's weight decay"), kept
+# to d8, the largest CPU size; none from d12, the GPU sizes that read fresh data once (karpathy/nanochat: 0.001-0.01,
+# no sweep).
 EMBEDDING_WEIGHT_DECAY_BY_DEPTH = ((8, 0.20), (12, 0.0))
 
 

@@ -1,9 +1,9 @@
 """
-The pydocs corpus's documents: the running Python's own documentation, collected offline, the same for the same Python.
+The pydocs corpus's documents: the running Python's own documentation, collected offline.
 
-pydocs_entries() gives the records (also the source of the offline chat tasks and of core_bundle), pydocs_documents()
-the shuffled corpus documents that nanochat.dataset writes as shards. What is collected, and what is skipped and
-why: docs/data.md.
+The same Python gives the same documents. pydocs_entries() gives the records (also the source of the offline chat
+tasks and of core_bundle), pydocs_documents() the shuffled corpus documents that nanochat.dataset writes as shards.
+What is collected, and what is skipped and why: docs/data.md.
 """
 
 import ast
@@ -114,7 +114,8 @@ def _source_records(module, path):
         logger.debug(f"pydocs: skipping {path}: does not parse")
         return []
     lines = [line.encode("utf-8") for line in source.split("\n")]  # ast column offsets count UTF-8 bytes
-    records, seen = [], set()
+    records = []
+    seen = set()
     doc = ast.get_docstring(tree)
     if _usable(doc):
         records.append(_record(module, "module", module, "", doc))
@@ -128,7 +129,10 @@ def _source_records(module, path):
                 continue
             seen.add(name)
             doc = ast.get_docstring(node)
-            kind = "class" if isinstance(node, ast.ClassDef) else "method" if in_class else "function"
+            if isinstance(node, ast.ClassDef):
+                kind = "class"
+            else:
+                kind = "method" if in_class else "function"
             if _usable(doc):
                 records.append(_record(name, kind, module, _source_signature(node, lines), doc))
             if isinstance(node, ast.ClassDef):
@@ -148,8 +152,8 @@ def _c_module_docs():
     def skip(name):
         # _test*/xx*: CPython's own test modules; readline may write terminal escapes on import; _tkinter
         # and _curses_panel belong to skipped or display-bound packages
-        return name.startswith(("_test", "xx", "_xx", "_ctypes_test")) or \
-            name in ("readline", "_tkinter", "_curses_panel")
+        return (name.startswith(("_test", "xx", "_xx", "_ctypes_test"))
+                or name in ("readline", "_tkinter", "_curses_panel"))
 
     def signature(obj):
         if isinstance(obj, type):
@@ -210,14 +214,16 @@ def _c_records(source_names, seen_docs):
     proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"reading the C modules' docstrings failed:\n{proc.stderr}")
-    records, seen_keys = [], set()
+    records = []
+    seen_keys = set()
     for r in json.loads(proc.stdout):
-        module, key = r["module"], r.pop("key")
+        module = r["module"]
+        key = r.pop("key")
         rest = r["name"][len(module):]
         twins = [module[1:], "_py" + module[1:], "_py" + module] if module.startswith("_") else []
         twins += _C_TWINS.get(module, [])
-        if key in seen_keys or not _usable(r["docstring"]) or _same_text(r["docstring"]) in seen_docs \
-                or any(t + rest in source_names for t in twins):
+        if (key in seen_keys or not _usable(r["docstring"]) or _same_text(r["docstring"]) in seen_docs
+                or any(t + rest in source_names for t in twins)):
             continue
         seen_keys.add(key)
         seen_docs.add(_same_text(r["docstring"]))
@@ -226,8 +232,10 @@ def _c_records(source_names, seen_docs):
 
 
 def _topic_records():
-    """One record per pydoc topic text. Some keys share a text ("else" and "if"): one record, named by the
-    key its title quotes (`The "if" statement`), else by the first key."""
+    """
+    One record per pydoc topic text. Some keys share a text ("else" and "if"): one record, named by the
+    key its title quotes (`The "if" statement`), else by the first key.
+    """
     from pydoc_data.topics import topics
     keys_by_text = {}
     for key, text in sorted(topics.items()):
@@ -299,10 +307,16 @@ def pydocs_document(record):
     docstring. `module json`, `class json.JSONEncoder`, `json.dumps(obj, *, skipkeys=False, ...)`;
     a topic is its text alone (it starts with its own title).
     """
-    kind, name, sig = record["kind"], record["name"], record["signature"]
+    kind = record["kind"]
+    name = record["name"]
     if kind == "topic":
         return record["docstring"]
-    header = f"module {name}" if kind == "module" else f"class {name}{sig}" if kind == "class" else f"{name}{sig}"
+    if kind == "module":
+        header = f"module {name}"
+    elif kind == "class":
+        header = f"class {name}{record['signature']}"
+    else:
+        header = f"{name}{record['signature']}"
     return f"{header}\n\n{record['docstring']}"
 
 

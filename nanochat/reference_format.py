@@ -1,5 +1,5 @@
 """
-Reads checkpoints written by karpathy/nanochat's own code of late 2025 (commit 088726a), as its released models are.
+Reads checkpoints of karpathy/nanochat's own code (commit 088726a, late 2025), as its released models are.
 
 The layout, in one directory:
   model_<step:06d>.pt    torch.save of the model's state dict: our key names, maybe with an "_orig_mod." prefix
@@ -77,7 +77,8 @@ def read_tokenizer_pkl(path):
     if not isinstance(state, dict) or not {"pat_str", "mergeable_ranks", "special_tokens"} <= set(state):
         kind = f"the registered encoding {state!r}" if isinstance(state, str) else type(obj).__name__
         raise UserError(f"{path} holds {kind}, not a tiktoken Encoding with its merges")
-    ranks, special = state["mergeable_ranks"], state["special_tokens"]
+    ranks = state["mergeable_ranks"]
+    special = state["special_tokens"]
     if not isinstance(ranks, dict) or not all(isinstance(k, bytes) and isinstance(v, int) for k, v in ranks.items()):
         raise UserError(f"{path}: mergeable_ranks is not a {{bytes: int}} dict")
     try:
@@ -101,11 +102,14 @@ def decoded_token_bytes(tokenizer):
 
 def find_tokenizer(directory):
     """The directory holding tokenizer.pkl: `directory`, its tokenizer/, or ../../tokenizer/. UserError if none."""
-    places = [directory, os.path.join(directory, "tokenizer"), os.path.join(directory, os.pardir, os.pardir, "tokenizer")]
+    places = [directory,
+              os.path.join(directory, "tokenizer"),
+              os.path.join(directory, os.pardir, os.pardir, "tokenizer")]
     for place in places:
         if os.path.exists(os.path.join(place, "tokenizer.pkl")):
             return os.path.normpath(place)
-    raise UserError(f"no tokenizer.pkl for the checkpoint in {directory} (looked in {', '.join(os.path.normpath(p) for p in places)}): "
+    raise UserError(f"no tokenizer.pkl for the checkpoint in {directory} "
+                    f"(looked in {', '.join(os.path.normpath(p) for p in places)}): "
                     f"put the model's tokenizer.pkl and token_bytes.pt beside it")
 
 
@@ -122,7 +126,8 @@ def read_checkpoint(directory, step=-1):
         step = complete[-1]
     for name in (f"meta_{step:06d}.json", f"model_{step:06d}.pt"):
         if not os.path.exists(os.path.join(directory, name)):
-            raise UserError(f"{directory} has no {name}" + (f" (steps here: {', '.join(map(str, complete))})" if complete else ""))
+            raise UserError(f"{directory} has no {name}"
+                            + (f" (steps here: {', '.join(map(str, complete))})" if complete else ""))
     meta_path = os.path.join(directory, f"meta_{step:06d}.json")
     try:
         with open(meta_path, encoding="utf-8") as f:
@@ -148,10 +153,12 @@ def read_checkpoint(directory, step=-1):
         try:
             token_bytes = torch.as_tensor(token_bytes).cpu().long()
         except (TypeError, ValueError, RuntimeError):
-            raise UserError(f"{token_bytes_path} holds {type(token_bytes).__name__}, not a tensor of bytes per token") from None
+            raise UserError(f"{token_bytes_path} holds {type(token_bytes).__name__}, "
+                            f"not a tensor of bytes per token") from None
         rules = (decoded_token_bytes(tokenizer), tokenizer.compute_token_bytes())  # its tok_train's, ours
         if not any(torch.equal(token_bytes, rule.long()) for rule in rules):
-            raise UserError(f"{token_bytes_path} does not match {tokenizer_dir}/tokenizer.pkl: files of two different tokenizers")
+            raise UserError(f"{token_bytes_path} does not match {tokenizer_dir}/tokenizer.pkl: "
+                            f"files of two different tokenizers")
     if tokenizer.get_vocab_size() != model_config["vocab_size"]:
         raise UserError(f"the tokenizer in {tokenizer_dir} has {tokenizer.get_vocab_size():,} tokens, the model "
                         f"{model_config['vocab_size']:,} (meta_{step:06d}.json): they do not belong together")
@@ -159,7 +166,8 @@ def read_checkpoint(directory, step=-1):
     try:
         state = torch.load(model_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise UserError(f"{model_path} is unreadable ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+        raise UserError(f"{model_path} is unreadable "
+                        f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     if not isinstance(state, dict):
         raise UserError(f"{model_path} does not hold a state dict")
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}

@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 from nanochat.common import atomic_write, format_value, get_base_dir
-from nanochat.hardware import cpu_model_name
+from nanochat.probes import cpu_model_name
 
 # stage sections in pipeline order; sections not listed here come after them, alphabetically
 SECTION_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-loss",
@@ -42,10 +42,12 @@ SUMMARY_METRICS = [
     ("midtraining", "Final validation bpb", "Chat val bpb, after midtraining"),
 ]
 # The report card under the summary: each stage's headline evaluations side by side, one column per stage, "-"
-# where a stage was not evaluated. The base column holds the base model's CORE-style score(s) (see
-# _base_scores); the chat stages' columns hold keys of their "Chat evaluation <stage>" sections: the accuracies of
-# the tasks that tasks/registry.py puts on the card, then these scores:
+# where a stage was not evaluated. The base column holds the base model's CORE-style score(s) (see _base_scores);
+# the chat stages' columns hold keys of their "Chat evaluation <stage>" sections: the accuracies of the tasks that
+# the section's CARD_LABELS line puts on the card ({task: label} in JSON, in the card's order: scripts/chat_eval.py
+# writes it from tasks/registry.py, which the library never imports), then these scores:
 REPORT_CARD_STAGES = ("mid", "sft", "rl")
+CARD_LABELS = "report card labels"
 REPORT_CARD_SCORES = [("ChatCORE", "ChatCORE"), ("Offline ChatCORE", "Offline ChatCORE")]  # (key in the section, label)
 GPU_HOUR_USD = float(os.environ.get("NANOCHAT_GPU_HOUR_USD", "3.0"))  # rough on-demand price of one H100-class GPU hour
 
@@ -114,7 +116,9 @@ def _code_size():
         for path in glob.glob(os.path.join(root, pattern)):
             with open(path, encoding="utf-8", errors="replace") as f:
                 text = f.read()
-            chars, lines, files = chars + len(text), lines + text.count("\n"), files + 1
+            chars += len(text)
+            lines += text.count("\n")
+            files += 1
     return chars, lines, files
 
 
@@ -123,7 +127,9 @@ def header_text():
     import torch
     commit = _run(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
     dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"]))
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     chars, lines, files = _code_size()
     out = [
         "# nanochat training report", "",
@@ -154,9 +160,14 @@ def parse_section(text):
 def _timestamps(texts):
     stamps = []
     for text in texts:
-        for m in re.finditer(r"^(?:timestamp|Generated|Started): (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)$", text, re.MULTILINE):
+        for m in re.finditer(r"^(?:timestamp|Generated|Started): (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)$", text,
+                             re.MULTILINE):
             stamps.append(datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
     return stamps
+
+
+# The curves of a training stage: (key in its metrics file, label)
+CURVES = [("loss", "train loss (EMA)"), ("val_bpb", "validation bits per byte"), ("tok_per_sec", "tokens / second")]
 
 
 def plot_curves(directory, sections):
@@ -180,8 +191,8 @@ def plot_curves(directory, sections):
                     rows.append(json.loads(line))
                 except json.JSONDecodeError:  # a line cut short by a kill
                     pass
-        series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key in ("loss", "val_bpb", "tok_per_sec")}
-        for key, label in (("loss", "train loss (EMA)"), ("val_bpb", "validation bits per byte"), ("tok_per_sec", "tokens / second")):
+        series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key, _ in CURVES}
+        for key, label in CURVES:
             if not series[key]:
                 continue
             fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -200,23 +211,25 @@ def plot_curves(directory, sections):
 
 
 def _base_scores(section):
-    """The base model's score keys of the base-model-evaluation section: "CORE metric" and, for the offline
-    CORE-style score, any key ending in "score" or "CORE metric" (e.g. "pydocs-CORE metric")."""
+    """
+    The base model's score keys of the base-model-evaluation section: "CORE metric" and, for the offline CORE-style
+    score, any key ending in "score" or "CORE metric" (e.g. "pydocs-CORE metric").
+    """
     return [k for k in section if k == "CORE metric" or k.endswith("score") or k.endswith("CORE metric")]
 
 
 def report_card(parsed):
     """
-    The report card as markdown lines ([] when nothing has been evaluated): rows are metrics, columns the
-    base model and the chat stages (REPORT_CARD_STAGES), "-" where a stage lacks the metric. A metric no
-    stage has is left out. `parsed`: {section slug: {key: value}}.
+    The report card as markdown lines ([] when nothing has been evaluated): rows are metrics, columns the base model
+    and the chat stages (REPORT_CARD_STAGES), "-" where a stage lacks the metric. A metric no stage has is left out.
+    `parsed`: {section slug: {key: value}}.
     """
-    # the registry imports the task modules (no data): ~10 ms, ~70 ms without their .pyc files, next to the seconds
-    # of torch that this module's imports already take
-    from tasks.registry import report_card_labels
+    labels = {}  # {task: label} of the chat evaluation sections' CARD_LABELS lines, in their order
+    for stage in REPORT_CARD_STAGES:
+        labels.update(json.loads(parsed.get(f"chat-evaluation-{stage}", {}).get(CARD_LABELS, "{}")))
     base = parsed.get("base-model-evaluation", {})
     rows = [(key.removesuffix(" metric"), [base[key]] + ["-"] * len(REPORT_CARD_STAGES)) for key in _base_scores(base)]
-    for key, label in report_card_labels() + REPORT_CARD_SCORES:
+    for key, label in list(labels.items()) + REPORT_CARD_SCORES:
         values = [parsed.get(f"chat-evaluation-{stage}", {}).get(key, "-") for stage in REPORT_CARD_STAGES]
         if any(v != "-" for v in values):
             rows.append((label, ["-"] + values))
@@ -278,8 +291,8 @@ def generate(copy_to=None):
 
 
 # The headline number of a stage's section in stage_lines: the first of these keys the section has
-HEADLINES = ["ChatCORE", "Offline ChatCORE", "Mean reward, last steps", "Final validation bpb", "val bpb", "CORE metric",
-             "pydocs-CORE metric", "Val bytes/token", "trained_vocab_size", "Reply tokens"]
+HEADLINES = ["ChatCORE", "Offline ChatCORE", "Mean reward, last steps", "Final validation bpb", "val bpb",
+             "CORE metric", "pydocs-CORE metric", "Val bytes/token", "trained_vocab_size", "Reply tokens"]
 
 
 def stage_lines(directory):
@@ -290,8 +303,10 @@ def stage_lines(directory):
     """
     header_path = os.path.join(directory, "header.md")
     start = _timestamps([open(header_path, encoding="utf-8").read()]) if os.path.exists(header_path) else []
-    written = sorted((_timestamps([text])[0], text) for text in read_sections(directory).values() if _timestamps([text]))
-    lines, previous = [], start[0] if start else None
+    written = sorted((_timestamps([text])[0], text) for text in read_sections(directory).values()
+                     if _timestamps([text]))
+    lines = []
+    previous = start[0] if start else None
     for stamp, text in written:
         title = text.split("\n", 1)[0].removeprefix("## ")
         took = f"{(stamp - previous).total_seconds():5.0f} s" if previous else "    ? s"
@@ -327,10 +342,6 @@ def main(argv):
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
-
 # -----------------------------------------------------------------------------
 # The model card: the README.md of an exported model. What it is, how it was trained and how it scored, from what
 # this machine recorded (the checkpoint's meta file and those it was trained from, the run report); whatever is
@@ -347,7 +358,8 @@ def trained_on(stage, meta):
         origin = meta["imported_from"]
         name = os.path.basename(str(origin.get("path")))  # not the full path: a model card gets published
         return f"imported from a {origin.get('format')} directory ({name}); its training is {NOT_RECORDED} here"
-    config, step = meta.get("user_config") or {}, meta.get("step")
+    config = meta.get("user_config") or {}
+    step = meta.get("step")
     units = {"base": ("total_batch_size", "tokens"), "mid": ("total_batch_size", "tokens"),
              "sft": ("examples_per_step", "conversations"), "rl": ("prompts_per_step", "problems")}
     key, unit = units.get(stage, (None, None))
@@ -372,9 +384,12 @@ def evaluation_lines():
 
 
 def model_card(meta, lineage, model, tokenizer, dtype, layout):
-    """The README.md text. meta: load_model's meta of the exported checkpoint; lineage: lineage() of
-    it (this checkpoint first, then the models it was trained from)."""
-    c, source = model.config, lineage[0][0]
+    """
+    The README.md text. meta: load_model's meta of the exported checkpoint; lineage: lineage() of it (this checkpoint
+    first, then the models it was trained from).
+    """
+    c = model.config
+    source = lineage[0][0]
     name = f"nanochat {source} {meta.get('model_tag')} step {meta.get('step')}"
     lines = [
         f"# {name}",
@@ -400,21 +415,30 @@ def model_card(meta, lineage, model, tokenizer, dtype, layout):
         "",
     ]
     trust = ", trust_remote_code=True" if layout == "remote" else ""  # the tokenizer too: it reads config.json's class
-    code = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "path = \"path/to/this/directory\"",
+    code = ["```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "path = \"path/to/this/directory\"",
             f"tokenizer = AutoTokenizer.from_pretrained(path{trust})",
             f"model = AutoModelForCausalLM.from_pretrained(path{trust})",
             "messages = [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}]",
-            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)",
+            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+            "return_dict=True)",
             "output = model.generate(**inputs, max_new_tokens=128)",
-            "print(tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))", "```", ""]
+            "print(tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
+            "```",
+            ""]
     if layout == "mlx":
-        lines += ["## Use", "", "This directory keeps nanochat's weight names, which mlx-lm's `nanochat` model reads:",
-                  "", "    mlx_lm.generate --model path/to/this/directory --prompt \"Hello\"", "",
-                  "transformers cannot load it (it expects `model.layers.*` names): export with `--layout=hf` for that.", ""]
+        lines += ["## Use", "",
+                  "This directory keeps nanochat's weight names, which mlx-lm's `nanochat` model reads:", "",
+                  "    mlx_lm.generate --model path/to/this/directory --prompt \"Hello\"", "",
+                  "transformers cannot load it (it expects `model.layers.*` names): "
+                  "export with `--layout=hf` for that.", ""]
     elif layout == "remote":
-        lines += ["## Use", "", "This model has parts transformers' NanoChat model lacks (q/k scale, layer scalars or value",
-                  "embeddings), so its code comes with it: `modeling_nanochat_gpt.py` here, which transformers runs with",
-                  "`trust_remote_code=True` (it is code: read it first). vLLM and mlx-lm cannot run this model.", "", *code]
+        lines += ["## Use", "",
+                  "This model has parts transformers' NanoChat model lacks (q/k scale, layer scalars, value",
+                  "embeddings or sliding windows), so its code comes with it: `modeling_nanochat_gpt.py` here, which",
+                  "transformers runs with `trust_remote_code=True` (it is code: read it first). vLLM and mlx-lm cannot",
+                  "run this model.", "", *code]
     else:
         lines += ["## Use", "", "transformers >= 5.0 loads it with no custom code:", "", *code]
     lines += [
@@ -429,3 +453,7 @@ def model_card(meta, lineage, model, tokenizer, dtype, layout):
         "",
     ]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,8 @@
 """
-Serve a model over HTTP: the workers that generate, the checks every request passes, and the FastAPI app
-(create_app) with nanochat's own API and the OpenAI-compatible one (nanochat/openai_api.py) on the same workers.
+Serve a model over HTTP: the workers that generate, the checks every request passes, and the FastAPI app.
+
+The app (create_app) serves nanochat's own API and the OpenAI-compatible one (nanochat/openai_api.py) on the same
+workers.
 
 A Worker is one Engine on one device with its own thread; a request waits in the WorkerPool's queue for a free
 worker and holds it for its whole reply (Job). Tokens are sampled in the worker's thread, one blocking model step
@@ -9,8 +11,8 @@ reply. Between two tokens the server checks that the client is still there (repl
 worker at once, and its generation stops before its next step.
 
 Both APIs check a request with the same functions (read_body, checked_field, check_chat, check_sampling) before
-anything is generated: a bad one raises APIError 400, its message starting with the field at fault ("messages[2].role:
-...": field_error).
+anything is generated: a bad one raises APIError 400, its message starting with the field at fault
+("messages[2].role: ...": field_error).
 """
 
 import asyncio
@@ -62,7 +64,8 @@ class Worker:
     """
 
     def __init__(self, index, engine):
-        self.index, self.engine = index, engine
+        self.index = index
+        self.engine = engine
         device = engine.model.lm_head.weight.device
         self.device_type = device.type
         # on CUDA the thread's current device is the worker's GPU, so nothing lands on GPU 0 by default
@@ -72,8 +75,10 @@ class Worker:
         self.tokens_generated = 0  # written by self.thread only
 
     def autocast(self):
-        """A fresh autocast context in the compute dtype (nanochat/hardware.py), entered in this worker's thread around
-        a whole generation: autocast state is per thread, and one context object must not be entered twice at once."""
+        """
+        A fresh autocast context in the compute dtype (nanochat/hardware.py), entered in this worker's thread around
+        a whole generation: autocast state is per thread, and one context object must not be entered twice at once.
+        """
         return autocast_context(self.device_type)[1]
 
     def start(self, prompt, sampling, stop):
@@ -165,7 +170,8 @@ def worker_devices(device_type, num_gpus=1):
             raise UserError(f"--num_gpus={num_gpus} but {torch.cuda.device_count()} CUDA device(s) are visible")
         return [torch.device("cuda", i) for i in range(num_gpus)]
     if num_gpus != 1:
-        raise UserError(f"--num_gpus={num_gpus} applies to CUDA; on {device_type} one worker serves (leave --num_gpus out)")
+        raise UserError(f"--num_gpus={num_gpus} applies to CUDA; "
+                        f"on {device_type} one worker serves (leave --num_gpus out)")
     return [torch.device(device_type)]
 
 
@@ -181,10 +187,13 @@ class Job:
     """
 
     def __init__(self, pool):
-        self.pool, self.outcome, self.stop = pool, "cancelled", threading.Event()
+        self.pool = pool
+        self.outcome = "cancelled"
+        self.stop = threading.Event()
 
     async def __aenter__(self):
-        self.worker, self.t0 = await self.pool.acquire(), time.perf_counter()
+        self.worker = await self.pool.acquire()
+        self.t0 = time.perf_counter()
         return self
 
     async def __aexit__(self, kind, error, traceback):
@@ -196,18 +205,26 @@ class Job:
         logger.info(f"worker {self.worker.index}: {self.outcome} after {seconds:.2f}s")
 
     def start(self, prompt, sampling):
-        """Start a generation on the worker (Worker.start), stopping the job's last one; returns its queue of token ids."""
+        """
+        Start a generation on the worker (Worker.start), stopping the job's last one; returns its queue of token
+        ids.
+        """
         self.stop.set()
         self.stop = threading.Event()
         return self.worker.start(prompt, sampling, self.stop)
 
 
 class ReplyText:
-    """Token ids in, text out: whole characters only (engine.TextStreamer), and nothing from the first of `stops` on.
-    Text that may be the start of a stop string is held back until the next tokens show whether it is one."""
+    """
+    Token ids in, text out: whole characters only (engine.TextStreamer), and nothing from the first of `stops` on.
+    Text that may be the start of a stop string is held back until the next tokens show whether it is one.
+    """
 
     def __init__(self, tokenizer, stops):
-        self.streamer, self.stops, self.held, self.stopped = TextStreamer(tokenizer), stops, "", False
+        self.streamer = TextStreamer(tokenizer)
+        self.stops = stops
+        self.held = ""
+        self.stopped = False
 
     def put(self, token):
         return self._release(self.streamer.put(token))
@@ -280,7 +297,11 @@ class APIError(Exception):
 
     def __init__(self, status, message, param=None, code=None, kind="invalid_request_error"):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
 
 
 def field_error(param, problem, code=None):
@@ -311,7 +332,8 @@ async def read_body(request):
     except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep for the parser
         raise field_error("body", f"not valid JSON ({type(e).__name__}: {e})"[:300]) from None
     if not isinstance(body, dict):
-        raise field_error("body", ("must be" if raw.strip() else "missing: send") + ' a JSON object like {"messages": [...]}')
+        raise field_error("body",
+                          ("must be" if raw.strip() else "missing: send") + ' a JSON object like {"messages": [...]}')
     return body
 
 
@@ -329,7 +351,8 @@ def check_sampling(body, settings, vocab_size, tokens_field="max_tokens", min_to
         raise field_error("top_k", f"must be between 0 and {vocab_size} (the vocabulary; 0 = all of it), got {top_k}")
     max_tokens = checked_field(body, tokens_field, "int", settings.max_tokens)
     if not min_tokens <= max_tokens <= settings.max_tokens_limit:
-        raise field_error(tokens_field, f"must be between {min_tokens} and {settings.max_tokens_limit}, got {max_tokens}")
+        raise field_error(tokens_field,
+                          f"must be between {min_tokens} and {settings.max_tokens_limit}, got {max_tokens}")
     seed = checked_field(body, "seed", "int")
     if seed is not None and not 0 <= seed < 2**63:
         raise field_error("seed", f"must be between 0 and 2**63 - 1, got {seed}")
@@ -355,31 +378,39 @@ def check_chat(body, settings, pool, system=False, tokens_field="max_tokens"):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise field_error(where, 'must be an object like {"role": "user", "content": "Hi"}')
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
+        content = message.get("content")
         if role not in roles:
             raise field_error(f"{where}.role", f"{role!r} is not a role here: use {', '.join(roles)}")
         if not isinstance(content, str):
             raise field_error(f"{where}.content", "must be a string")
         if len(content) > settings.max_message_chars:
-            raise field_error(f"{where}.content", f"{len(content):,} characters, at most {settings.max_message_chars:,} are accepted")
+            raise field_error(f"{where}.content",
+                              f"{len(content):,} characters, at most {settings.max_message_chars:,} are accepted")
         conversation.append({"role": role, "content": content})
     first = int(conversation[0]["role"] == "system")
     for i in range(first, len(conversation)):
         expected = "user" if (i - first) % 2 == 0 else "assistant"
         if conversation[i]["role"] != expected:
-            raise field_error(f"messages[{i}].role", f"is {conversation[i]['role']!r}, expected {expected!r}: roles alternate user/"
-                                             f"assistant, starting with user{' after a first system message' if first else ''}")
+            raise field_error(f"messages[{i}].role",
+                              f"is {conversation[i]['role']!r}, expected {expected!r}: roles alternate user/"
+                              f"assistant, starting with user{' after a first system message' if first else ''}")
     if conversation[-1]["role"] != "user":
-        raise field_error(f"messages[{len(messages) - 1}].role", "the conversation must end with a user message (the one to reply to)")
+        raise field_error(f"messages[{len(messages) - 1}].role",
+                          "the conversation must end with a user message (the one to reply to)")
     total = sum(len(m["content"]) for m in conversation)
     if total > settings.max_conversation_chars:
-        raise field_error("messages", f"the conversation is {total:,} characters, at most {settings.max_conversation_chars:,} are accepted")
+        raise field_error("messages",
+                          f"the conversation is {total:,} characters, "
+                          f"at most {settings.max_conversation_chars:,} are accepted")
     sampling = check_sampling(body, settings, pool.vocab_size, tokens_field)
     prompt = pool.tokenizer.render_for_completion({"messages": conversation})
     if len(prompt) >= pool.context_len:
-        raise field_error("messages", f"the conversation is {len(prompt):,} tokens and the model's context holds {pool.context_len:,} "
-                              f"(with room for the reply): start a new conversation, or send fewer or shorter messages",
-                  code="context_length_exceeded")
+        raise field_error("messages",
+                          f"the conversation is {len(prompt):,} tokens "
+                          f"and the model's context holds {pool.context_len:,} "
+                          f"(with room for the reply): start a new conversation, or send fewer or shorter messages",
+                          code="context_length_exceeded")
     sampling["max_tokens"] = min(sampling["max_tokens"], pool.context_len - len(prompt))
     return prompt, sampling
 
@@ -389,11 +420,14 @@ def check_chat(body, settings, pool, system=False, tokens_field="max_tokens"):
 
 
 def create_app(pool, settings):
-    """The FastAPI app that serves `pool`'s workers under `settings` (both kept in app.state): the chat page (/),
+    """
+    The FastAPI app that serves `pool`'s workers under `settings` (both kept in app.state): the chat page (/),
     /health, /stats and nanochat's /chat/completions. nanochat.openai_api.mount(app) adds the OpenAI-compatible API
-    (it builds on this module, which therefore does not import it)."""
+    (it builds on this module, which therefore does not import it).
+    """
     app = FastAPI(title="nanochat", docs_url=None, redoc_url=None)  # no /docs: those pages load from a CDN
-    app.state.pool, app.state.settings = pool, settings
+    app.state.pool = pool
+    app.state.settings = settings
 
     @app.get("/")
     async def page():

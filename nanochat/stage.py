@@ -1,7 +1,9 @@
 """
-What the four training stages (scripts/base_train, mid_train, chat_sft, chat_rl) do around their training loop,
-written once: start-up, start (fresh, or resumed from the stage's own checkpoint), log, save, stop, end. The loop
-itself, with its micro-steps, stays written out in each script. The calls a script makes, on every rank, in order:
+What every training stage does around its loop: start-up, start or resume, log, save, stop, end.
+
+Written once for scripts/base_train, mid_train, chat_sft and chat_rl: start (fresh, or resumed from the stage's own
+checkpoint) with the attention its training steps take, log, save, stop, end. The loop itself, with its micro-steps,
+stays written out in each script. The calls a script makes, on every rank, in order:
 
     device_type, ddp, rank, world_size, device = start_compute(device_type)   # after its settings are checked
     stage = Stage("mid", config, device)             # wandb on rank 0 unless --run=dummy; stage.stop
@@ -47,8 +49,10 @@ from nanochat.checkpoint_manager import (SOURCES, check_data_settings, check_mod
                                          load_optimizer_shards, optimizer_shard, save_checkpoint)
 from nanochat.common import (Interrupted, UserError, any_rank, atomic_write, autodetect_device_type, compute_cleanup,
                              compute_init, gather_from_ranks, is_distributed, print0, print_banner)
+from nanochat.cpu_kernels import dense_attention
 from nanochat.gpt import attention
-from nanochat.hardware import autocast_dtype, best_in_turns, compute_dtype_line, cpu_model_name, kept_per_machine
+from nanochat.hardware import autocast_dtype, compute_dtype_line
+from nanochat.probes import dense_attention_pays
 from nanochat.tokenizer import carry_tokenizer
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
@@ -73,10 +77,13 @@ class StopRequest:
     was cut short): the stage stopped early.
     """
 
-    STORE_KEY, STORE_EVERY = "nanochat_stop_requested", 0.5
+    STORE_KEY = "nanochat_stop_requested"
+    STORE_EVERY = 0.5  # seconds
 
     def __init__(self, rank):
-        self.rank, self.requested, self.seen = rank, False, False
+        self.rank = rank
+        self.requested = False
+        self.seen = False
         self._store = self._last_look = None
         if is_distributed():
             try:
@@ -106,7 +113,8 @@ class StopRequest:
     def __call__(self):
         """True once a stop was requested of this run, here or (under torchrun) on another rank."""
         if self._store is not None and self.requested and not self._posted:
-            self._store.set(self.STORE_KEY, "1")  # here, not in the signal handler: a store call must not interrupt another one
+            # here, not in the signal handler: a store call must not interrupt another one
+            self._store.set(self.STORE_KEY, "1")
             self._posted = True
         elif self._store is not None and not self.requested:
             now = time.monotonic()
@@ -197,10 +205,11 @@ def open_metrics(checkpoint_dir, start_step, enabled=True):
 def check_stage_settings(config):
     """The settings every training stage shares, checked right after its config is read (before any work)."""
     if config["resume_from_step"] < -1:
-        raise UserError(f"--resume_from_step must be a checkpoint's step, or -1 to start a fresh run, got {config['resume_from_step']}")
-    if config["warmup_ratio"] + config["warmdown_ratio"] > 1:
-        raise UserError(f"--warmup_ratio + --warmdown_ratio = {config['warmup_ratio'] + config['warmdown_ratio']:g} > 1: "
-                        f"the warmup and the warmdown would overlap")
+        raise UserError(f"--resume_from_step must be a checkpoint's step, or -1 to start a fresh run, "
+                        f"got {config['resume_from_step']}")
+    warm = config["warmup_ratio"] + config["warmdown_ratio"]
+    if warm > 1:
+        raise UserError(f"--warmup_ratio + --warmdown_ratio = {warm:g} > 1: the warmup and the warmdown would overlap")
     if config.get("model_tag"):
         check_model_tag(config["model_tag"])
 
@@ -218,40 +227,6 @@ def start_compute(device_type):
     return device_type, ddp, rank, world_size, device
 
 
-# Attention in training steps on a CPU in bf16: the whole square of scores in two batched matmuls (attention(dense=True))
-# or SDPA's flash kernel, decided by a probe per machine and length (docs/hardware.md, "Attention in training on a CPU").
-DENSE_ATTENTION_MIN_SPEEDUP = 1.2  # only where clearly faster (this VM's timings vary by ~10%)
-DENSE_ATTENTION_MAX_LEN = 2048  # longer: not measured (0.8x at 2,048 on a Zen 4; the square's memory grows as T^2)
-
-
-def dense_attention_pays(config, device_type):
-    """(whether training steps of a model of `config` compute attention dense, the start-up line saying why): on a CPU in
-    bf16, no GQA, <= DENSE_ATTENTION_MAX_LEN positions, where _attention_probe measured it faster (kept per machine, shape)."""
-    T, D = config.sequence_len, config.n_embd // config.n_head
-    if device_type != "cpu" or autocast_dtype("cpu") != torch.bfloat16 or config.n_kv_head != config.n_head:
-        return False, "Attention in training steps: SDPA (dense is measured on a CPU in bf16 without GQA)"
-    if T > DENSE_ATTENTION_MAX_LEN:
-        return False, f"Attention in training steps: SDPA (dense is not measured above {DENSE_ATTENTION_MAX_LEN} positions)"
-    key = f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {T} positions x {D} channels, 8 rounds, blocks"
-    speedup, path = kept_per_machine("attention_kernels.json", key, lambda known: known or _attention_probe(T, D))
-    dense = speedup >= DENSE_ATTENTION_MIN_SPEEDUP
-    return dense, (f"Attention in training steps: {'dense bf16 matmuls' if dense else 'SDPA'} (dense ran "
-                   f"{speedup:.2f}x as fast as SDPA at {T} positions here, needs {DENSE_ATTENTION_MIN_SPEEDUP}x; kept in {path})")
-
-
-def _attention_probe(T, D, heads=8, rounds=8, calls=2):
-    """SDPA's time / attention(dense=True)'s, forward and backward of `heads` causal heads of T x D in bf16, in turns
-    (best_in_turns; the first round warms up). 8 rounds: with 4, a speedrun on a Zen 4 read 1.21x where 4 rounds
-    in fresh processes read 1.28-1.72x and 8 read 1.47-1.60x. Inputs from a private generator."""
-    rng = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(1, heads, T, D, generator=rng).to(torch.bfloat16).requires_grad_() for _ in range(4))
-
-    def forward_backward(dense):
-        return lambda: torch.autograd.grad(attention(q, k, v, dense=dense), (q, k, v), grad)
-    best = best_in_turns({dense: forward_backward(dense) for dense in (False, True)}, rounds, calls)
-    return round(best[False] / best[True], 3)
-
-
 class Stage:
     """
     One run of a training stage: its checkpoint directory (owned for the whole run), where it started from,
@@ -263,14 +238,19 @@ class Stage:
     def __init__(self, name, config, device):
         if name not in SOURCES:
             raise ValueError(f"unknown stage {name!r}")
-        self.name, self.config, self.device = name, config, device
+        self.name = name
+        self.config = config
+        self.device = device
         self.rank = dist.get_rank() if is_distributed() else 0
         self.dry_run = config.get("dry_run", False)  # everything runs, nothing is written
         self.resume_from_step = config["resume_from_step"]
         self.resumed = self.resume_from_step >= 0
         self.wandb = init_wandb(config["run"], self.rank == 0, config, project=WANDB_PROJECTS[name])
         self.stop = StopRequest(self.rank)
-        self.last_saved_step, self.data_settings, self.meta, self._stopped_early = None, None, None, None
+        self.last_saved_step = None
+        self.data_settings = None
+        self.meta = None
+        self._stopped_early = None
 
     def start(self, model_tag, model=None, tokenizer=None, source=None, source_step=-1):
         """
@@ -286,12 +266,13 @@ class Stage:
             self._claim()
             model, tokenizer, self.optimizer_shards, self.meta = load_for_resume(
                 self.checkpoint_dir, self.resume_from_step, self.device, model, tokenizer)
-            self.parent, self.start_step = self.meta.get("parent"), self.resume_from_step
+            self.parent = self.meta.get("parent")
+            self.start_step = self.resume_from_step
         else:
             self.parent = None
             if source is not None:
-                model, tokenizer, source_meta = load_model(source, self.device, phase="train", model_tag=model_tag or None,
-                                                           step=source_step)
+                model, tokenizer, source_meta = load_model(source, self.device, phase="train",
+                                                           model_tag=model_tag or None, step=source_step)
                 model_tag = source_meta["model_tag"]  # the trained model keeps the tag of the model it started from
                 self.parent = dict(source=source, model_tag=model_tag, step=source_meta["step"],
                                    device_batch_size=source_meta.get("user_config", {}).get("device_batch_size"))
@@ -300,12 +281,17 @@ class Stage:
             self._claim()
             self.start_step = 0
         model.train()
-        decision = [dense_attention_pays(model.config, torch.device(self.device).type) if self.rank == 0 else None]
+        decision = [None]
+        if self.rank == 0:  # which attention the training steps take: SDPA, or the dense kernel where measured faster
+            device_type = torch.device(self.device).type
+            decision = [dense_attention_pays(model.config, device_type, autocast_dtype(device_type), attention,
+                                             dense_attention)]
         if is_distributed():  # rank 0's for every rank, as the compute dtype: the same kernels, the same numbers
             dist.broadcast_object_list(decision, src=0)
         model.dense_attention, why = decision[0]
         print0(why)
-        self.model, self.tokenizer = model, tokenizer
+        self.model = model
+        self.tokenizer = tokenizer
         self.metrics_path, self._log_metrics = open_metrics(self.checkpoint_dir, self.start_step,
                                                             enabled=self.rank == 0 and not self.dry_run)
         return model, tokenizer
@@ -330,9 +316,10 @@ class Stage:
         self.data_settings = data_settings
         if self.resumed:
             check_data_settings(self.meta["data_settings"], data_settings, self.where())
-            if self.meta["world_size"] != (dist.get_world_size() if is_distributed() else 1):
-                print0(f"Resuming a run of {self.meta['world_size']} process(es) on {dist.get_world_size() if is_distributed() else 1}: "
-                       f"allowed, every step reads the same data (its settings do not depend on the world size); "
+            world_size = dist.get_world_size() if is_distributed() else 1
+            if self.meta["world_size"] != world_size:
+                print0(f"Resuming a run of {self.meta['world_size']} process(es) on {world_size}: allowed, "
+                       f"every step reads the same data (its settings do not depend on the world size); "
                        f"optimizer state re-sharded")
             load_optimizer_shards(optimizers, self.model, self.optimizer_shards, self.where())
             del self.optimizer_shards
@@ -358,14 +345,18 @@ class Stage:
         data_state = gather_from_ranks(data_state) if data_state is not None else None
         if self.rank == 0:
             carry_tokenizer(self.tokenizer, self.checkpoint_dir)  # an imported model's tokenizer goes where it goes
-        save_checkpoint(self.checkpoint_dir, step, self.model.state_dict(), optimizer_shard(optimizers, self.model), dict(
-            model_config=self.model.config.to_dict(), user_config=self.config, parent=self.parent,
-            tokenizer=dict(fingerprint=self.tokenizer.fingerprint(), vocab_size=self.tokenizer.get_vocab_size()),
-            data_settings=self.data_settings, data_state=data_state, loop_state=vars(loop), **meta), rank=self.rank)
+        tokenizer = dict(fingerprint=self.tokenizer.fingerprint(), vocab_size=self.tokenizer.get_vocab_size())
+        checkpoint_meta = dict(model_config=self.model.config.to_dict(), user_config=self.config, parent=self.parent,
+                               tokenizer=tokenizer, data_settings=self.data_settings, data_state=data_state,
+                               loop_state=vars(loop), **meta)
+        save_checkpoint(self.checkpoint_dir, step, self.model.state_dict(), optimizer_shard(optimizers, self.model),
+                        checkpoint_meta, rank=self.rank)
         self.last_saved_step = step
 
     def _last_saved(self):
-        step = self.last_saved_step if self.last_saved_step is not None else (self.start_step if self.resumed else None)
+        step = self.last_saved_step
+        if step is None and self.resumed:
+            step = self.start_step
         return f"the last checkpoint is step {step}" if step is not None else "no checkpoint was saved"
 
     def log(self, step, **metrics):
@@ -383,9 +374,9 @@ class Stage:
             if value is not None and not math.isfinite(value):
                 lr_keys = [f"--{k}" for k in self.config if k.endswith("_lr") or k == "init_lr_frac"]
                 raise UserError(f"step {step}: {name.replace('_', ' ')} {value} is not finite, training diverged "
-                                f"({self._last_saved()}; nothing newer is saved). The likely knob is the learning rate: "
-                                f"lower {', '.join(lr_keys)} (or raise --warmup_ratio), then resume from the last "
-                                f"checkpoint or start again")
+                                f"({self._last_saved()}; nothing newer is saved). The likely knob is the learning "
+                                f"rate: lower {', '.join(lr_keys)} (or raise --warmup_ratio), then resume from the "
+                                f"last checkpoint or start again")
 
     @contextlib.contextmanager
     def phase(self, what):

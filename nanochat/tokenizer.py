@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 # How text is cut into pieces before BPE (merges never cross a piece boundary), for training (rustbpe) and encoding
 # (tiktoken) alike: GPT-4's pattern with numbers in runs of at most 2 digits, and combining marks (\p{M}: Hindi's
 # vowel signs, Thai's tone marks) counted as letters, as GPT-4o's pattern does (docs/tokenizer.md explains it)
-SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{M}\p{N}]?+[\p{L}\p{M}]+|\p{N}{1,2}| ?[^\s\p{L}\p{M}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{M}\p{N}]?+[\p{L}\p{M}]+|\p{N}{1,2}"""
+                 r"""| ?[^\s\p{L}\p{M}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
 
 # Appended after the BPE tokens, in this order: <|bos|> gets id n_bpe, <|user_start|> n_bpe + 1, ...
 SPECIAL_TOKENS = [
@@ -90,7 +91,8 @@ class Tokenizer:
         mergeable_ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
         if len(mergeable_ranks) < bpe_vocab_size:
             logger.warning(f"the training text only allowed {len(mergeable_ranks) - 256} merges of the "
-                           f"{bpe_vocab_size - 256} asked for: vocab size is {len(mergeable_ranks) + len(SPECIAL_TOKENS)}, "
+                           f"{bpe_vocab_size - 256} asked for: "
+                           f"vocab size is {len(mergeable_ranks) + len(SPECIAL_TOKENS)}, "
                            f"not {vocab_size} (train on more text)")
         return cls(mergeable_ranks)
 
@@ -101,7 +103,8 @@ class Tokenizer:
         """
         os.makedirs(path, exist_ok=True)
         by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
-        ranks_text = "".join(f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in by_rank).encode("ascii")
+        ranks_text = "".join(f"{base64.b64encode(token).decode('ascii')} {rank}\n"
+                             for token, rank in by_rank).encode("ascii")
         with atomic_write(os.path.join(path, RANKS_FILE)) as f:
             f.write(ranks_text)
         with atomic_write(os.path.join(path, TOKEN_BYTES_FILE)) as f:
@@ -119,13 +122,16 @@ class Tokenizer:
     @classmethod
     def from_directory(cls, path):
         """Load a tokenizer written by save(). Missing, garbage or inconsistent files raise UserError."""
-        meta_path, ranks_path = os.path.join(path, META_FILE), os.path.join(path, RANKS_FILE)
+        meta_path = os.path.join(path, META_FILE)
+        ranks_path = os.path.join(path, RANKS_FILE)
         if not os.path.exists(meta_path) or not os.path.exists(ranks_path):
             raise UserError(f"no tokenizer in {path}: {TRAIN_HINT}")
         try:
             with open(meta_path, encoding="utf-8") as f:
                 meta = json.load(f)
-            ranks_sha256, pattern, special_tokens = meta["ranks_sha256"], meta["pattern"], meta["special_tokens"]
+            ranks_sha256 = meta["ranks_sha256"]
+            pattern = meta["pattern"]
+            special_tokens = meta["special_tokens"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"{meta_path} is not a tokenizer file written by tok_train ({type(e).__name__}: {e}); "
                             f"{TRAIN_HINT} to write a new one") from None
@@ -240,7 +246,8 @@ class Tokenizer:
             if message["role"] == "system" and i != 0:
                 raise ValueError(f"message {i} is a system message: only the first message may be one")
         if messages[0]["role"] == "system":
-            system, user = messages[0]["content"], messages[1]["content"] if len(messages) > 1 else None
+            system = messages[0]["content"]
+            user = messages[1]["content"] if len(messages) > 1 else None
             if len(messages) < 2 or messages[1]["role"] != "user":
                 raise ValueError("the system message must be followed by a user message")
             if not isinstance(system, str) or not isinstance(user, str):
@@ -345,7 +352,12 @@ class Tokenizer:
             raise ValueError(f"ids and mask differ in length ({len(ids)} vs {len(mask)})")
         texts = [self.id_to_token(i).replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") for i in ids]
         if color:
-            green, red, cyan, yellow, dim, reset = "\033[32m", "\033[31m", "\033[36m", "\033[33m", "\033[2m", "\033[0m"
+            green = "\033[32m"
+            red = "\033[31m"
+            cyan = "\033[36m"
+            yellow = "\033[33m"
+            dim = "\033[2m"
+            reset = "\033[0m"
             if mask is None:
                 colored = [f"{(cyan, yellow)[k % 2]}{t}{reset}" for k, t in enumerate(texts)]
             else:
@@ -386,7 +398,10 @@ def get_tokenizer():
 
 
 def checkpoint_tokenizer(checkpoint_dir):
-    """The tokenizer of the models in `checkpoint_dir`: <checkpoint_dir>/tokenizer/ if it exists, else the base dir's."""
+    """
+    The tokenizer of the models in `checkpoint_dir`: <checkpoint_dir>/tokenizer/ if it exists, else the base
+    dir's.
+    """
     own = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
     return Tokenizer.from_directory(own) if os.path.isdir(own) else get_tokenizer()
 
@@ -434,5 +449,6 @@ def get_token_bytes(device="cpu", directory=None):
             raise ValueError(f"expected a 1-D tensor, found {type(token_bytes).__name__}")
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"{path} is unreadable ({type(e).__name__}: {reason}); {TRAIN_HINT} to write it again") from None
+        raise UserError(f"{path} is unreadable ({type(e).__name__}: {reason}); "
+                        f"{TRAIN_HINT} to write it again") from None
     return token_bytes.to(device)

@@ -5,8 +5,6 @@ Evaluate a base model checkpoint: bits per byte on the train and val splits, plu
     torchrun --standalone --nproc_per_node=8 -m scripts.base_loss
 """
 
-
-
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
 from nanochat.configurator import check_config, configure
@@ -23,7 +21,8 @@ step = -1  # which step (-1 = the last complete checkpoint)
 device_batch_size = 32  # rows per forward per rank
 split_tokens = 20 * 524288  # tokens evaluated per split, all ranks together
 config = configure(globals())
-check_config(config, positive=["device_batch_size", "split_tokens"], choices={"device_type": ("", "cuda", "cpu", "mps")})
+check_config(config, positive=["device_batch_size", "split_tokens"],
+             choices={"device_type": ("", "cuda", "cpu", "mps")})
 
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)
@@ -35,7 +34,8 @@ sequence_len = model.config.sequence_len
 token_bytes = get_token_bytes(device=device, directory=tokenizer.directory)  # the model's own tokenizer's
 tokens_per_step = device_batch_size * sequence_len * ddp_world_size
 steps = max(1, split_tokens // tokens_per_step)
-print0(f"Evaluating {steps} batches of {device_batch_size} x {sequence_len} tokens per rank x {ddp_world_size} rank(s) per split "
+print0(f"Evaluating {steps} batches of {device_batch_size} x {sequence_len} tokens per rank "
+       f"x {ddp_world_size} rank(s) per split "
        f"(fewer where a split is smaller: each is counted at most once)")
 
 bpb_results = {}
@@ -47,11 +47,13 @@ for split in ("train", "val"):
 
 samples = []
 if ddp_rank == 0:
-    prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
-               "The opposite of hot is", "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
+    prompts = ["The capital of France is", "The chemical symbol of gold is",
+               "If yesterday was Friday, then tomorrow will be", "The opposite of hot is",
+               "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
     for prompt in prompts:
         with autocast_ctx:
-            ids = list(generate_naive(model, tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
+            ids = list(generate_naive(model, tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()),
+                                      max_tokens=16, temperature=0))
         samples.append(prompt + tokenizer.decode(ids))
         print0(f"  {samples[-1]!r}")
 

@@ -1,11 +1,12 @@
-"""
+r"""
 Pretrain the base model: next-token prediction on the pretraining corpus.
 
     # one GPU, a CPU, or a Mac: a few minutes, shows the whole flow. It needs a corpus and a tokenizer: the offline
     # pydocs corpus and a small tokenizer (without NANOCHAT_DATASET=pydocs: FineWeb-Edu shards and the DCLM CORE bundle)
     NANOCHAT_DATASET=pydocs python -m nanochat.dataset
     NANOCHAT_DATASET=pydocs python -m scripts.tok_train --vocab_size=4096
-    NANOCHAT_DATASET=pydocs python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 --total_batch_size=512 --num_iterations=20
+    NANOCHAT_DATASET=pydocs python -m scripts.base_train --depth=4 --max_seq_len=512 --device_batch_size=1 \
+        --total_batch_size=512 --num_iterations=20
     # one 8-GPU node (one process per GPU)
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train --depth=20
 
@@ -30,12 +31,12 @@ from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundl
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
 from nanochat.dataset import dataset_name
 from nanochat.engine import generate_naive
-from nanochat.gpt import GPT, config_from_depth
 from nanochat.fp8 import fp8_supported
+from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import evaluate_bpb, smoothed_loss
-from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth, lr_multiplier,
-                            muon_momentum, step_optimizers)
+from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth,
+                            lr_multiplier, muon_momentum, step_optimizers)
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
@@ -44,19 +45,21 @@ from nanochat.tokenizer import get_token_bytes, get_tokenizer
 # defaults, as measured: bench/RESULTS.md, "Moved from base_train's config block" and the sections it names.
 run = "dummy"  # wandb run name ("dummy" = no wandb)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
-# model (gpt.GPTConfig). With qk_scale != 1, layer_scalars, value_embeds or windows it exports with remote code only (README)
-depth = 20  # the one size dial: width 64*depth, heads 128 wide; an odd depth gets others (7 -> 4 of 112: gpt.config_from_depth)
+# model (gpt.GPTConfig). With qk_scale != 1, layer_scalars, value_embeds or windows it exports with remote code only
+# (README)
+depth = 20  # the one size dial: width 64*depth, heads 128 wide; odd depths: others (7 -> 4 of 112: config_from_depth)
 max_seq_len = 2048  # tokens per row (context length)
 rope_base = 10000.0  # rotary base (HEAD: 100000; no gain measured at 512 tokens of context)
 qk_scale = 1.2  # scale of q and k after their RMSNorm (1 = the 2025 model)
-layer_scalars = False  # learned per-layer multipliers of the residual stream and of the embedding added back in (measured worse here)
+layer_scalars = False  # learned per-layer scales of the residual stream and the re-added embedding (measured worse)
 value_embeds = True  # every other layer's values get a gated token embedding (adds vocab x width per such layer)
-window_pattern = "L"  # attention windows per layer, tiled, the last L: L the whole context, S its last quarter (HEAD: SSSL; not measured here yet)
+# window_pattern: karpathy/nanochat HEAD's SSSL is not measured here yet
+window_pattern = "L"  # attention windows per layer, tiled, last L: L the whole context, S its last quarter (HEAD: SSSL)
 init_recipe = "2026"  # initial weights: 2025 (lm_head zero) | 2026 (karpathy/nanochat HEAD's scales): GPT.init_weights
 # training horizon: the first of these that is > 0 decides the number of optimizer steps
 num_iterations = -1  # explicit number of steps
 target_flops = -1.0  # total training FLOPs to spend (steps = target_flops / (6N+attn) / total_batch_size)
-target_param_data_ratio = 20.0  # Chinchilla-style tokens:params ratio (20 = compute-optimal), used if neither above is set
+target_param_data_ratio = 20.0  # Chinchilla-style tokens:params ratio (20 = compute-optimal), if neither above is set
 # batch
 device_batch_size = 32  # rows per forward/backward per rank (lower it if you run out of memory)
 total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-steps together
@@ -65,8 +68,10 @@ embedding_lr = 0.2  # AdamW lr of the token embedding (the value embeddings get 
 unembedding_lr = 0.004  # AdamW lr of lm_head
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 scalar_lr = 0.5  # AdamW lr of the layer scalars (x0; resid gets 1/100 of it), with --layer_scalars
-weight_decay = -1.0  # AdamW weight decay of the embeddings and lm_head; -1 = by depth: 0.20 up to d8, 0 from d12, linear between
-matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices; -1 = by depth: 0.80 to d6, 0.40 at d8, 0.22 at d12, 0.08 from d20, linear between
+# weight decay -1 = by depth, linear between the depths named: the embeddings' and lm_head's 0.20 up to d8, 0 from
+# d12; the block matrices' 0.80 to d6, 0.40 at d8, 0.22 at d12, 0.08 from d20 (nanochat/optim.py)
+weight_decay = -1.0  # AdamW weight decay of the embeddings and lm_head; -1 = by depth: 0.20 up to d8, 0 from d12
+matrix_weight_decay = -1.0  # Muon's cautious weight decay of the block matrices; -1 = by depth: 0.80 (d6) to 0.08 (d20)
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 warmup_ratio = 0.0  # fraction of steps of linear lr warmup
 warmdown_ratio = 0.65  # fraction of steps of linear lr decay at the end
@@ -78,21 +83,22 @@ eval_every = 250  # steps between val bits-per-byte evaluations
 eval_tokens = -1  # val tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
 core_metric_every = 2000  # steps between CORE evaluations, and one at the end (<= 0: never)
 core_metric_max_per_task = 500  # examples per CORE task (-1 = all)
-core_bundle = ""  # the CORE tasks: dclm (DCLM's 22, downloaded) | offline (built from pydocs); empty = offline for pydocs, else dclm
+core_bundle = ""  # CORE tasks: dclm (DCLM's 22, downloaded) | offline (pydocs); empty: offline for pydocs, else dclm
 sample_every = 2000  # steps between printed samples
 save_every = -1  # steps between checkpoints
 resume_from_step = -1  # resume from this step's checkpoint of model_tag (-1 = start fresh)
 model_tag = ""  # checkpoint directory name under base_checkpoints/ (default d<depth>)
 overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
-fp8 = False  # training steps multiply the blocks' matrices in float8 (nanochat/hardware.py); not yet measured on a GPU, so off
+fp8 = False  # the blocks' matmuls in float8 while training (nanochat/fp8.py); not yet measured on a GPU, so off
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 init_seed = 42  # seeds the initial weights (the same on every rank)
 bos_aligned = True  # start every row at a document start: best-fit packing, no token dropped
 dry_run = False  # run everything but write no checkpoint and no report
 config = configure(globals())
 # What each value means, checked before any work (a bad value must not train for hours)
-check_config(config, positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
+check_config(config,
+             positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
              positive_or_unset=["num_iterations", "target_flops", "eval_tokens", "core_metric_max_per_task"],
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac", "muon_momentum_peak", "muon_momentum_final"],
@@ -102,17 +108,20 @@ for key, value in (("weight_decay", weight_decay), ("matrix_weight_decay", matri
     if not (value >= 0 or value == -1):
         raise UserError(f"--{key} must be >= 0, or -1 for 'by depth', got {value!r}")
 weight_decay = decay_by_depth(EMBEDDING_WEIGHT_DECAY_BY_DEPTH, depth) if weight_decay == -1 else weight_decay
-matrix_weight_decay = decay_by_depth(MATRIX_WEIGHT_DECAY_BY_DEPTH, depth) if matrix_weight_decay == -1 else matrix_weight_decay
+matrix_weight_decay = (decay_by_depth(MATRIX_WEIGHT_DECAY_BY_DEPTH, depth) if matrix_weight_decay == -1
+                       else matrix_weight_decay)
 if not (rope_base > 1 and qk_scale > 0):
     raise UserError(f"--rope_base must be > 1 and --qk_scale > 0, got {rope_base!r} and {qk_scale!r}")
 if not window_pattern or set(window_pattern) - set("SL"):
-    raise UserError(f"--window_pattern is a string of S (short window) and L (whole context), e.g. SSSL; got {window_pattern!r}")
+    raise UserError(f"--window_pattern is a string of S (short window) and L (whole context), e.g. SSSL; "
+                    f"got {window_pattern!r}")
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 model_tag = check_model_tag(model_tag or f"d{depth}")
 
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)  # banner, compute_init: nanochat/stage.py
+# start_compute prints the banner and runs compute_init (nanochat/stage.py)
+device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
 stage = Stage("base", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
@@ -132,11 +141,13 @@ print0(f"Model: depth {depth} -> n_embd {model_config.n_embd}, {model_config.n_h
 with torch.device("meta"):  # build without allocating, then materialise on the device and initialise once
     model = GPT(model_config)
 model.to_empty(device=device)
-model.init_weights(seed=init_seed, recipe=init_recipe)  # identical on every rank and in every run: drawn from a generator of its own, seeded
+# identical on every rank and in every run: drawn from a generator of its own, seeded
+model.init_weights(seed=init_seed, recipe=init_recipe)
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
 if fp8:  # on any device (a CPU emulates it: that tests the arithmetic); where it is native, fp8_supported says
     model.fp8 = True
-    print0(f"fp8: the blocks' matmuls in float8 while training, evaluation in {compute_dtype}; this device: {fp8_supported(device_type)[1]}")
+    print0(f"fp8: the blocks' matmuls in float8 while training, evaluation in {compute_dtype}; "
+           f"this device: {fp8_supported(device_type)[1]}")
 model, use_compile = compile_model(orig_model, compile, device_type)
 num_params = orig_model.num_params()
 # the tokens:params ratio counts the parameters that compute: value-embedding tables are lookups (at depth 20 they would
@@ -158,7 +169,8 @@ else:
     num_iterations = int(target_param_data_ratio * scaling_params) // total_batch_size
     horizon = f"target_param_data_ratio={target_param_data_ratio}"
 if num_iterations < 1:
-    raise UserError(f"{horizon} gives {num_iterations} steps at total_batch_size={total_batch_size:,}: set --num_iterations or a larger target")
+    raise UserError(f"{horizon} gives {num_iterations} steps at total_batch_size={total_batch_size:,}: "
+                    f"set --num_iterations or a larger target")
 total_tokens = total_batch_size * num_iterations
 print0(f"Training horizon from {horizon}: {num_iterations:,} steps")
 print0(f"Training tokens: {total_tokens:,} | tokens:params ratio {total_tokens / scaling_params:.2f} | "
@@ -186,13 +198,15 @@ optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embeddin
 data_settings = dict(corpus=dataset_name(), device_batch_size=device_batch_size, max_seq_len=max_seq_len,
                      total_batch_size=total_batch_size, data_seed=data_seed, bos_aligned=bos_aligned)
 train_loader = tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "train", device, tokenizer=tokenizer,
-                                                  total_batch_size=total_batch_size, seed=data_seed, bos_aligned=bos_aligned)
+                                                  total_batch_size=total_batch_size, seed=data_seed,
+                                                  bos_aligned=bos_aligned)
 # The loop's variables, restored with the optimizer state and the loader's position when resumed (nanochat/stage.py)
 loop = stage.resume(optimizers, train_loader, data_settings,
                     smooth_train_loss=0.0,  # EMA of the global train loss
                     total_training_time=0.0,  # seconds, excluding the first (compile) steps
                     min_val_bpb=float("inf"))
-build_val_loader = lambda: tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "val", device, tokenizer=tokenizer)
+build_val_loader = lambda: tokenizing_distributed_data_loader(device_batch_size, max_seq_len, "val", device,
+                                                              tokenizer=tokenizer)
 eval_tokens = eval_tokens if eval_tokens > 0 else 20 * total_batch_size
 eval_steps = max(1, eval_tokens // world_tokens_per_fwdbwd)
 x, y = next(train_loader)  # the first micro-batch; from now on the next one is fetched right after each backward
@@ -205,11 +219,16 @@ print0(f"Peak FLOP/s for MFU: {peak_flops:.3e} per device ({peak_source})")
 print0("Step lines: loss (EMA) = smoothed over ~10 steps | lrm = the lr schedule's multiplier (warmup, 1, warmdown) | "
        "grad norm before clipping to grad_clip | mfu = model FLOP/s / peak FLOP/s (docs/training_loop.md)")
 start_step = stage.start_step
-val_bpb, core_metric, debiased_loss = None, {}, None  # debiased_loss: the logged train loss (EMA) of the last step
-mfus, first_step_time = [], None
-sample_prompts = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow will be",
-                  "The opposite of hot is", "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
-step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
+val_bpb = None
+core_metric = {}
+debiased_loss = None  # the logged train loss (EMA) of the last step
+mfus = []
+first_step_time = None
+sample_prompts = ["The capital of France is", "The chemical symbol of gold is",
+                  "If yesterday was Friday, then tomorrow will be", "The opposite of hot is",
+                  "The planets of the solar system are:", "My favorite color is", "If 5*x + 3 = 13, then x is"]
+step = start_step
+stop_now = False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 while True:
     last_step = step == num_iterations or stop_now
     flops_so_far = flops_per_token * total_batch_size * step
@@ -217,7 +236,8 @@ while True:
     # The final checkpoint comes first, so a crash in the final evaluations loses nothing. Every rank saves its
     # optimizer shard and its data position; rank 0 the weights (nanochat/stage.py)
     if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
-        stage.save(step, optimizers, loop, data_state=train_loader.state_dict(), val_bpb=val_bpb, num_iterations=num_iterations)
+        stage.save(step, optimizers, loop, data_state=train_loader.state_dict(), val_bpb=val_bpb,
+                   num_iterations=num_iterations)
 
     # The evaluations and samples. A stop request cuts them short (Interrupted, raised on every rank together; the
     # samples are rank 0's alone): what they measured so far is not reported, and the stage stops.
@@ -229,15 +249,16 @@ while True:
                 val_bpb = evaluate_bpb(model, build_val_loader(), eval_steps, token_bytes, stop=stage.stop)
             loop.min_val_bpb = min(loop.min_val_bpb, val_bpb)
             print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}")
-            stage.log(step, val_bpb=val_bpb, total_training_flops=flops_so_far, total_training_time=loop.total_training_time)
+            stage.log(step, val_bpb=val_bpb, total_training_flops=flops_so_far,
+                      total_training_time=loop.total_training_time)
 
         # CORE: accuracy on in-context-learning tasks (nanochat/core_eval.py), on the uncompiled model (other shapes).
         # Not at step 0: an untrained model scores chance (CORE ~0), and on a CPU the evaluation outlasts a short run.
         if core_metric_every > 0 and (last_step or (step > 0 and step % core_metric_every == 0)):
             orig_model.eval()
             with autocast_ctx:
-                core = evaluate_core(orig_model, tokenizer, device, core_bundle_dir, max_per_task=core_metric_max_per_task,
-                                     stop=stage.stop)
+                core = evaluate_core(orig_model, tokenizer, device, core_bundle_dir,
+                                     max_per_task=core_metric_max_per_task, stop=stage.stop)
             core_metric = {f"{core['name']} metric": core["score"]}
             print0(f"Step {step:05d} | {core['name']} metric: {core['score']:.4f}")
             stage.log(step, core_metric=core["score"], total_training_flops=flops_so_far)
@@ -249,7 +270,9 @@ while True:
                 if stage.stop():
                     raise Interrupted
                 with autocast_ctx:
-                    ids = list(generate_naive(orig_model, tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()), max_tokens=16, temperature=0))
+                    ids = list(generate_naive(orig_model,
+                                              tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id()),
+                                              max_tokens=16, temperature=0))
                 print0(f"  sample: {prompt!r} -> {tokenizer.decode(ids)!r}")
     model.train()  # and orig_model: model is it, or (compiled) holds it
 
@@ -294,13 +317,20 @@ while True:
     if first_step_time is None:  # start-up (imports included), data, compile and the first step
         first_step_time = time.time() - psutil.Process().create_time()
     # The step line; what each field means: docs/training_loop.md, "The step line"
-    print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) | loss (EMA): {debiased_loss:.6f} "
-           f"| step loss (mean of {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
-           f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} "
+    print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) "
+           f"| loss (EMA): {debiased_loss:.6f} "
+           f"| step loss (mean of {ddp_world_size} rank(s)): {train_loss:.6f} "
+           f"| lrm: {lrm:.2f} "
+           f"| muon momentum: {momentum:.3f} "
+           f"| grad norm (before clip): {format_value(grad_norm)} "
+           f"| dt: {dt * 1000:.2f}ms "
+           f"| tok/sec: {tok_per_sec:,.0f} "
+           f"| mfu %: {mfu:.1f} "
            f"| total time: {loop.total_training_time / 60:.2f}m")
     stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, lrm=lrm, muon_momentum=momentum,
               grad_norm=grad_norm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu,
-              total_training_flops=flops_per_token * total_batch_size * step, total_training_time=loop.total_training_time)
+              total_training_flops=flops_per_token * total_batch_size * step,
+              total_training_time=loop.total_training_time)
 
 # -----------------------------------------------------------------------------
 # 8. Summary, report, and the end of the stage
@@ -319,7 +349,8 @@ stage.report("Base model training", step, [
      "Training horizon": horizon, "Calculated number of iterations": num_iterations,
      "Number of training tokens": f"{total_tokens:,}", "Tokens : Params ratio": f"{total_tokens / scaling_params:.2f}",
      "Tokens / micro-batch / rank": tokens_per_fwdbwd, "Tokens / micro-batch": world_tokens_per_fwdbwd,
-     "Gradient accumulation steps": grad_accum_steps, "DDP": ddp, "Device": str(device), "Compute dtype": str(compute_dtype), "torch.compile": use_compile,
+     "Gradient accumulation steps": grad_accum_steps, "DDP": ddp, "Device": str(device),
+     "Compute dtype": str(compute_dtype), "torch.compile": use_compile,
      "Total training FLOPs": f"{flops_per_token * total_tokens:e}"},
     {"Minimum validation bpb": loop.min_val_bpb,
      "Final validation bpb": "n/a (its evaluation was stopped)" if stopped_early else val_bpb,
@@ -329,7 +360,9 @@ stage.report("Base model training", step, [
      "Peak FLOP/s used for MFU": f"{peak_flops:.3e} ({peak_source})",
      "Total training time (min)": loop.total_training_time / 60, "Time to first step (s)": first_step_time,
      "BOS-aligned rows, tokens without their document's start / dropped":
-         f"{100 * train_loader.leftover_fraction():.2f}% / {100 * train_loader.dropped_fraction():.2f}%" if bos_aligned else "n/a (packed stream)",
+         (f"{100 * train_loader.leftover_fraction():.2f}% / {100 * train_loader.dropped_fraction():.2f}%"
+          if bos_aligned else "n/a (packed stream)"),
      "Peak memory": peak_memory},
 ])
-sys.exit(stage.finish(step, "python -m scripts.base_loss (bpb on train/val and samples), then python -m scripts.mid_train"))
+sys.exit(stage.finish(step, "python -m scripts.base_loss (bpb on train/val and samples), "
+                            "then python -m scripts.mid_train"))

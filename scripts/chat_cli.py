@@ -1,6 +1,8 @@
 """
-Chat with a trained model in the terminal. The reply is printed as it is generated, and the conversation is
-kept from turn to turn (the model sees all of it) until you start over.
+Chat with a trained model in the terminal.
+
+The reply is printed as it is generated, and the conversation is kept from turn to turn (the model sees all of
+it) until you start over.
 
     python -m scripts.chat_cli                              # the SFT model (the one finetuned to chat)
     python -m scripts.chat_cli --source=mid                 # the midtrained model (or rl, or base)
@@ -97,7 +99,9 @@ def stream_reply(prompt_ids, budget):
     could land inside a print or the streamer's half-decoded bytes.
     """
     streamer = TextStreamer(tokenizer)
-    pieces, n_tokens, pressed = [], 0, []
+    pieces = []
+    n_tokens = 0
+    pressed = []  # Ctrl-C presses, recorded by on_ctrl_c
     reply_seed = seed if seed >= 0 else random.randrange(2**31)
     generation = engine.generate(prompt_ids, max_tokens=budget, temperature=temperature, top_k=top_k, seed=reply_seed)
     _, autocast = autocast_context(device_type)  # the compute dtype: decided by what the device does
@@ -133,7 +137,8 @@ def stream_reply(prompt_ids, budget):
 if prompt:
     _, prompt_ids, budget, _ = fit_to_context([{"role": "user", "content": prompt}])
     if budget < 1:
-        raise UserError(f"the prompt is {len(prompt_ids):,} tokens and the model's context holds {engine.context_len:,}: shorten it")
+        raise UserError(f"the prompt is {len(prompt_ids):,} tokens "
+                        f"and the model's context holds {engine.context_len:,}: shorten it")
     stream_reply(prompt_ids, budget)
     sys.exit(0)
 
@@ -145,7 +150,8 @@ try:
 except ImportError:
     pass
 
-print(f"nanochat: the {source} model {meta['model_tag']} (step {meta['step']}) on {device}, context {engine.context_len:,} tokens.")
+print(f"nanochat: the {source} model {meta['model_tag']} (step {meta['step']}) on {device}, "
+      f"context {engine.context_len:,} tokens.")
 print("Type a message. `clear` starts a new conversation, `quit` or Ctrl-D exits, Ctrl-C stops a reply.")
 conversation = []
 while True:
@@ -167,8 +173,8 @@ while True:
         continue
     kept, prompt_ids, budget, dropped = fit_to_context(conversation + [{"role": "user", "content": text}])
     if budget < 1:
-        print(f"(your message is too long: with it the conversation is {len(prompt_ids):,} tokens and the model's context "
-              f"holds {engine.context_len:,}; shorten it)")
+        print(f"(your message is too long: with it the conversation is {len(prompt_ids):,} tokens "
+              f"and the model's context holds {engine.context_len:,}; shorten it)")
         continue
     if dropped:
         print(f"(the conversation no longer fits in the model's context of {engine.context_len:,} tokens: dropped the "

@@ -35,10 +35,11 @@ all of them); sampled ones one problem at a time, so that problem i's samples de
 
 Under torchrun, rank r evaluates the batches r, r + W, r + 2W, ... of `batch_size` consecutive problems (W
 processes) and the counts are summed over the ranks: the same batches as one process, so the same scores. The
-report section "Chat evaluation <source>" holds the last run's results: evaluate everything you want reported in
-one run.
+report section "Chat evaluation <source>" holds the last run's results, and the labels of the report card's task rows
+(card_labels): evaluate everything you want reported in one run.
 """
 
+import json
 import sys
 import time
 
@@ -46,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import UserError, duration, print0
-from tasks.registry import build_tasks, chatcore_baselines, find, placed
-from tasks.scoring import Progress, score_categorical, score_generative
+from nanochat.scoring import Progress, score_categorical, score_generative
+from tasks.registry import build_tasks, build_use, chatcore_baselines, find, report_card_labels, uses
 
 # -----------------------------------------------------------------------------
 # Config (override as --key=value; -i and -a are short for --source and --task_name; --help lists them)
@@ -70,7 +71,8 @@ SHORT_FLAGS = {"-i": "source", "-a": "task_name"}
 
 def expand_short_flags(argv):
     """`-i mid` -> `--source=mid`, `-a GSM8K` -> `--task_name=GSM8K`: the configurator takes only --key=value."""
-    out, i = [], 0
+    out = []
+    i = 0
     while i < len(argv):
         if argv[i] in SHORT_FLAGS:
             if i + 1 == len(argv) or argv[i + 1].startswith("-"):
@@ -94,7 +96,8 @@ def load_tasks(task_name):
     """
     if task_name == "offline":
         return dict(build_tasks("offline/test"))
-    chatcore, offline = chatcore_baselines(), [task.name for task in placed("offline/test")]
+    chatcore = chatcore_baselines()
+    offline = {entry.task: entry for entry in uses("offline/test")}
     names = list(chatcore) if task_name == "all" else [n.strip() for n in task_name.split(",") if n.strip()]
     unknown = [name for name in names if name not in chatcore and name not in offline]
     if unknown or not names:
@@ -102,7 +105,7 @@ def load_tasks(task_name):
                         f"{', '.join(chatcore)} or {', '.join(n for n in offline if n not in chatcore)}, "
                         f"several separated by commas, all or offline")
     # every name is checked before anything is downloaded
-    return {name: find(name).build(split="test") if name in chatcore else find(name).build_at("offline/test")
+    return {name: find(name).build(split="test") if name in chatcore else build_use(offline[name])
             for name in names}
 
 
@@ -133,6 +136,15 @@ def scores(results, offline):
     if set(chatcore) <= set(results):
         return {"ChatCORE": mean_centered(accuracies, chatcore)}
     return {}
+
+
+def card_labels():
+    """
+    The report section's entry that names the report card's task rows: {task: label} of the registry, in its order,
+    as JSON (nanochat.report.report_card reads it: the library does not import the registry).
+    """
+    from nanochat.report import CARD_LABELS
+    return {CARD_LABELS: json.dumps(dict(report_card_labels()))}
 
 
 # -----------------------------------------------------------------------------
@@ -186,7 +198,9 @@ def main(argv=None):
                                sum(detail is None for _, detail in outcomes)], dtype=torch.float64, device=device)
         if ddp:
             dist.all_reduce(counts)  # sums over the ranks: every problem was scored by exactly one rank
-        passed, total, too_long = int(counts[0]), int(counts[1]), int(counts[3])
+        passed = int(counts[0])
+        total = int(counts[1])
+        too_long = int(counts[3])
         chance = counts[2].item() / max(total, 1)
         accuracy = passed / max(total, 1)
         baseline = chance if offline else chatcore_baselines().get(name, chance)
@@ -197,8 +211,8 @@ def main(argv=None):
 
     table = ["| task | type | problems | passed | accuracy | baseline | centered |", "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        table.append(f"| {name} | {r['type']} | {r['total']} | {r['passed']} | {r['accuracy']:.4f} | {r['baseline']:.4f} "
-                     f"| {centered(r['accuracy'], r['baseline']):.4f} |")
+        table.append(f"| {name} | {r['type']} | {r['total']} | {r['passed']} | {r['accuracy']:.4f} "
+                     f"| {r['baseline']:.4f} | {centered(r['accuracy'], r['baseline']):.4f} |")
     final = scores(results, offline)
     print0("\n" + "\n".join(table))
     for score_name, value in final.items():
@@ -212,6 +226,7 @@ def main(argv=None):
          "world size": world_size},
         {name: r["accuracy"] for name, r in results.items()},
         final,
+        card_labels(),
         "", *table,
     ])
     compute_cleanup()

@@ -1,10 +1,12 @@
 """
-Reinforcement learning on problems whose answers a program checks: the finetuned model samples several answers
-per problem (with the calculator tool), each answer is rewarded 1 if it is right (GSM8K: its final "#### <number>"),
-and a policy-gradient step makes the better-than-average answers more likely. Fully on-policy: every step samples
-with the current weights, trains once on those samples, and throws them away.
+Reinforcement learning on problems whose answers a program checks.
 
-    python -m scripts.chat_rl --mixture=offline                 # anywhere: offline spelling, arithmetic, identity problems
+The finetuned model samples several answers per problem (with the calculator tool), each answer is rewarded 1 if it
+is right (GSM8K: its final "#### <number>"), and a policy-gradient step makes the better-than-average answers more
+likely. Fully on-policy: every step samples with the current weights, trains once on those samples, and throws them
+away.
+
+    python -m scripts.chat_rl --mixture=offline                  # anywhere: spelling, arithmetic, identity problems
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_rl  # GSM8K math word problems (downloaded once)
 
 Written like the other training scripts (what happens around the loop is nanochat/stage.py's); one step of
@@ -29,9 +31,9 @@ from nanochat.engine import Engine
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.scoring import Progress
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from tasks.registry import stage_mixture
-from tasks.scoring import Progress
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -48,37 +50,41 @@ max_new_tokens = 256  # longest sampled answer
 temperature = 1.0  # sampling temperature (> 0: the answers must differ to compare them)
 top_k = 50  # sample from the k most likely tokens (0 = the whole vocabulary)
 device_batch_size = 8  # sampled answers per forward/backward of the policy-gradient pass, per rank
-sample_batch_size = 256  # answers decoded together, per rank (whole problems: a multiple of num_samples, or one problem); bounds the KV cache
+# sample_batch_size takes whole problems: a multiple of num_samples, or one problem
+sample_batch_size = 256  # answers decoded together, per rank; bounds the KV cache
 unembedding_lr = 0.004  # AdamW lr of lm_head
 embedding_lr = 0.2  # AdamW lr of the token embedding
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 init_lr_frac = 0.05  # every lr is multiplied by this: finetuning starts low
 warmup_ratio = 0.0  # fraction of the run of linear lr warmup
-warmdown_ratio = 1.0  # fraction of the run of linear lr decay at the end (1 = from the first step down to final_lr_frac)
+warmdown_ratio = 1.0  # fraction of the run of linear lr decay at the end (1 = from the first step to final_lr_frac)
 final_lr_frac = 0.0  # lr multiplier at the very end of the warmdown
 weight_decay = 0.0  # AdamW weight decay
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 eval_every = 60  # steps between pass@k evaluations on the test problems (<= 0: only at the start and the end)
 eval_examples = 400  # test problems per evaluation
 save_every = 60  # steps between checkpoints (<= 0: only the final one)
-resume_from_step = -1  # resume from this step's checkpoint in chatrl_checkpoints/<model_tag> (-1 = start from the source)
+resume_from_step = -1  # resume from this step's checkpoint in chatrl_checkpoints/<model_tag> (-1 = from the source)
 overwrite = False  # a fresh run into a model_tag that holds RL checkpoints deletes them (default: refuse)
 seed = 0  # sampling seeds: step s, problem i use a seed derived from (seed, s, i)
-compile = "auto"  # torch.compile the policy-gradient pass (rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
+# compile: the policy-gradient pass sees rows of any length (dynamic shapes)
+compile = "auto"  # torch.compile the policy-gradient pass: auto (= on for CUDA, off for CPU/MPS) | true | false
 dry_run = False  # run everything but write no checkpoint and no report
 config = configure(globals())
-check_config(config, positive=["prompts_per_step", "num_samples", "max_new_tokens", "device_batch_size", "sample_batch_size",
-                               "init_lr_frac", "eval_examples", "temperature"],
-             positive_or_unset=["num_iterations"], non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay",
-                                                                "grad_clip", "top_k"],
+check_config(config,
+             positive=["prompts_per_step", "num_samples", "max_new_tokens", "device_batch_size", "sample_batch_size",
+                       "init_lr_frac", "eval_examples", "temperature"],
+             positive_or_unset=["num_iterations"],
+             non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip", "top_k"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
-             choices={"device_type": ("", "cuda", "cpu", "mps"), "mixture": ("real", "offline"), "source": ("sft", "mid"),
-                      "compile": ("auto", "true", "false")})
+             choices={"device_type": ("", "cuda", "cpu", "mps"), "mixture": ("real", "offline"),
+                      "source": ("sft", "mid"), "compile": ("auto", "true", "false")})
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
 # -----------------------------------------------------------------------------
 # 2. Compute (CPU, MPS or CUDA; under torchrun gloo or NCCL)
-device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)  # banner, compute_init: nanochat/stage.py
+# the banner and compute_init: nanochat/stage.py
+device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 master_process = ddp_rank == 0  # prints the pass@k progress
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
 stage = Stage("rl", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
@@ -98,7 +104,8 @@ if prompts_per_step % ddp_world_size != 0:
 prompts_per_rank = prompts_per_step // ddp_world_size
 problems_together = max(1, sample_batch_size // num_samples)  # problems whose answers are decoded together
 print0(f"Problems / step: {prompts_per_step} ({prompts_per_rank} per rank) x {num_samples} sampled answers = "
-       f"{prompts_per_step * num_samples} answers, decoded {min(problems_together, prompts_per_rank) * num_samples} at a time; "
+       f"{prompts_per_step * num_samples} answers, "
+       f"decoded {min(problems_together, prompts_per_rank) * num_samples} at a time; "
        f"policy-gradient micro-batches of {device_batch_size} answers")
 
 # -----------------------------------------------------------------------------
@@ -109,12 +116,14 @@ scale_initial_lrs(optimizers, init_lr_frac)
 
 # -----------------------------------------------------------------------------
 # 6. Data: the problems, and their reward (task.reward: 1.0 for the right final answer, else 0.0). Which problems:
-# tasks/registry.py ("rl/real/train": GSM8K; "rl/offline/train": spelling, arithmetic and identity, why these in
-# tasks/offline.py); the test problems are "rl/real/val", or the offline test split of those tasks.
-train_task, test_task = stage_mixture("rl", mixture, "train"), stage_mixture("rl", mixture, "val")
+# tasks/registry.py ("rl/real/train": GSM8K; "rl/offline/train": spelling, arithmetic and identity, and why these
+# beside it); the test problems are "rl/real/val", or the offline test split of those tasks.
+train_task = stage_mixture("rl", mixture, "train")
+test_task = stage_mixture("rl", mixture, "val")
 if num_iterations < 0:
     num_iterations = max(1, len(train_task) // prompts_per_step)
-print0(f"Mixture {mixture}: {len(train_task):,} training problems, {len(test_task):,} test problems; {num_iterations} steps")
+print0(f"Mixture {mixture}: {len(train_task):,} training problems, {len(test_task):,} test problems; "
+       f"{num_iterations} steps")
 end_token = tokenizer.encode_special("<|assistant_end|>")
 # The samples of a step depend on the seed, the step, and which problems a rank decodes together: a resumed run
 # checks these, gets back every rank's optimizer state and the loop's variables (no data position: see the loop)
@@ -140,8 +149,9 @@ def sample(prompts, sample_seed):
         room = min(max_new_tokens, engine.context_len - max(len(prompts[p]) for p in chunk))
         rows = [answers[p][s] for p in chunk for s in range(num_samples)]
         done = [False] * len(rows)
-        for column, column_masks in engine.generate_many([prompts[p] for p in chunk], num_samples=num_samples, max_tokens=room,
-                                                         temperature=temperature, top_k=top_k, seed=sample_seed + first):
+        decoding = engine.generate_many([prompts[p] for p in chunk], num_samples=num_samples, max_tokens=room,
+                                        temperature=temperature, top_k=top_k, seed=sample_seed + first)
+        for column, column_masks in decoding:
             if stage.stop():
                 raise Interrupted
             for i, (token, mask) in enumerate(zip(column, column_masks)):
@@ -158,8 +168,10 @@ def answer_text(tokens):
 
 @torch.no_grad()
 def evaluate_pass_at_k():
-    """pass@k for k = 1..num_samples on the first eval_examples test problems (shared among ranks): the fraction
-    of problems where at least one of the first k answers is right. A stop request: Interrupted, on every rank."""
+    """
+    pass@k for k = 1..num_samples on the first eval_examples test problems (shared among ranks): the fraction of
+    problems where at least one of the first k answers is right. A stop request: Interrupted, on every rank.
+    """
     orig_model.eval()
     passes = torch.zeros(num_samples, dtype=torch.float64, device=device)
     count = min(eval_examples, len(test_task))
@@ -173,7 +185,8 @@ def evaluate_pass_at_k():
                 chunk = mine[first:first + problems_together]
                 conversations = [test_task[i] for i in chunk]
                 with autocast_ctx:
-                    answers = sample([tokenizer.render_for_completion(c) for c in conversations], seed * 1_000_003 + mine[first])
+                    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+                    answers = sample(prompts, seed * 1_000_003 + mine[first])
                 solved = []
                 for i, conversation, problem_answers in zip(chunk, conversations, answers):
                     task = test_task.task_of(i)
@@ -194,7 +207,8 @@ def evaluate_pass_at_k():
 # a resumed run continues exactly without any data position to save.
 start_step = stage.start_step
 pass_at_k = {}
-step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut sampling or pass@k short), save, exit 75
+step = start_step
+stop_now = False  # SIGTERM / Ctrl-C: finish the step (cut sampling or pass@k short), save, exit 75
 while True:
     last_step = step >= num_iterations or stop_now
 
@@ -225,9 +239,12 @@ while True:
             answers = sample(prompts, seed * 1_000_003 + 10**9 + (step * ddp_world_size + ddp_rank) * prompts_per_step)
     except Interrupted:
         stop_now = True
-        print0(f"step {step + 1:05d}/{num_iterations:05d} | stopped while sampling: a stop was requested; this step is dropped")
+        print0(f"step {step + 1:05d}/{num_iterations:05d} | stopped while sampling: a stop was requested; "
+               f"this step is dropped")
         continue
-    rows, rewards_seen, lengths = [], [], []
+    rows = []
+    rewards_seen = []
+    lengths = []
     for i, conversation, prompt, problem_answers in zip(problems, conversations, prompts, answers):
         task = train_task.task_of(i)  # a mixture's problem is scored by the task it comes from
         rewards = [task.reward(conversation, answer_text(tokens)) for tokens, _ in problem_answers]
@@ -237,7 +254,8 @@ while True:
         rewards_seen += rewards
         lengths += [len(tokens) for tokens, _ in problem_answers]
     # ---- the policy-gradient micro-steps over this rank's answers ----
-    batches = []  # (x, y, advantages): y is -1 except on the tokens the model sampled (not the prompt, not tool outputs)
+    # (x, y, advantages): y is -1 except on the tokens the model sampled (not the prompt, not tool outputs)
+    batches = []
     for start in range(0, len(rows), device_batch_size):
         chunk = rows[start:start + device_batch_size]
         x, y = padded_batch([(ids, mask) for ids, mask, _ in chunk], end_token, device)
@@ -260,17 +278,21 @@ while True:
             p.grad = torch.zeros_like(p)
     lrm = lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # clip, update, zero the gradients: see base_train
-    reward_sum, answers, length_sum, learned = sum_over_ranks(sum(rewards_seen), len(rewards_seen), sum(lengths), learned)
-    mean_reward, mean_length = reward_sum / answers, length_sum / answers
+    # clip, update, zero the gradients: see base_train
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    reward_sum, answers, length_sum, learned = sum_over_ranks(sum(rewards_seen), len(rewards_seen), sum(lengths),
+                                                              learned)
+    mean_reward = reward_sum / answers
+    mean_length = length_sum / answers
     stop_now, = stage.stop_after_step()  # a signal to any rank stops all of them after this step
     dt = device_time(device) - t0
     step += 1
     loop.mean_rewards.append(mean_reward)
 
-    print0(f"step {step:05d}/{num_iterations:05d} | mean reward: {mean_reward:.4f} | mean answer length: {mean_length:.1f} "
-           f"| sampled tokens: {step_tokens:,.0f} | answers learned from: {learned:.0f}/{answers:.0f} | lrm: {lrm:.2f} "
-           f"| muon momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
+    print0(f"step {step:05d}/{num_iterations:05d} | mean reward: {mean_reward:.4f} "
+           f"| mean answer length: {mean_length:.1f} | sampled tokens: {step_tokens:,.0f} "
+           f"| answers learned from: {learned:.0f}/{answers:.0f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
+           f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt:.2f}s")
     stage.log(step, reward=mean_reward, answer_length=mean_length, targets=step_tokens, lrm=lrm, muon_momentum=momentum,
               grad_norm=grad_norm, dt=dt)
 
@@ -285,4 +307,5 @@ stage.report("Chat RL", step, [
      **{f"pass@{k}": v for k, v in pass_at_k.items()}},
 ])
 eval_args = " -a offline" if mixture == "offline" else ""
-sys.exit(stage.finish(step, f"python -m scripts.chat_eval -i rl{eval_args}, or talk to it: python -m scripts.chat_cli --source=rl"))
+sys.exit(stage.finish(step, f"python -m scripts.chat_eval -i rl{eval_args}, "
+                            f"or talk to it: python -m scripts.chat_cli --source=rl"))

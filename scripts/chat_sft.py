@@ -1,7 +1,8 @@
 """
-Supervised finetuning (SFT): train the midtrained model on whole conversations, one conversation per row, the
-way it will be used in a chat (midtraining packed conversations into a token stream; here every row starts at
-the start of a conversation and is padded to the longest row of its batch).
+Supervised finetuning (SFT): train the midtrained model on whole conversations, one conversation per row.
+
+That is the way it will be used in a chat (midtraining packed conversations into a token stream; here every row
+starts at the start of a conversation and is padded to the longest row of its batch).
 
     python -m scripts.chat_sft --mixture=offline                  # anywhere, no downloads (the offline tasks)
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_sft  # the real mixture (ARC, GSM8K, SmolTalk, ...)
@@ -11,8 +12,9 @@ Your own conversations (--conversations=FILE), as in scripts/mid_train.py: the f
 conversations are validation, the rest training; --mixture=custom trains on them alone, with real or offline they
 are one more task of that mixture.
 
-Written like scripts/mid_train.py: every rank runs all of it, rank 0 prints and saves, and what happens around
-the training loop (start or resume, save, stop, finish) is nanochat/stage.py's.
+Written like scripts/mid_train.py: every rank runs all of it and saves its own optimizer shard; rank 0 prints, and
+saves the weights and the meta file; what happens around the training loop (start or resume, save, stop, finish)
+is nanochat/stage.py's.
 
 Batches. A micro-batch is `device_batch_size` conversations of this rank (rank r takes conversations r, r+W,
 r+2W, ... of the shuffled mixture), each rendered with its training mask (only what the assistant writes is
@@ -29,14 +31,14 @@ import torch.distributed as dist
 
 from nanochat.common import UserError, format_value, gather_from_ranks, interruptible, print0
 from nanochat.configurator import check_config, configure
-from nanochat.conversation_loader import ConversationLoader, check_rank_shares
+from nanochat.conversation_loader import ConversationLoader, chat_train_loader
 from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.scoring import score_categorical
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 from tasks.registry import check_conversations, conversations_split, stage_mixture, stage_tasks
-from tasks.scoring import score_categorical
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them)
@@ -50,11 +52,11 @@ max_seq_len = 2048  # tokens per row: longer conversations are cut (and counted)
 device_batch_size = 4  # conversations per forward/backward per rank
 examples_per_step = 32  # conversations per optimizer step, all ranks and micro-steps together
 unembedding_lr = 0.004  # AdamW lr of lm_head
-embedding_lr = 0.2  # AdamW lr of the token embedding
+embedding_lr = 0.2  # AdamW lr of the token embedding (the value embeddings get half)
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 init_lr_frac = 0.02  # every lr is multiplied by this: finetuning starts low
 warmup_ratio = 0.0  # fraction of the run of linear lr warmup
-warmdown_ratio = 1.0  # fraction of the run of linear lr decay at the end (1 = from the first step down to final_lr_frac)
+warmdown_ratio = 1.0  # fraction of the run of linear lr decay at the end (1 = from the first step on)
 final_lr_frac = 0.0  # lr multiplier at the very end of the warmdown
 weight_decay = 0.0  # AdamW weight decay
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
@@ -63,11 +65,13 @@ eval_tokens = -1  # validation rows x tokens per evaluation, all ranks together 
 eval_metrics_every = 200  # steps between multiple-choice evaluations (<= 0: only at the end)
 eval_metrics_max_problems = 256  # problems per multiple-choice task in those evaluations (-1 = all)
 save_every = -1  # steps between checkpoints (<= 0: only the final one)
-resume_from_step = -1  # resume from this step's checkpoint in chatsft_checkpoints/<model_tag> (-1 = start from the source)
+resume_from_step = -1  # resume from this step's checkpoint in chatsft_checkpoints/<model_tag> (-1 = from the source)
 overwrite = False  # a fresh run into a model_tag that holds SFT checkpoints deletes them (default: refuse)
-compile = "auto"  # torch.compile the model (for rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
-mixture = "real"  # real (ARC, GSM8K, SmolTalk...; downloads) | offline (the offline tasks) | custom (--conversations alone): tasks/registry.py
-conversations = ""  # JSONL of your own conversations (tasks/customjson.py): custom's data; with real/offline one more task
+compile = "auto"  # torch.compile (rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
+# mixture: which tasks, how much of each: tasks/registry.py. conversations: custom's data; with real or offline one
+# more task of that mixture
+mixture = "real"  # real (ARC, GSM8K, SmolTalk...; downloads) | offline (the offline tasks) | custom (--conversations)
+conversations = ""  # JSONL of your own conversations (tasks/customjson.py)
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
 dry_run = False  # run everything but write no checkpoint and no report
@@ -83,7 +87,8 @@ check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (n
 
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)  # banner, compute_init: nanochat/stage.py
+# the banner, compute_init: nanochat/stage.py
+device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
 stage = Stage("sft", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 
@@ -93,8 +98,8 @@ stage = Stage("sft", config, device)  # this run's checkpoints, saves, stop and 
 orig_model, tokenizer = stage.start(model_tag, source=source, source_step=step)  # uncompiled: saving, evaluation
 model, use_compile = compile_model(orig_model, compile, device_type, dynamic=True)  # rows change length every batch
 if max_seq_len > orig_model.rotary_len:
-    raise UserError(f"--max_seq_len={max_seq_len} is beyond the model's rotary table ({orig_model.rotary_len} positions): "
-                    f"use at most {orig_model.rotary_len}")
+    raise UserError(f"--max_seq_len={max_seq_len} is beyond the model's rotary table ({orig_model.rotary_len} "
+                    f"positions): use at most {orig_model.rotary_len}")
 token_bytes = get_token_bytes(device, tokenizer.directory)
 print0(f"torch.compile: {use_compile}")
 
@@ -106,7 +111,8 @@ if examples_per_step % (device_batch_size * ddp_world_size) != 0:
                     f"{device_batch_size} x {ddp_world_size} = {per_micro}; try --examples_per_step="
                     f"{max(per_micro, examples_per_step // per_micro * per_micro)}")
 grad_accum_steps = examples_per_step // (device_batch_size * ddp_world_size)
-print0(f"Conversations / micro-batch / rank: {device_batch_size} (rows padded to the longest, at most {max_seq_len} tokens)")
+print0(f"Conversations / micro-batch / rank: {device_batch_size} (rows padded to the longest, at most {max_seq_len} "
+       f"tokens)")
 print0(f"Conversations / micro-batch (all {ddp_world_size} ranks): {device_batch_size * ddp_world_size}")
 print0(f"Examples per step {examples_per_step} => gradient accumulation steps: {grad_accum_steps}")
 
@@ -119,15 +125,13 @@ train_dataset = stage_mixture("sft", mixture, "train", identity_file=identity_fi
 val_dataset = stage_mixture("sft", mixture, "val", conversations=conversations)
 # {name: task}; custom: none (free-text conversations have no choices to score), so no accuracy is followed
 metric_tasks = dict(stage_tasks("sft", mixture, "metrics", conversations=conversations))
-# One whole conversation per row, padded to the longest of the micro-batch (nanochat/conversation_loader.py)
+own_split = conversations_split(conversations) if conversations else None  # your file's (validation, training) counts
+# One whole conversation per row, padded to the longest of the micro-batch (nanochat/conversation_loader.py).
+# Printed: the mixture's counts, and how your file splits.
 loader_args = dict(packed=False, rank=ddp_rank, world_size=ddp_world_size)
-train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,
-                                  **loader_args)
-print0(f"Mixture {mixture}: {train_loader.size:,} training conversations (of {len(train_dataset):,}), {len(val_dataset):,} validation")
-if conversations:
-    own_val, own_train = conversations_split(conversations)
-    print0(f"Your conversations ({conversations}): {own_train:,} training, {own_val:,} validation (its first max(1, n // 20))")
-check_rank_shares(train_loader.size, len(val_dataset), ddp_world_size)  # rank r reads conversations r, r + W, ...
+train_loader = chat_train_loader(train_dataset, val_dataset, tokenizer, device_batch_size, max_seq_len, device,
+                                 mixture=mixture, conversations=conversations, own_split=own_split,
+                                 size=max_conversations, **loader_args)
 # What decides which conversations step N reads (the world size too: rank r reads r, r+W, r+2W, ...)
 data_settings = dict(mixture=mixture, conversations=conversations, max_conversations=max_conversations,
                      device_batch_size=device_batch_size, examples_per_step=examples_per_step, max_seq_len=max_seq_len,
@@ -136,9 +140,10 @@ eval_steps = max(1, (eval_tokens if eval_tokens > 0 else 20 * examples_per_step 
                  // (device_batch_size * max_seq_len * ddp_world_size))
 
 # -----------------------------------------------------------------------------
-# 6. Optimizers: Muon for the block matrices, AdamW for embedding and head (see GPT.setup_optimizers), at a
-# fraction of the pretraining learning rates. A resumed run gets back every rank's optimizer state and data
-# position, and the loop's variables (nanochat/stage.py).
+# 6. Optimizers: Muon for the block matrices; AdamW for the embedding, the head, the value-embedding tables and the
+# layer scalars where the model has them (GPT.setup_optimizers); at a fraction of the pretraining learning rates.
+# A resumed run gets back every rank's optimizer state and data position, and the loop's variables
+# (nanochat/stage.py).
 optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
                                          matrix_lr=matrix_lr, weight_decay=weight_decay)
 scale_initial_lrs(optimizers, init_lr_frac)
@@ -150,15 +155,18 @@ loop = stage.resume(optimizers, train_loader, data_settings,
 
 
 def evaluate_metrics():
-    """Multiple-choice accuracy (no sampling) on the first eval_metrics_max_problems problems of each task,
-    the problems shared among the ranks: the same scores as one process. A stop request: Interrupted, every rank."""
+    """
+    Multiple-choice accuracy (no sampling) on the first eval_metrics_max_problems problems of each task,
+    the problems shared among the ranks: the same scores as one process. A stop request: Interrupted, every rank.
+    """
     out = {}
     for name, task in metric_tasks.items():
         count = len(task) if eval_metrics_max_problems < 0 else min(eval_metrics_max_problems, len(task))
         with interruptible(), autocast_ctx:
-            outcomes = score_categorical(orig_model, tokenizer, task, list(range(ddp_rank, count, ddp_world_size)), 8, device,
-                                         stop=stage.stop)
-        counts = torch.tensor([sum(passed for passed, _ in outcomes), len(outcomes)], dtype=torch.float64, device=device)
+            outcomes = score_categorical(orig_model, tokenizer, task, list(range(ddp_rank, count, ddp_world_size)), 8,
+                                         device, stop=stage.stop)
+        counts = torch.tensor([sum(passed for passed, _ in outcomes), len(outcomes)], dtype=torch.float64,
+                              device=device)
         if ddp:
             dist.all_reduce(counts)
         out[name] = counts[0].item() / max(counts[1].item(), 1)
@@ -174,8 +182,10 @@ x, y = step_batches[0]
 print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
       f"{100 * (y == -1).float().mean().item():.0f}% of targets -1 (padding, user turns, tool outputs)", flush=True)
 start_step = stage.start_step
-val_bpb, metrics = None, {}
-step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
+val_bpb = None
+metrics = {}
+step = start_step
+stop_now = False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 while True:
     # All ranks stop together (see mid_train): after num_iterations steps, after one epoch, or when asked to
     last_step = (step >= num_iterations if num_iterations > 0 else loop.epoch_done) or stop_now
@@ -189,11 +199,13 @@ while True:
     with stage.phase(f"Step {step:05d} | evaluations"):
         if last_step or (eval_every > 0 and step % eval_every == 0) or step == start_step:
             model.eval()
-            val_loader = ConversationLoader(val_dataset, tokenizer, device_batch_size, max_seq_len, device, **loader_args)
+            val_loader = ConversationLoader(val_dataset, tokenizer, device_batch_size, max_seq_len, device,
+                                            **loader_args)
             with autocast_ctx:
                 val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes, stop=stage.stop)
             loop.first_val_bpb = val_bpb if loop.first_val_bpb is None else loop.first_val_bpb
-            print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{f' (the {source} model, before SFT)' if step == 0 else ''}")
+            before = f" (the {source} model, before SFT)" if step == 0 else ""
+            print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{before}")
             stage.log(step, val_bpb=val_bpb)
 
         if metric_tasks and (last_step or (eval_metrics_every > 0 and step > 0 and step % eval_metrics_every == 0)):
@@ -219,12 +231,14 @@ while True:
         loss.backward()
     # The schedule follows how far the run is where this step's data began: in steps, or for a run of one epoch, in
     # conversations of this rank's share read before it (a file that fits in one step still trains at lr 1)
-    (done, total), step_start = step_start, train_loader.progress(step + 1, num_iterations)
+    done, total = step_start
+    step_start = train_loader.progress(step + 1, num_iterations)
     next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)  # clip, update, zero the gradients: see base_train
-    train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
+    # clip, update, zero the gradients (see base_train); the mean over every supervised target of the step
+    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
     dt = device_time(device) - t0
     step += 1
@@ -234,21 +248,24 @@ while True:
     if step - start_step > 10:
         loop.total_training_time += dt
     progress = step_start[0] / step_start[1]  # after this step
-    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
-           f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} "
-           f"| grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | total time: {loop.total_training_time / 60:.2f}m")
+    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss "
+           f"({step_targets:,.0f} targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon "
+           f"momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | "
+           f"total time: {loop.total_training_time / 60:.2f}m")
     stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
               muon_momentum=momentum, grad_norm=grad_norm, dt=dt, total_training_time=loop.total_training_time)
 
 # -----------------------------------------------------------------------------
 # 8. What the ranks read, report, and the end of the stage
 per_rank_stats = gather_from_ranks(train_loader.stats)
-read, cut = sum(s["read"] for s in per_rank_stats), sum(s["cut"] for s in per_rank_stats)
+read = sum(s["read"] for s in per_rank_stats)
+cut = sum(s["cut"] for s in per_rank_stats)
 print0(f"Read {read:,} training conversations on {ddp_world_size} rank(s); {cut} were longer than max_seq_len + 1 "
        f"tokens and cut")
 stopped_early = stage.stopped_early()  # a stop cut the training or the final evaluations short
 final_bpb = None if stopped_early else val_bpb  # a final validation cut short measured nothing
-print0(f"Validation bpb: {format_value(loop.first_val_bpb)} (before SFT) -> {format_value(final_bpb)} (after {step} steps)")
+print0(f"Validation bpb: {format_value(loop.first_val_bpb)} (before SFT) -> {format_value(final_bpb)} (after "
+       f"{step} steps)")
 stage.report("Chat SFT", step, [
     config,
     {"Mixture": mixture, "Training conversations": train_loader.size, "Conversations cut at max_seq_len": cut,
@@ -260,7 +277,8 @@ stage.report("Chat SFT", step, [
 if mixture == "custom":  # chat_eval scores none of your conversations, and RL needs problems it can reward
     next_steps = "talk to it: python -m scripts.chat_cli"
 else:
-    eval_args, rl_args = (" -a offline", " --mixture=offline") if mixture == "offline" else ("", "")
+    eval_args = " -a offline" if mixture == "offline" else ""
+    rl_args = " --mixture=offline" if mixture == "offline" else ""
     next_steps = (f"python -m scripts.chat_eval -i sft{eval_args}, then python -m scripts.chat_rl{rl_args} "
                   f"(or talk to it: python -m scripts.chat_cli)")
 sys.exit(stage.finish(step, next_steps))

@@ -1,6 +1,7 @@
 """
-Check that the web server serves a trained model to OpenAI's own Python client: the last stage of speedrun.sh's gpu
-smoke (NANOCHAT_PROFILE=gpu NANOCHAT_SMOKE=1).
+Check that the web server serves a trained model to OpenAI's own Python client.
+
+The last stage of speedrun.sh's gpu smoke (NANOCHAT_PROFILE=gpu NANOCHAT_SMOKE=1).
 
     python -m scripts.chat_web_check --source=rl     # needs `openai` (a dev dependency: pip install openai)
 
@@ -58,9 +59,11 @@ try:
     reply = client.chat.completions.create(model=served[0], messages=[{"role": "user", "content": question}],
                                            max_tokens=max_tokens, temperature=0)
     answer_s = time.time() - t1
-    text, tokens = reply.choices[0].message.content or "", reply.usage.completion_tokens
+    text = reply.choices[0].message.content or ""
+    tokens = reply.usage.completion_tokens
     if not text.strip():
-        raise UserError(f"chat_web answered with no text ({tokens} tokens, finish_reason {reply.choices[0].finish_reason})")
+        raise UserError(f"chat_web answered with no text "
+                        f"({tokens} tokens, finish_reason {reply.choices[0].finish_reason})")
 finally:
     if server.poll() is None:  # as Ctrl-C stops it: uvicorn ends its connections and exits 0
         server.send_signal(signal.SIGINT)
@@ -73,7 +76,8 @@ if server.returncode != 0:
     raise UserError(f"chat_web exited with status {server.returncode} after Ctrl-C (SIGINT), not 0")
 
 get_report().log("Chat web", [{"Source": source, "Model served": served[0], "Question": question,
-                               "Reply": repr(text), "Reply tokens": tokens, "Finish reason": reply.choices[0].finish_reason,
+                               "Reply": repr(text), "Reply tokens": tokens,
+                               "Finish reason": reply.choices[0].finish_reason,
                                "Seconds to serve (start, model loaded)": serving_s, "Seconds to answer": answer_s}])
 print(f"chat_web_check: the {source} model answered through OpenAI's client ({tokens} tokens in {answer_s:.1f} s, "
       f"served {serving_s:.1f} s after its start; stopped cleanly): {text!r}")

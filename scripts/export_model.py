@@ -12,9 +12,9 @@ half-written --out. The layouts (--layout; the default "auto" picks hf or remote
   - hf: transformers' (>= 5.0) own NanoChat model, no custom code; vLLM runs it through its Transformers backend
     (docs/export.md says how each part maps). For the 2025 architecture, with any rope_base.
   - mlx: the same with nanochat's weight names, which mlx-lm's nanochat model expects (and transformers cannot load).
-  - remote: for models with qk_scale, layer scalars or value embeddings, which neither of those models has: our own
-    modeling file (nanochat/modeling_nanochat_gpt.py, with nanochat/gpt.py's architecture written into it) beside the
-    weights, for transformers with trust_remote_code=True. vLLM and mlx-lm cannot run it.
+  - remote: for models with qk_scale, layer scalars, value embeddings or sliding windows, which neither of those
+    models has: our own modeling file (nanochat/modeling_nanochat_gpt.py, with nanochat/gpt.py's architecture written
+    into it) beside the weights, for transformers with trust_remote_code=True. vLLM and mlx-lm cannot run it.
 """
 
 import json
@@ -36,10 +36,11 @@ model_tag = ""  # which model under the source's checkpoint directory (needed on
 step = -1  # which step (-1 = the last complete checkpoint)
 out = ""  # the directory to write (required)
 dtype = "bfloat16"  # weights: bfloat16 (half the size) | float32 (exactly the checkpoint's values)
-layout = "auto"  # hf: transformers' NanoChat (vLLM) | mlx: mlx-lm's | remote: our modeling file | auto: hf, or remote if needed
+layout = "auto"  # hf: transformers' NanoChat (vLLM) | mlx: mlx-lm | remote: our modeling file | auto: remote if needed
 overwrite = False  # replace a non-empty --out (default: refuse)
 config = configure(globals())
-check_config(config, choices={"source": tuple(SOURCES), "dtype": ("bfloat16", "float32"), "layout": ("auto", "hf", "mlx", "remote")})
+check_config(config, choices={"source": tuple(SOURCES), "dtype": ("bfloat16", "float32"),
+                              "layout": ("auto", "hf", "mlx", "remote")})
 if not out:
     raise UserError("--out=DIR is required: the directory to write the model to")
 check_free(os.path.abspath(out), overwrite, "--out")  # before loading anything
@@ -71,8 +72,12 @@ model, tokenizer, meta = load_model(source, "cpu", phase="eval", model_tag=model
 model_config = model.config.to_dict()
 if layout == "auto":
     layout = "remote" if settings_without_equivalent(model_config) else "hf"
+if layout == "remote":
+    config_json = remote_config(model_config, tokenizer, dtype)
+else:
+    config_json = hf_config(model_config, tokenizer, dtype, layout)
 files = {
-    "config.json": remote_config(model_config, tokenizer, dtype) if layout == "remote" else hf_config(model_config, tokenizer, dtype, layout),
+    "config.json": config_json,
     "generation_config.json": generation_config(tokenizer),
     "tokenizer.json": tokenizer_json(tokenizer),
     "tokenizer_config.json": tokenizer_config(model_config["sequence_len"]),
@@ -98,8 +103,8 @@ out = os.path.abspath(out)
 print0(f"Exported {source} model {meta['model_tag']} step {meta['step']} ({model.num_params():,} parameters, {dtype}, "
        f"{layout} layout) to {out}")
 if layout == "hf":
-    print0(f"Next: transformers: AutoModelForCausalLM.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}); "
-           f"vLLM: vllm serve {out}")
+    print0(f"Next: transformers: AutoModelForCausalLM.from_pretrained({out!r}) and "
+           f"AutoTokenizer.from_pretrained({out!r}); vLLM: vllm serve {out}")
 elif layout == "remote":
     print0(f"Next: transformers: AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True) and "
            f"AutoTokenizer.from_pretrained({out!r}, trust_remote_code=True) (vLLM and mlx-lm cannot run this layout)")

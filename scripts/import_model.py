@@ -39,7 +39,8 @@ if not source:
     raise UserError(f"--source is required: the stage whose checkpoints the model joins ({', '.join(SOURCES)})")
 check_config(config, choices={"source": tuple(SOURCES)})
 if not path:
-    raise UserError("--path=DIR is required: a Hugging Face NanoChat directory or a karpathy/nanochat checkpoint directory")
+    raise UserError("--path=DIR is required: "
+                    "a Hugging Face NanoChat directory or a karpathy/nanochat checkpoint directory")
 if not os.path.isdir(path):
     raise UserError(f"--path={path} is not a directory")
 path = os.path.abspath(path)
@@ -53,7 +54,8 @@ if os.path.isdir(target) and os.listdir(target):
             try:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                raise UserError(f"{target} is in use by a running stage: wait for it to end, or choose another --model_tag") from None
+                raise UserError(f"{target} is in use by a running stage: "
+                                f"wait for it to end, or choose another --model_tag") from None
 
 
 def read_hf_directory(directory):
@@ -66,9 +68,11 @@ def read_hf_directory(directory):
         raise UserError(f"{config_path} is not JSON ({e})") from None
     remote = hf_config.get("model_type") == REMOTE_MODEL_TYPE  # export_model --layout=remote: our fields, our names
     model_config = (model_config_from_remote if remote else model_config_from_hf)(hf_config, config_path)
-    if not any(os.path.exists(os.path.join(directory, name)) for name in ("model.safetensors", "model.safetensors.index.json")):
+    if not any(os.path.exists(os.path.join(directory, name))
+               for name in ("model.safetensors", "model.safetensors.index.json")):
         other = [name for name in ("pytorch_model.bin", "model.pt") if os.path.exists(os.path.join(directory, name))]
-        hint = f" ({other[0]} is there: only safetensors weights are read; save with safe_serialization=True)" if other else ""
+        hint = (f" ({other[0]} is there: only safetensors weights are read; save with safe_serialization=True)"
+                if other else "")
         raise UserError(f"{directory} has config.json but no model.safetensors{hint}")
     tokenizer_path = os.path.join(directory, "tokenizer.json")
     if not os.path.exists(tokenizer_path):
@@ -81,25 +85,29 @@ def read_hf_directory(directory):
         raise UserError(f"{tokenizer_path} is not JSON ({e})") from None
     tensors = load_safetensors_dir(directory)
     if "transformer.wte.weight" in tensors:  # export_model --layout=mlx or remote: our own names
-        check_weight_names(tensors, model_config["n_layer"], hf=False, where=directory, expected=gpt_weight_names(model_config))
+        check_weight_names(tensors, model_config["n_layer"], hf=False, where=directory,
+                           expected=gpt_weight_names(model_config))
     else:
         tensors = rename_weights(tensors, model_config["n_layer"], to_hf=False, where=directory)
     if tokenizer.get_vocab_size() != model_config["vocab_size"]:
         raise UserError(f"{tokenizer_path} has {tokenizer.get_vocab_size():,} tokens but config.json's vocab_size is "
                         f"{model_config['vocab_size']:,}: they do not belong together")
     state = {name: t.float().contiguous() for name, t in tensors.items()}
-    return model_config, state, tokenizer, dict(format="Hugging Face NanoChat" + (" (remote code)" if remote else ""), path=directory)
+    return model_config, state, tokenizer, dict(format="Hugging Face NanoChat" + (" (remote code)" if remote else ""),
+                                                path=directory)
 
 
 if os.path.exists(os.path.join(path, "config.json")):
     model_config, state, tokenizer, imported_from = read_hf_directory(path)
-    new_step, user_config = 0, {}
+    new_step = 0
+    user_config = {}
 elif find_steps(path)[1]:
     model_config, state, tokenizer, reference_meta, new_step = read_checkpoint(path, step)
     imported_from = dict(format="karpathy/nanochat checkpoint", path=path, step=new_step, meta=reference_meta)
     user_config = reference_meta.get("user_config") or {}  # that run's settings, as our stages record theirs
 else:
-    raise UserError(f"{path} is neither a Hugging Face NanoChat directory (config.json, model.safetensors, tokenizer.json) "
+    raise UserError(f"{path} is neither a Hugging Face NanoChat directory "
+                    f"(config.json, model.safetensors, tokenizer.json) "
                     f"nor a karpathy/nanochat checkpoint directory (model_<step>.pt, meta_<step>.json, tokenizer.pkl)")
 
 # build the model: shapes that do not fit the config are refused here, before anything is written
@@ -109,7 +117,8 @@ meta = dict(model_config=model_config, user_config=user_config, imported_from=im
 with staged_directory(target, overwrite=True, flag="--model_tag") as tmp:
     tokenizer.save(os.path.join(tmp, TOKENIZER_SUBDIR))
     save_checkpoint(tmp, new_step, model.state_dict(), None, meta)
-print0(f"Imported {imported_from['format']} {path} ({model.num_params():,} parameters, vocab {tokenizer.get_vocab_size():,}) "
+print0(f"Imported {imported_from['format']} {path} "
+       f"({model.num_params():,} parameters, vocab {tokenizer.get_vocab_size():,}) "
        f"as {source} model {model_tag} step {new_step} in {target}")
 print0(f"Next: python -m scripts.chat_cli --source={source} --model_tag={model_tag}, or "
        f"python -m scripts.export_model --source={source} --model_tag={model_tag} --out=DIR")

@@ -1,7 +1,9 @@
 """
-Midtraining: teach the base model to chat. Same next-token objective as pretraining, on conversations
-rendered in the chat format (special tokens <|user_start|>, <|assistant_start|>, ...), including multiple-
-choice questions and calculator tool use (<|python_start|> ... <|python_end|>, <|output_start|> ...).
+Midtraining: teach the base model to chat, on a mixture of conversations packed into rows.
+
+The same next-token objective as pretraining, on conversations rendered in the chat format (special tokens
+<|user_start|>, <|assistant_start|>, ...), including multiple-choice questions and calculator tool use
+(<|python_start|> ... <|python_end|>, <|output_start|> ...).
 
     python -m scripts.mid_train --mixture=offline            # anywhere, no downloads (synthetic tasks)
     torchrun --standalone --nproc_per_node=8 -m scripts.mid_train   # the real mixture (SmolTalk, MMLU, GSM8K, ...)
@@ -11,8 +13,9 @@ Your own conversations (--conversations=FILE, one JSON array of messages per lin
 max(1, n // 20) of the file's n conversations are validation, the rest training; --mixture=custom trains on them
 alone (e.g. a model in another language), with real or offline they are one more task of that mixture.
 
-Written like scripts/base_train.py: every rank runs all of it, rank 0 prints and saves, and what happens around
-the training loop (start or resume, save, stop, finish) is nanochat/stage.py's.
+Written like scripts/base_train.py: every rank runs all of it and saves its own optimizer shard; rank 0 prints, and
+saves the weights and the meta file; what happens around the training loop (start or resume, save, stop, finish)
+is nanochat/stage.py's.
 
 Data and ranks: rank r reads conversations r, r + W, r + 2W, ... of the mixture (W = world size), so unlike
 pretraining the data of a step depends on the world size: 2 ranks x 1 micro-step do NOT see the same
@@ -25,7 +28,7 @@ import torch
 
 from nanochat.common import UserError, format_value, gather_from_ranks, print0
 from nanochat.configurator import check_config, configure
-from nanochat.conversation_loader import ConversationLoader, check_rank_shares
+from nanochat.conversation_loader import ConversationLoader, chat_train_loader
 from nanochat.dataloader import grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
@@ -38,14 +41,15 @@ from tasks.registry import check_conversations, conversations_split, stage_mixtu
 # 1. Config (override as --key=value; --help lists them)
 run = "dummy"  # wandb run name ("dummy" = no wandb)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
-model_tag = ""  # which base model under base_checkpoints/ (needed only if there are several); also names mid_checkpoints/<tag>
+# model_tag also names this run's mid_checkpoints/<tag>
+model_tag = ""  # which base model under base_checkpoints/ (needed only if there are several)
 step = -1  # which base checkpoint step (-1 = the last)
 num_iterations = -1  # optimizer steps; -1 = one epoch of the training mixture
 max_seq_len = 2048  # tokens per row
 device_batch_size = 32  # rows per forward/backward per rank
 total_batch_size = 524288  # tokens per optimizer step, all ranks together
 unembedding_lr = 0.004  # AdamW lr of lm_head
-embedding_lr = 0.2  # AdamW lr of the token embedding
+embedding_lr = 0.2  # AdamW lr of the token embedding (the value embeddings get half)
 matrix_lr = 0.02  # Muon lr of the transformer matrices
 init_lr_frac = 1.0  # every lr is multiplied by this (fine-tuning often starts lower)
 warmup_ratio = 0.0  # fraction of the run of linear lr warmup
@@ -56,11 +60,13 @@ grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 eval_every = 150  # steps between validation evaluations (<= 0: only at the start and the end)
 eval_tokens = -1  # validation tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
 save_every = -1  # steps between checkpoints (<= 0: only the final one)
-resume_from_step = -1  # resume from this step's checkpoint in mid_checkpoints/<model_tag> (-1 = start from the base model)
+resume_from_step = -1  # resume from this step's checkpoint in mid_checkpoints/<model_tag> (-1 = from the base model)
 overwrite = False  # a fresh run into a model_tag that holds midtraining checkpoints deletes them (default: refuse)
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
-mixture = "real"  # real (SmolTalk, MMLU, GSM8K...; downloads) | offline (synthetic) | custom (--conversations alone): tasks/registry.py
-conversations = ""  # JSONL of your own conversations (tasks/customjson.py): custom's data; with real/offline one more task
+# mixture: which tasks, how much of each: tasks/registry.py. conversations: custom's data; with real or offline one
+# more task of that mixture
+mixture = "real"  # real (SmolTalk, MMLU, GSM8K...; downloads) | offline (synthetic) | custom (--conversations alone)
+conversations = ""  # JSONL of your own conversations (tasks/customjson.py)
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
 train_on_all_tokens = False  # False: loss only on the tokens the chat mask marks (assistant); True: every token
@@ -77,7 +83,8 @@ check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (n
 
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)  # banner, compute_init: nanochat/stage.py
+# the banner, compute_init: nanochat/stage.py
+device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
 stage = Stage("mid", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
 
@@ -89,11 +96,12 @@ stage = Stage("mid", config, device)  # this run's checkpoints, saves, stop and 
 orig_model, tokenizer = stage.start(model_tag, source="base", source_step=step)  # uncompiled: saving, evaluation
 model, use_compile = compile_model(orig_model, compile, device_type)
 if stage.parent and device_batch_size > (stage.parent["device_batch_size"] or device_batch_size):
-    print0(f"WARNING: device_batch_size {device_batch_size} is larger than the base run's {stage.parent['device_batch_size']}: "
-           f"this may run out of memory; lower it with --device_batch_size")
+    print0(f"WARNING: device_batch_size {device_batch_size} is larger than the base run's "
+           f"{stage.parent['device_batch_size']}: this may run out of memory; lower it with --device_batch_size")
 if max_seq_len > orig_model.rotary_len:
-    raise UserError(f"--max_seq_len={max_seq_len} is beyond the model's rotary table ({orig_model.rotary_len} positions, "
-                    f"10x the base model's context of {orig_model.config.sequence_len}): use at most {orig_model.rotary_len}")
+    raise UserError(f"--max_seq_len={max_seq_len} is beyond the model's rotary table ({orig_model.rotary_len} "
+                    f"positions, 10x the base model's context of {orig_model.config.sequence_len}): use at most "
+                    f"{orig_model.rotary_len}")
 flops_per_token = orig_model.estimate_flops()
 token_bytes = get_token_bytes(device, tokenizer.directory)
 print0(f"torch.compile: {use_compile}")
@@ -109,15 +117,13 @@ grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max
 # fallback from one mixture to the other.
 train_dataset = stage_mixture("mid", mixture, "train", identity_file=identity_file, conversations=conversations)
 val_dataset = stage_mixture("mid", mixture, "val", conversations=conversations)
-# Conversations packed into rows: a conversation longer than a row continues in the next one (nanochat/conversation_loader.py)
+own_split = conversations_split(conversations) if conversations else None  # your file's (validation, training) counts
+# Conversations packed into rows: a conversation longer than a row continues in the next one
+# (nanochat/conversation_loader.py). Printed: the mixture's counts, and how your file splits.
 loader_args = dict(packed=True, rank=ddp_rank, world_size=ddp_world_size, train_on_all_tokens=train_on_all_tokens)
-train_loader = ConversationLoader(train_dataset, tokenizer, device_batch_size, max_seq_len, device, size=max_conversations,
-                                  **loader_args)
-print0(f"Mixture {mixture}: {train_loader.size:,} training conversations (of {len(train_dataset):,}), {len(val_dataset):,} validation")
-if conversations:
-    own_val, own_train = conversations_split(conversations)
-    print0(f"Your conversations ({conversations}): {own_train:,} training, {own_val:,} validation (its first max(1, n // 20))")
-check_rank_shares(train_loader.size, len(val_dataset), ddp_world_size)  # rank r reads conversations r, r + W, ...
+train_loader = chat_train_loader(train_dataset, val_dataset, tokenizer, device_batch_size, max_seq_len, device,
+                                 mixture=mixture, conversations=conversations, own_split=own_split,
+                                 size=max_conversations, **loader_args)
 # What decides which conversations step N reads (here the world size too: rank r reads r, r+W, r+2W, ...)
 data_settings = dict(mixture=mixture, conversations=conversations, max_conversations=max_conversations,
                      device_batch_size=device_batch_size, max_seq_len=max_seq_len, total_batch_size=total_batch_size,
@@ -126,8 +132,9 @@ eval_tokens = eval_tokens if eval_tokens > 0 else 20 * total_batch_size  # as in
 eval_steps = max(1, eval_tokens // (device_batch_size * max_seq_len * ddp_world_size))
 
 # -----------------------------------------------------------------------------
-# 6. Optimizers: Muon for the block matrices, AdamW for embedding and head (see GPT.setup_optimizers). A resumed run
-# gets back every rank's optimizer state and data position, and the loop's variables (nanochat/stage.py).
+# 6. Optimizers: Muon for the block matrices; AdamW for the embedding, the head, the value-embedding tables and the
+# layer scalars where the model has them (GPT.setup_optimizers). A resumed run gets back every rank's optimizer
+# state and data position, and the loop's variables (nanochat/stage.py).
 optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
                                          matrix_lr=matrix_lr, weight_decay=weight_decay)
 scale_initial_lrs(optimizers, init_lr_frac)
@@ -151,8 +158,10 @@ masked = 100 * (y == -1).float().mean().item()
 print(f"[rank {ddp_rank}] x, y = next(train_loader): x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, "
       f"{masked:.0f}% of targets -1 (not trained on: user turns, tool outputs)", flush=True)
 start_step = stage.start_step
-val_bpb, mfus = None, []
-step, stop_now = start_step, False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
+val_bpb = None
+mfus = []
+step = start_step
+stop_now = False  # SIGTERM / Ctrl-C: finish the step (cut an evaluation short), save, exit 75
 while True:
     # After num_iterations steps, or (num_iterations = -1) as soon as ANY rank has read its share of the epoch
     # (a rank with fewer conversations wraps around first), or when asked to stop: every rank decides on the
@@ -172,7 +181,8 @@ while True:
             val_bpb = evaluate_bpb(model, val_loader, eval_steps, token_bytes, stop=stage.stop)
             loop.first_val_bpb = val_bpb if loop.first_val_bpb is None else loop.first_val_bpb
             loop.min_val_bpb = min(loop.min_val_bpb, val_bpb)
-            print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{' (the base model, before midtraining)' if step == 0 else ''}")
+            before = " (the base model, before midtraining)" if step == 0 else ""
+            print0(f"Step {step:05d} | validation bpb: {val_bpb:.4f}{before}")
             stage.log(step, val_bpb=val_bpb, total_training_time=loop.total_training_time)
         model.train()
 
@@ -193,7 +203,8 @@ while True:
         loss.backward()  # .backward() adds into .grad: the micro-steps' parts add up to the step's gradient
     # The schedule follows how far the run is where this step's data began: in steps, or for a run of one epoch, in
     # conversations of this rank's share read before it (a file that fits in one step still trains at lr 1)
-    (done, total), step_start = step_start, train_loader.progress(step + 1, num_iterations)
+    done, total = step_start
+    step_start = train_loader.progress(step + 1, num_iterations)
     next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     # The optimizers are new (midtraining does not load the base run's optimizer state): Muon's momentum buffers
@@ -203,7 +214,8 @@ while True:
     # clip, update, then zero the gradients for the next step (never between micro-steps: there they add up); the
     # ranks' gradients are averaged in there (see base_train)
     grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
-    train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)  # the mean over every supervised target of the step
+    # the mean over every supervised target of the step
+    train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
     dt = device_time(device) - t0
     tok_per_sec = total_batch_size / dt  # rows are packed: every step trains on total_batch_size tokens
@@ -216,17 +228,20 @@ while True:
         loop.total_training_time += dt
         mfus.append(mfu)
     progress = step_start[0] / step_start[1]  # after this step
-    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss ({step_targets:,.0f} "
-           f"targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} "
-           f"| dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {loop.total_training_time / 60:.2f}m")
+    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss "
+           f"({step_targets:,.0f} targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon "
+           f"momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | "
+           f"tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {loop.total_training_time / 60:.2f}m")
     stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
               muon_momentum=momentum, grad_norm=grad_norm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu,
-              total_training_flops=flops_per_token * total_batch_size * step, total_training_time=loop.total_training_time)
+              total_training_flops=flops_per_token * total_batch_size * step,
+              total_training_time=loop.total_training_time)
 
 # -----------------------------------------------------------------------------
 # 8. What each rank read (gathered so rank 0 can show it), report, and the end of the stage
 final_bpb = None if stage.stopped_early() else val_bpb  # a final validation cut short by a stop measured nothing
-print0(f"Validation bpb: {format_value(loop.first_val_bpb)} (base model) -> {format_value(final_bpb)} (after {step} steps of midtraining)")
+print0(f"Validation bpb: {format_value(loop.first_val_bpb)} (base model) -> {format_value(final_bpb)} (after {step} "
+       f"steps of midtraining)")
 per_rank_stats = gather_from_ranks(train_loader.stats)
 for r, stats in enumerate(per_rank_stats):
     print0(f"rank {r}: read {stats['read']:,} training conversations (first: {stats['first']}), "

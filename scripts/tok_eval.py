@@ -1,7 +1,8 @@
 """
-Evaluate the trained tokenizer: compression ratio (UTF-8 bytes per token, higher = fewer tokens for the same
-text) on a few built-in texts of different kinds and on samples of the corpus's train and val splits,
-next to GPT-2's and GPT-4's tokenizers when tiktoken can load them.
+Evaluate the trained tokenizer: its compression ratio, next to GPT-2's and GPT-4's when tiktoken can load them.
+
+The ratio is UTF-8 bytes per token (higher = fewer tokens for the same text), on a few built-in texts of different
+kinds and on samples of the corpus's train and val splits.
 
     python -m scripts.tok_eval
 
@@ -85,7 +86,8 @@ pi = 3.14159265358979323846, e = 2.71828182845904523536, 2**64 = 184467440737095
 
 def corpus_sample(split):
     """The first documents of `split`, whole, until sample_chars characters."""
-    docs, chars = [], 0
+    docs = []
+    chars = 0
     for batch in parquets_iter_batched(split):
         for doc in batch:
             docs.append(doc)
@@ -118,7 +120,8 @@ def tiktoken_cache_dir():
 
 def is_cached(urls):
     cache_dir = tiktoken_cache_dir()
-    return bool(cache_dir) and all(os.path.exists(os.path.join(cache_dir, hashlib.sha1(u.encode()).hexdigest())) for u in urls)
+    return bool(cache_dir) and all(os.path.exists(os.path.join(cache_dir, hashlib.sha1(u.encode()).hexdigest()))
+                                   for u in urls)
 
 
 def load_reference(encoding_name, urls):
@@ -150,7 +153,8 @@ def load_reference(encoding_name, urls):
 tokenizer = get_tokenizer()
 corpus = dataset_name()
 encoders = {"ours": lambda texts: tokenizer.encode(texts)}
-missing, reasons = [], []
+missing = []
+reasons = []
 for label, (encoding_name, urls) in REFERENCE.items():
     encoding, why = load_reference(encoding_name, urls)
     if encoding is None:

@@ -1,6 +1,7 @@
 """
-Train the BPE tokenizer on the training split of the selected corpus ($NANOCHAT_DATASET) and save it to
-$NANOCHAT_BASE_DIR/tokenizer/ (merges, token_bytes.pt for bits per byte, metadata).
+Train the BPE tokenizer on the training split of the selected corpus ($NANOCHAT_DATASET), and save it.
+
+It goes to $NANOCHAT_BASE_DIR/tokenizer/ (merges, token_bytes.pt for bits per byte, metadata).
 
     python -m scripts.tok_train                                  # FineWeb-Edu, 65,536 tokens, up to 2B chars
     NANOCHAT_DATASET=pydocs python -m scripts.tok_train --vocab-size=8192   # offline, CPU-sized
@@ -60,7 +61,8 @@ chars_per_s = seen["chars"] / train_time
 tokenizer_dir = get_tokenizer_dir()
 tokenizer.save(tokenizer_dir)
 
-print0(f"Trained on {seen['docs']:,} documents, {seen['chars']:,} chars in {train_time:.2f}s ({chars_per_s:,.0f} chars/s)")
+print0(f"Trained on {seen['docs']:,} documents, {seen['chars']:,} chars in {train_time:.2f}s "
+       f"({chars_per_s:,.0f} chars/s)")
 if seen["cropped_docs"]:
     share = seen["cropped_chars"] / (seen["cropped_chars"] + seen["chars"])
     print0(f"{seen['cropped_docs']:,} documents were longer than doc_cap={doc_cap:,}: {seen['cropped_chars']:,} chars "

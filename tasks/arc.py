@@ -1,8 +1,9 @@
 """
-ARC, the AI2 Reasoning Challenge (allenai/ai2_arc): grade-school science multiple-choice questions, in two
-subsets: ARC-Easy and ARC-Challenge (the questions simple retrieval and co-occurrence methods got wrong).
-Categorical: the user turn is the question rendered by tasks.common.render_mc with the dataset's own labels
-as letters, the assistant answers one label.
+ARC, the AI2 Reasoning Challenge (allenai/ai2_arc): grade-school science multiple-choice questions.
+
+Two subsets: ARC-Easy and ARC-Challenge (the questions simple retrieval and co-occurrence methods got wrong).
+Categorical: the user turn is the question rendered by tasks.common.render_mc with the dataset's own labels as
+letters, the assistant answers one label.
 
 Files, fetched once each from the Hugging Face hub (tasks.common.hf_download) and read with pyarrow:
     allenai/ai2_arc  ARC-Easy/{train,validation,test}-00000-of-00001.parquet        2,251 / 570 / 2,376
@@ -12,10 +13,9 @@ Labels are usually A-D, but some questions have 3 or 5 choices and a few use 1-4
 they are used as published, so the answer is always one of the labels shown in the prompt.
 """
 
-import argparse
 
 
-from tasks.common import Task, hf_parquet, render_mc, print_examples, check_choice
+from tasks.common import Task, hf_parquet, render_mc, check_choice
 
 REPO = "allenai/ai2_arc"
 SUBSETS = ("ARC-Easy", "ARC-Challenge")
@@ -40,7 +40,8 @@ class ARC(Task):
 
     def get_example(self, index):
         row = self.rows[index]
-        letters, texts = row["choices"]["label"], row["choices"]["text"]
+        letters = row["choices"]["label"]
+        texts = row["choices"]["text"]
         if len(letters) != len(texts) or row["answerKey"] not in letters:
             raise ValueError(f"ARC question {row['id']}: labels {letters} do not match {len(texts)} choices "
                              f"and answer {row['answerKey']!r}")
@@ -55,18 +56,3 @@ class ARC(Task):
     def evaluate(self, conversation, assistant_response):
         """True when the response (a label; surrounding spaces ignored) is the reference label."""
         return assistant_response.strip() == conversation["messages"][-1]["content"]
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few rendered ARC examples (downloads the split once).")
-    parser.add_argument("--subset", default="ARC-Easy", choices=SUBSETS)
-    parser.add_argument("--split", default="test", choices=SPLITS)
-    parser.add_argument("-n", type=int, default=3, help="number of examples")
-    args = parser.parse_args(argv)
-    print_examples(ARC(subset=args.subset, split=args.split), args.n)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,8 @@
 """
-Arithmetic: synthetic GSM8K-style word problems, generated offline from templates (no download). A small
-model can actually learn these, so they measure whether midtraining taught the chat format and the tool:
+Arithmetic: synthetic GSM8K-style word problems with calculator calls, generated offline from templates.
+
+No download. A small model can actually learn these, so they measure whether midtraining taught the chat format
+and the tool:
 
     user:      Maya buys 3 notebooks for $4 each and a lamp for $12. How much does Maya spend in total?
     assistant: text "The notebooks cost 3 x $4 = "  python "3*4"  python_output "12"
@@ -24,7 +26,6 @@ belongs to the split: deterministic, and any index can be produced on its own. W
 can repeat (the template space is finite).
 """
 
-import argparse
 import hashlib
 import random
 
@@ -70,8 +71,12 @@ class Solution:
 # writes the solution into `solution`.
 
 def shopping_total(rng, s):
-    name, (_, many), extra = rng.choice(NAMES), rng.choice(ITEMS), rng.choice(EXTRAS)
-    a, p, q = rng.randint(2, 9), rng.randint(2, 12), rng.randint(5, 40)
+    name = rng.choice(NAMES)
+    _, many = rng.choice(ITEMS)
+    extra = rng.choice(EXTRAS)
+    a = rng.randint(2, 9)
+    p = rng.randint(2, 12)
+    q = rng.randint(5, 40)
     question = (f"{name} buys {a} {many} for ${p} each and a {extra} for ${q}. "
                 f"How much does {name} spend in total?")
     s.text(f"The {many} cost {a} x ${p} = ")
@@ -85,7 +90,10 @@ def shopping_total(rng, s):
 def shopping_change(rng, s):
     name = rng.choice(NAMES)
     (_, many), (_, many2) = rng.sample(ITEMS, 2)
-    a, p, b, r = rng.randint(2, 6), rng.randint(2, 9), rng.randint(2, 6), rng.randint(2, 9)
+    a = rng.randint(2, 6)
+    p = rng.randint(2, 9)
+    b = rng.randint(2, 6)
+    r = rng.randint(2, 9)
     m = (a * p + b * r) // 10 * 10 + 10 * rng.randint(1, 5)  # a round amount, more than the total
     question = (f"{name} has ${m}. {name} buys {a} {many} at ${p} each and {b} {many2} at ${r} each. "
                 f"How much money does {name} have left?")
@@ -100,8 +108,10 @@ def shopping_change(rng, s):
 
 
 def sharing_equal(rng, s):
-    name, (_, many) = rng.choice(NAMES), rng.choice(ITEMS)
-    k, each = rng.randint(2, 6), rng.randint(2, 12)
+    name = rng.choice(NAMES)
+    _, many = rng.choice(ITEMS)
+    k = rng.randint(2, 6)
+    each = rng.randint(2, 12)
     total = k * each
     a = rng.choice([d for d in range(2, total) if total % d == 0])  # total = k * each has a divisor in 2..total-1
     b = total // a
@@ -117,7 +127,9 @@ def sharing_equal(rng, s):
 
 def sharing_keep(rng, s):
     name = rng.choice(NAMES)
-    a, b, k = rng.randint(2, 5), rng.randint(4, 12), rng.randint(2, 5)
+    a = rng.randint(2, 5)
+    b = rng.randint(4, 12)
+    k = rng.randint(2, 5)
     t = a * b
     each = rng.randint(1, (t - 1) // k)
     c = t - k * each  # kept: at least 1, and the rest divides evenly
@@ -135,7 +147,9 @@ def sharing_keep(rng, s):
 
 def rate_work(rng, s):
     machine, things = rng.choice(MACHINES)
-    r, h, g = rng.randint(3, 20), rng.randint(2, 8), rng.randint(2, 8)
+    r = rng.randint(3, 20)
+    h = rng.randint(2, 8)
+    g = rng.randint(2, 8)
     question = (f"A {machine} makes {r} {things} per hour. It runs for {h} hours on Monday and {g} hours on "
                 f"Tuesday. How many {things} does it make in total?")
     s.text(f"It runs for {h} + {g} = ")
@@ -148,7 +162,10 @@ def rate_work(rng, s):
 
 def rate_speed(rng, s):
     name = rng.choice(NAMES)
-    v, h, w, g = rng.randint(8, 20), rng.randint(2, 5), rng.randint(3, 6), rng.randint(1, 3)
+    v = rng.randint(8, 20)
+    h = rng.randint(2, 5)
+    w = rng.randint(3, 6)
+    g = rng.randint(1, 3)
     question = (f"{name} cycles at {v} km per hour for {h} hours, then walks at {w} km per hour for {g} hours. "
                 f"How many kilometers does {name} travel in all?")
     s.text(f"Cycling: {v} x {h} = ")
@@ -162,8 +179,10 @@ def rate_speed(rng, s):
 
 
 def rate_savings(rng, s):
-    name, extra = rng.choice(NAMES), rng.choice(EXTRAS)
-    w, n = rng.randint(5, 25), rng.randint(3, 12)
+    name = rng.choice(NAMES)
+    extra = rng.choice(EXTRAS)
+    w = rng.randint(5, 25)
+    n = rng.randint(3, 12)
     c = rng.randint(5, w * n - 1)
     question = (f"{name} saves ${w} every week. After {n} weeks, {name} spends ${c} on a {extra}. "
                 f"How much money does {name} have now?")
@@ -176,7 +195,9 @@ def rate_savings(rng, s):
 
 
 def rate_fill(rng, s):
-    r, minutes, start = rng.randint(2, 12), rng.randint(3, 15), rng.randint(5, 60)
+    r = rng.randint(2, 12)
+    minutes = rng.randint(3, 15)
+    start = rng.randint(5, 60)
     capacity = start + r * minutes
     question = (f"A tank holds {capacity} liters and already has {start} liters in it. A pump adds {r} liters "
                 f"per minute. How many minutes does it take to fill the tank?")
@@ -188,7 +209,8 @@ def rate_fill(rng, s):
     return question, y
 
 
-TEMPLATES = [shopping_total, shopping_change, sharing_equal, sharing_keep, rate_work, rate_speed, rate_savings, rate_fill]
+TEMPLATES = [shopping_total, shopping_change, sharing_equal, sharing_keep,
+             rate_work, rate_speed, rate_savings, rate_fill]
 
 
 def problem_split(calculations):
@@ -211,7 +233,9 @@ class Arithmetic(Task):
         size = DEFAULT_SIZE[split] if size is None else size
         if size < 0:
             raise UserError(f"Arithmetic: size must be >= 0, got {size}")
-        self.split, self.size, self.seed = split, size, seed
+        self.split = split
+        self.size = size
+        self.seed = seed
         super().__init__(**kwargs)
 
     def num_examples(self):
@@ -241,18 +265,3 @@ class Arithmetic(Task):
             return float(predicted) == float(reference)
         except ValueError:
             return False
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    from tasks.common import print_examples
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few Arithmetic examples.")
-    parser.add_argument("--split", default="train", choices=SPLITS)
-    parser.add_argument("-n", type=int, default=3, help="number of examples")
-    args = parser.parse_args(argv)
-    print_examples(Arithmetic(split=args.split), args.n)
-
-
-if __name__ == "__main__":
-    main()

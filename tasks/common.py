@@ -1,13 +1,14 @@
 """
-What every chat task shares: Task (a sliceable view over a dataset of conversations), TaskMixture (a
-deterministic shuffled mix of tasks), render_mc (the multiple-choice prompt format), and hf_download
-(fetching a published dataset file from the Hugging Face hub).
+What every chat task shares: Task, TaskMixture, the multiple-choice prompt and the hub's files.
+
+Task (a sliceable view over a dataset of conversations), TaskMixture (a deterministic shuffled mix of tasks),
+render_mc (the multiple-choice prompt format), and hf_download (fetching a published dataset file from the Hugging
+Face hub).
 
 A conversation is {"messages": [{"role": "user"|"assistant"|"system", "content": str | [parts]}]}, rendered to
 tokens by nanochat.tokenizer.Tokenizer.render_conversation.
 """
 
-import json
 import os
 import random
 import re
@@ -31,7 +32,9 @@ class Task:
     def __init__(self, start=0, stop=None, step=1):
         if start < 0 or step < 1 or (stop is not None and stop < start):
             raise ValueError(f"bad slice: start={start}, stop={stop}, step={step}")
-        self.start, self.stop, self.step = start, stop, step
+        self.start = start
+        self.stop = stop
+        self.step = step
 
     def num_examples(self):
         """Size of the underlying dataset (before slicing)."""
@@ -49,7 +52,7 @@ class Task:
         return float(self.evaluate(conversation, assistant_response))
 
     def task_of(self, i):
-        """The task that scores answers to example i (evaluate, reward): this one (TaskMixture: the one it came from)."""
+        """The task that scores answers to example i (evaluate, reward): this one (a mixture's: the one it is of)."""
         return self
 
     def _range(self):
@@ -155,7 +158,8 @@ def hf_parquet(repo, path, columns):
         raise UserError(f"{local} is not a readable parquet file ({e}); delete it to download it again") from e
     missing = set(columns) - set(table.column_names)
     if missing:
-        raise UserError(f"{local} lacks column(s) {sorted(missing)} (has {table.column_names}): not the published {repo} file")
+        raise UserError(f"{local} lacks column(s) {sorted(missing)} (has {table.column_names}): "
+                        f"not the published {repo} file")
     return table.select(list(columns))
 
 
@@ -176,22 +180,3 @@ def assistant_text(message):
         return content
     return "".join(part["text"] for part in content if part["type"] == "text")
 
-
-def print_examples(task, n):
-    """`python -m tasks.<name>`: a few rendered examples, tokens with the training mask if a tokenizer is
-    trained, else the JSON."""
-    from nanochat.tokenizer import get_tokenizer
-    try:
-        tokenizer = get_tokenizer()
-    except UserError:
-        tokenizer = None
-        print("(no trained tokenizer: printing the conversations as JSON)")
-    print(f"{type(task).__name__}: {len(task):,} examples\n")
-    for i in range(min(n, len(task))):
-        conversation = task[i]
-        if tokenizer is None:
-            print(json.dumps(conversation, indent=2, ensure_ascii=False))
-        else:
-            ids, mask = tokenizer.render_conversation(conversation)
-            print(tokenizer.visualize_tokenization(ids, mask))
-        print("-" * 80)

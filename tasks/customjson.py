@@ -1,6 +1,8 @@
 """
-CustomJSON: conversations of your own, from a JSONL file. Use it for data no public dataset has, e.g. the
-model's identity ("who are you?", "who made you?") or anything a project wants its chat model to know.
+CustomJSON: conversations of your own, from a JSONL file.
+
+Use it for data no public dataset has, e.g. the model's identity ("who are you?", "who made you?") or anything a
+project wants its chat model to know.
 
 File format: one conversation per line, each a JSON array of messages:
 
@@ -18,18 +20,17 @@ Training on a file of your own: docs/examples/conversations.jsonl is one (12 sho
 line, in English and Chinese). `--conversations=FILE` of mid_train and chat_sft reads such a file; the first
 max(1, n // 20) of its n conversations are held out for validation (tasks/registry.py):
 
-    python -m tasks.customjson docs/examples/conversations.jsonl          # check it, print a few
-    python -m scripts.mid_train --mixture=custom --conversations=docs/examples/conversations.jsonl   # the file alone
+    python -m tasks.registry show mid/custom/train --conversations=docs/examples/conversations.jsonl  # check it
+    python -m scripts.mid_train --mixture=custom --conversations=docs/examples/conversations.jsonl    # the file alone
     python -m scripts.chat_sft --mixture=custom --conversations=docs/examples/conversations.jsonl
     python -m scripts.mid_train --mixture=offline --conversations=FILE    # the offline tasks plus the file
 """
 
-import argparse
 import json
 import os
 
 from nanochat.common import UserError
-from tasks.common import Task, print_examples
+from tasks.common import Task
 
 PART_TYPES = ("text", "python", "python_output")
 
@@ -56,9 +57,11 @@ def _check_conversation(messages):
         if isinstance(content, str):
             continue
         if expected == "user" or not isinstance(content, list):
-            return f"message {i} ({expected}) content must be a string" + (" or a list of parts" if expected == "assistant" else "")
+            parts = " or a list of parts" if expected == "assistant" else ""
+            return f"message {i} ({expected}) content must be a string{parts}"
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in PART_TYPES or not isinstance(part.get("text"), str):
+            if (not isinstance(part, dict) or part.get("type") not in PART_TYPES
+                    or not isinstance(part.get("text"), str)):
                 return f"message {i} part {j} must be {{'type': one of {', '.join(PART_TYPES)}, 'text': str}}"
     if turns[-1]["role"] != "assistant":
         return "the last message must be the assistant's (there is nothing to train on after a user message)"
@@ -82,7 +85,8 @@ class CustomJSON(Task):
                 try:
                     messages = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{filepath}, line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                    problem = f"not valid JSON ({e.msg} at column {e.colno})"
+                    raise UserError(f"{filepath}, line {lineno}: {problem}") from None
                 problem = _check_conversation(messages)
                 if problem:
                     raise UserError(f"{filepath}, line {lineno}: {problem}")
@@ -99,19 +103,3 @@ class CustomJSON(Task):
 
     def evaluate(self, conversation, assistant_response):
         raise NotImplementedError("CustomJSON has no automatic evaluation: use it for training")
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Check a CustomJSON file and print a few rendered conversations.")
-    parser.add_argument("filepath", help="JSONL file, one JSON array of messages per line")
-    parser.add_argument("-n", type=int, default=3, help="number of examples")
-    args = parser.parse_args(argv)
-    task = CustomJSON(args.filepath)
-    print(f"{args.filepath}: {len(task):,} conversations, all valid")
-    print_examples(task, args.n)
-
-
-if __name__ == "__main__":
-    main()

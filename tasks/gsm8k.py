@@ -1,5 +1,6 @@
 r"""
 GSM8K (openai/gsm8k): 8.5K grade-school math word problems whose worked solutions use a calculator.
+
 Generative: the model writes a solution ending in "#### <number>", and evaluate() checks that number.
 
 Files, fetched once each from the Hugging Face hub (tasks.common.hf_download) and read with pyarrow:
@@ -28,11 +29,10 @@ Note the result also appears in the text right after the annotation ("...<<48/2=
 is how the solutions are written, and the model learns to copy the tool's output into its sentence.
 """
 
-import argparse
 import re
 
 
-from tasks.common import Task, hf_parquet, extract_answer, print_examples, check_choice
+from tasks.common import Task, hf_parquet, extract_answer, check_choice
 
 REPO = "openai/gsm8k"
 SUBSETS = ("main", "socratic")
@@ -110,18 +110,3 @@ class GSM8K(Task):
             raise ValueError("the reference answer has no '#### <number>' line")
         predicted = extract_answer(assistant_response)
         return predicted is not None and _same_number(predicted, ref_number)
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few rendered GSM8K examples (downloads the split once).")
-    parser.add_argument("--subset", default="main", choices=SUBSETS)
-    parser.add_argument("--split", default="test", choices=SPLITS)
-    parser.add_argument("-n", type=int, default=3, help="number of examples")
-    args = parser.parse_args(argv)
-    print_examples(GSM8K(subset=args.subset, split=args.split), args.n)
-
-
-if __name__ == "__main__":
-    main()

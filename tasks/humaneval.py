@@ -1,7 +1,8 @@
 """
-HumanEval (openai/openai_humaneval): 164 hand-written Python programming problems. The user turn is the start
-of a program (imports, sometimes helper functions, then the signature and docstring of the function to write);
-the assistant writes the function; unit tests decide. Generative, scored by running code.
+HumanEval (openai/openai_humaneval): 164 hand-written Python programming problems, scored by running code.
+
+The user turn is the start of a program (imports, sometimes helper functions, then the signature and docstring of
+the function to write); the assistant writes the function; unit tests decide. Generative.
 
 File, fetched once from the Hugging Face hub (tasks.common.hf_download) and read with pyarrow:
     openai/openai_humaneval  openai_humaneval/test-00000-of-00001.parquet    164 problems (the only split)
@@ -19,18 +20,18 @@ How evaluate() runs a response (see also nanochat/execution.py for what guards t
 3. It passes when the program runs to the end (exit status 0) within the time limit.
 """
 
-import argparse
 import re
 
 from nanochat.execution import execute_code
-from tasks.common import Task, hf_parquet, print_examples
+from tasks.common import Task, hf_parquet
 
 REPO = "openai/openai_humaneval"
 PATH = "openai_humaneval/test-00000-of-00001.parquet"
 COLUMNS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
 TIMEOUT = 5.0  # seconds per program: interpreter start-up plus the tests (the canonical solutions take < 1 s)
 
-FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)  # ```python\n...``` (an unclosed fence runs to the end)
+# ```python\n...``` (an unclosed fence runs to the end)
+FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 def extract_code(response):
@@ -77,16 +78,3 @@ class HumanEval(Task):
         program = build_program(conversation["prompt"], extract_code(assistant_response), conversation["test"],
                                 conversation["entry_point"])
         return execute_code(program, timeout=TIMEOUT).success
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few rendered HumanEval problems (downloads the file once).")
-    parser.add_argument("-n", type=int, default=3, help="number of examples")
-    args = parser.parse_args(argv)
-    print_examples(HumanEval(), args.n)
-
-
-if __name__ == "__main__":
-    main()

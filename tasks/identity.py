@@ -1,5 +1,6 @@
 """
 Identity: synthetic conversations about who the model is, generated offline from templates (no download).
+
 A model trained from scratch knows nothing about itself; without these it would claim to be whatever its
 training text says (often "ChatGPT, made by OpenAI").
 
@@ -18,7 +19,6 @@ conversation lists are deterministic. Split: a conversation belongs to the test 
 JSON falls in bucket 0 of 10, else to train: the splits never share a conversation.
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -51,7 +51,8 @@ INTENTS = {
          "Which company made you?", "Who is your creator?", "who developed you"],
         [["I was made with " + PROJECT + ".", "I come from " + PROJECT + ".",
           "I was trained by " + PROJECT + "."],
-         ["Anyone can run its code and train a model like me.", "Its code is open, so you can train your own copy of me.",
+         ["Anyone can run its code and train a model like me.",
+          "Its code is open, so you can train your own copy of me.",
           "I'm not a product of a big company.", ""]],
         ["nanochat", "open-source"],
     ),
@@ -86,7 +87,8 @@ INTENTS = {
     "training": (
         ["How were you trained?", "How big are you?", "How many parameters do you have?", "How did you learn to talk?",
          "What data were you trained on?"],
-        [["I was trained from scratch: first on plain text, to predict the next token, then on conversations like this one.",
+        [["I was trained from scratch: first on plain text, to predict the next token, "
+          "then on conversations like this one.",
           "I was trained from scratch on plain text, then midtrained and finetuned on conversations."],
          ["My size depends on the run that trained me; I am small compared with the big chat models.",
           "I'm a small model, so the whole training can run on a single machine.", ""],
@@ -208,7 +210,8 @@ class Identity(Task):
         size = DEFAULT_SIZE[split] if size is None else size
         if size < 0:
             raise UserError(f"Identity: size must be >= 0, got {size}")
-        self.split, self.seed = split, seed
+        self.split = split
+        self.seed = seed
         self.conversations = _take(_stream(seed, split), size, f"{split} identity conversations")
         super().__init__(**kwargs)
 
@@ -223,24 +226,3 @@ class Identity(Task):
         """True when the response contains every keyword of the question's intent (whole words, any case)."""
         return all(re.search(rf"(?<!\w){re.escape(k)}(?!\w)", assistant_response, re.IGNORECASE)
                    for k in conversation["keywords"])
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    from tasks.common import print_examples
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few identity conversations, or write them as JSONL.")
-    parser.add_argument("--split", default="train", choices=SPLITS)
-    parser.add_argument("-n", type=int, default=3, help="number of examples to print / conversations to write")
-    parser.add_argument("--write", metavar="PATH", default=None,
-                        help="write n conversations to PATH (JSONL for tasks.customjson) instead of printing")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.write:
-        print(f"wrote {args.n:,} conversations to {write_identity_jsonl(args.write, n=args.n, seed=args.seed)}")
-    else:
-        print_examples(Identity(split=args.split, seed=args.seed), args.n)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,8 @@
 """
-MMLU (cais/mmlu): four-choice questions on 57 subjects, from elementary mathematics to law. Categorical:
-the user turn is the question rendered by tasks.common.render_mc, the assistant answers one letter A-D.
+MMLU (cais/mmlu): four-choice questions on 57 subjects, from elementary mathematics to law.
+
+Categorical: the user turn is the question rendered by tasks.common.render_mc, the assistant answers one letter
+A-D.
 
 Files, fetched once each from the Hugging Face hub (tasks.common.hf_download) and read with pyarrow:
     cais/mmlu  all/test-00000-of-00001.parquet                 14,042 questions (the benchmark)
@@ -12,11 +14,10 @@ auxiliary_train is published differently: ONE column `train`, a struct holding t
 flattened on load, and either layout is accepted for every file.
 """
 
-import argparse
 
 
 from nanochat.common import UserError
-from tasks.common import Task, hf_parquet, render_mc, print_examples, check_choice
+from tasks.common import Task, hf_parquet, render_mc, check_choice
 
 REPO = "cais/mmlu"
 SPLITS = {"all": ("test", "validation", "dev"), "auxiliary_train": ("train",)}
@@ -45,7 +46,8 @@ class MMLU(Task):
         row = {name: self.table.column(name)[index].as_py() for name in COLUMNS}
         choices = row["choices"]
         if len(choices) != len(LETTERS) or not 0 <= row["answer"] < len(choices):
-            raise ValueError(f"MMLU row {index}: expected 4 choices and an answer in 0-3, got {len(choices)} and {row['answer']}")
+            raise ValueError(f"MMLU row {index}: expected 4 choices and an answer in 0-3, "
+                             f"got {len(choices)} and {row['answer']}")
         return {
             "messages": [
                 {"role": "user", "content": render_mc(row["question"], LETTERS, choices)},
@@ -58,19 +60,3 @@ class MMLU(Task):
     def evaluate(self, conversation, assistant_response):
         """True when the response (a letter; surrounding spaces ignored) is the reference letter."""
         return assistant_response.strip() == conversation["messages"][-1]["content"]
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few rendered MMLU examples (downloads the split once).")
-    parser.add_argument("--subset", default="all", choices=list(SPLITS))
-    parser.add_argument("--split", default=None, help="all: test|validation|dev (default dev); auxiliary_train: train")
-    parser.add_argument("-n", type=int, default=3, help="number of examples")
-    args = parser.parse_args(argv)
-    split = args.split or SPLITS[args.subset][-1]
-    print_examples(MMLU(subset=args.subset, split=split), args.n)
-
-
-if __name__ == "__main__":
-    main()

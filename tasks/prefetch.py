@@ -1,6 +1,7 @@
 """
-Download, once, every file the chat stages and evaluations of a real (GPU) run read, so that a run never
-discovers in the middle of a training stage that the network is down:
+The prefetch: every file the chat stages and evaluations of a real (GPU) run read, downloaded once up front.
+
+So that a run never discovers in the middle of a training stage that the network is down:
 
     python -m tasks.prefetch            # the task files (the splits real runs read of every task of tasks/registry.py
                                         # that downloads: SmolTalk, MMLU, GSM8K, ARC, HumanEval), DCLM's CORE bundle,

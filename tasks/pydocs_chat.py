@@ -1,7 +1,8 @@
 """
-PydocsChat and PydocsMC: synthetic chat tasks built offline (no download) from the documentation of the
-running Python, nanochat.pydocs.pydocs_entries() (the records the pydocs pretraining corpus is made of).
-A model pretrained on pydocs has read these docstrings; these tasks teach it to answer questions about them.
+PydocsChat and PydocsMC: synthetic chat tasks built offline from the documentation of the running Python.
+
+No download: the records are nanochat.pydocs.pydocs_entries(), what the pydocs pretraining corpus is made of. A
+model pretrained on pydocs has read these docstrings; these tasks teach it to answer questions about them.
 
     PydocsChat  user:      What does json.dumps do?
                 assistant: `json.dumps(obj, *, skipkeys=False, ...)` is a function of the `json` module.
@@ -21,7 +22,6 @@ masked documentation would fit as well). The entries, and so the examples, depen
 installation (7,987 entries for CPython 3.11: 7,188 train, 799 test).
 """
 
-import argparse
 import functools
 import random
 import re
@@ -110,7 +110,8 @@ class _PydocsTask(Task):
     name = "pydocs"
 
     def __init__(self, split="train", seed=0, **kwargs):
-        self.split, self.seed = split, seed
+        self.split = split
+        self.seed = seed
         self.entries = [r for r in entries(split) if self._keep(r)]
         super().__init__(**kwargs)
 
@@ -131,7 +132,8 @@ QUESTIONS = {
               "Tell me about {name}.", "What does the documentation say about {name}?"],
     "module": ["What is the {name} module for?", "What does the {name} module do?", "Tell me about the {name} module.",
                "What is {name} in the Python standard library?", "why would I import {name}"],
-    "topic": ["What does the Python documentation say about {name}?", "Explain the '{name}' topic of the Python reference.",
+    "topic": ["What does the Python documentation say about {name}?",
+              "Explain the '{name}' topic of the Python reference.",
               "Show me help('{name}').", "Can you explain '{name}' in Python?"],
 }
 QUESTIONS["method"] = QUESTIONS["function"]
@@ -139,7 +141,9 @@ QUESTIONS["method"] = QUESTIONS["function"]
 
 def describe(record):
     """The first line of a PydocsChat answer: what the entry is and where it lives."""
-    kind, name, module = record["kind"], record["name"], record["module"]
+    kind = record["kind"]
+    name = record["name"]
+    module = record["module"]
     signature = trim_signature(record["signature"])
     if kind == "function":
         return f"`{name}{signature}` is a function of the `{module}` module."
@@ -181,9 +185,15 @@ class PydocsChat(_PydocsTask):
 
 def masked_documentation(record, limit=MC_DOC_CHARS):
     """The entry's corpus header and trimmed docstring with its name (qualified and last part) replaced by ____."""
-    name, kind = record["name"], record["kind"]
+    name = record["name"]
+    kind = record["kind"]
     signature = trim_signature(record["signature"])
-    header = f"module {MASK}" if kind == "module" else f"class {MASK}{signature}" if kind == "class" else f"{MASK}{signature}"
+    if kind == "module":
+        header = f"module {MASK}"
+    elif kind == "class":
+        header = f"class {MASK}{signature}"
+    else:
+        header = f"{MASK}{signature}"
     text = f"{header}\n\n{trim_doc(record['docstring'], limit)}"
     # The qualified name first (not inside a longer dotted name), then its last part anywhere (`obj.dumps`,
     # and in the signature: `class Random(_random.Random)`)
@@ -231,20 +241,3 @@ class PydocsMC(_PydocsTask):
     def evaluate(self, conversation, assistant_response):
         """True when the response (a letter; surrounding spaces ignored) is the reference letter."""
         return assistant_response.strip() == conversation["messages"][-1]["content"]
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    from tasks.common import print_examples
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few PydocsChat and PydocsMC examples.")
-    parser.add_argument("--split", default="train", choices=SPLITS)
-    parser.add_argument("-n", type=int, default=3, help="number of examples per task")
-    parser.add_argument("--step", type=int, default=997, help="show entries 0, step, 2*step, ... (spread over modules)")
-    args = parser.parse_args(argv)
-    print_examples(PydocsChat(split=args.split, step=args.step), args.n)
-    print_examples(PydocsMC(split=args.split, step=args.step), args.n)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,35 +1,45 @@
 """
-The chat tasks, each declared once (TASKS below): what the chat stages train on, what chat_eval scores, what the
-report card shows and what tasks.prefetch downloads are all read from here.
+The chat tasks and their mixtures, each declared once.
 
-    python -m tasks.registry            prints every mixture's tasks, in order (nothing is built or downloaded)
+What the chat stages train on, what chat_eval scores, what the report card shows and what tasks.prefetch downloads
+are all read from here.
 
-An entry (ChatTask) says, for one task:
+    python -m tasks.registry              every mixture's tasks, in order (nothing is built or downloaded)
+    python -m tasks.registry show NAME    a task or a mixture: its size(s), composition and a few rendered examples
+
+A task (ChatTask, in TASKS) holds what is its own:
 - its name: the one chat_eval's -a takes, its accuracy's key in the report, its key in SFT's accuracy metrics;
 - how to build a split: build(split=..., **kwargs), a Task (tasks/common.py);
 - hub: the Hugging Face dataset repos it downloads (tasks.prefetch fetches what real runs read; the tests' hub
   serves their fixtures, tests/fixtures/tasks/<repo>, where there are some);
 - chatcore: the accuracy of guessing, for a task in ChatCORE (scored on build(split="test")); card: its label on the
-  report card. ChatCORE, chat_eval -a all and the report card list their tasks in the order of TASKS;
-- places: {mixture: at(slot, split, copies, **kwargs)}, where it goes in each mixture (MIXTURES below) and how much of
-  it: slot is its position in that mixture's list of tasks (the list's order is part of TaskMixture's shuffle),
-  build(split=split, **kwargs) what is read (size, seed, stop, step: the task's own arguments), copies how many
-  times it is listed (2: its examples twice, oversampled). The offline tasks' test split ("offline/test") is Offline
-  ChatCORE (chat_eval -a offline) and the validation of the offline stages, each on the tasks it trains on.
+  report card (chat_eval writes the labels into its report section). ChatCORE, chat_eval -a all and the report card
+  list their tasks in the order of TASKS;
+- settings: the script settings build() takes (e.g. identity_file).
+
+A mixture (MIXTURES: {name: (who reads it, [use(...), ...])}) is an ordered list of uses. use(task, split, copies,
+**kwargs) reads the task's build(split=split, **kwargs) (size, seed, stop, step: the task's own arguments), listed
+`copies` times (2: its examples twice, oversampled). The list's order is part of TaskMixture's shuffle. The offline
+tasks' test split ("offline/test") is Offline ChatCORE (chat_eval -a offline) and the validation of the offline
+stages, each on the tasks it trains on.
 
 Your own conversations (--conversations=FILE of mid_train and chat_sft, a CustomJSON file: tasks/customjson.py) are
 the task Conversations: the whole of a custom mixture (--mixture=custom: the file alone, e.g. for a model in another
 language), and one more task, the last, of a real or offline mixture when the file is given. Its rule, the same in
 every mixture: the first max(1, n // 20) of the file's n conversations are validation, the rest training.
 
-Adding a task: write its module (a Task subclass, see tasks/common.py), and add its ChatTask to TASKS. Nothing else
-needs to change: the scripts, the report card, prefetch and the tests' file server all read this list
-(tests/test_task_registry.py registers a task at runtime and checks that each of them sees it).
+Adding a task: write its module (a Task subclass, see tasks/common.py), add its ChatTask to TASKS and a use of it to
+each mixture it joins; a new mixture is one more list. Nothing else needs to change: the scripts, the report card,
+prefetch and the tests' file server all read these (tests/test_task_registry.py registers a task at runtime, puts it
+in mixtures and checks that each of them sees it).
 """
 
+import argparse
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 from nanochat.common import UserError, get_base_dir
 from tasks import arc, gsm8k, humaneval, mmlu, smoltalk
@@ -45,47 +55,15 @@ from tasks.pydocs_chat import PydocsChat, PydocsMC
 from tasks.smoltalk import SmolTalk
 from tasks.spellingbee import SimpleSpelling, SpellingBee
 
-# Every mixture a task can have a place in: {name: who reads it}
-MIXTURES = {
-    "mid/real/train": "scripts/mid_train.py --mixture=real",
-    "mid/real/val": "its validation bpb",
-    "sft/real/train": "scripts/chat_sft.py --mixture=real",
-    "sft/real/val": "its validation bpb",
-    "sft/real/metrics": "its multiple-choice accuracy during training",
-    "rl/real/train": "scripts/chat_rl.py --mixture=real",
-    "rl/real/val": "its pass@k",
-    "mid/offline/train": "scripts/mid_train.py --mixture=offline",
-    "sft/offline/train": "scripts/chat_sft.py --mixture=offline: other examples of midtraining's tasks",
-    "sft/offline/metrics": "its multiple-choice accuracy during training",
-    "rl/offline/train": "scripts/chat_rl.py --mixture=offline: other examples again",
-    "offline/test": "chat_eval -a offline, Offline ChatCORE; the offline stages' validation",
-    "mid/custom/train": "scripts/mid_train.py --mixture=custom --conversations=FILE; with real or offline: added to theirs",
-    "mid/custom/val": "its validation bpb (the first max(1, n // 20) conversations of FILE)",
-    "sft/custom/train": "scripts/chat_sft.py --mixture=custom --conversations=FILE; with real or offline: added to theirs",
-    "sft/custom/val": "its validation bpb",
-    "sft/custom/metrics": "none: free-text conversations have no choices to score",
-}
-
-
-def at(slot, split, copies=1, **kwargs):
-    """A place in a mixture (see the module docstring): slot, build(split=split, **kwargs), listed `copies` times."""
-    return slot, split, copies, kwargs
-
 
 @dataclass
 class ChatTask:
     name: str
     build: object  # build(split=..., **kwargs) -> Task
-    places: dict = field(default_factory=dict)  # {mixture: at(...)}
     hub: tuple = ()  # Hugging Face dataset repos it downloads
     chatcore: float | None = None  # in ChatCORE: the accuracy of guessing
     card: str | None = None  # its label on the report card (None: not on it)
     settings: tuple = ()  # the script settings build() takes (e.g. identity_file)
-
-    def build_at(self, mixture, **settings):
-        """This task as placed in `mixture` (one Task, however many copies); `settings`: the script's, e.g. identity_file."""
-        _, split, _, kwargs = self.places[mixture]
-        return self.build(split=split, **{k: v for k, v in settings.items() if k in self.settings}, **kwargs)
 
 
 def _mmlu(split, **kwargs):
@@ -99,8 +77,10 @@ def _humaneval(split, **kwargs):
 
 
 def identity_jsonl(identity_file=""):
-    """The identity conversations a real run reads: `identity_file` (--identity_file), else the built-in ones, written
-    to the base dir (by every run that reads them; tasks.prefetch writes them up front)."""
+    """
+    The identity conversations a real run reads: `identity_file` (--identity_file), else the built-in ones, written
+    to the base dir (by every run that reads them; tasks.prefetch writes them up front).
+    """
     return identity_file or write_identity_jsonl(os.path.join(get_base_dir(), "identity_conversations.jsonl"))
 
 
@@ -129,8 +109,10 @@ def conversations_split(conversations):
 
 
 def check_conversations(kind, conversations=""):
-    """The scripts' check of --mixture and --conversations, at start-up: custom needs a file; a given file must hold at
-    least 2 conversations (conversations_split). UserError otherwise."""
+    """
+    The scripts' check of --mixture and --conversations, at start-up: custom needs a file; a given file must hold at
+    least 2 conversations (conversations_split). UserError otherwise.
+    """
     if kind == "custom" and not conversations:
         raise UserError("--mixture=custom trains on your own conversations alone: give their file with "
                         "--conversations=PATH (JSONL, one JSON array of messages per line: tasks/customjson.py)")
@@ -140,103 +122,146 @@ def check_conversations(kind, conversations=""):
 
 def _conversations(split, conversations=""):
     # split "val": the first max(1, n // 20) conversations of the file; "train": the rest (conversations_split)
+    check_choice("Conversations split", split, ("train", "val"))
     held_out, _ = conversations_split(conversations)
     return CustomJSON(conversations, stop=held_out) if split == "val" else CustomJSON(conversations, start=held_out)
 
 
 TASKS = [
     # ChatCORE's six, in the order of its reports
-    ChatTask("ARC-Easy", partial(ARC, subset="ARC-Easy"), hub=(arc.REPO,), chatcore=0.25, card="ARC-E", places={
-        "sft/real/train": at(0, "train"),  # 2.3K multiple-choice science questions
-        "sft/real/metrics": at(1, "test")}),
-    ChatTask("ARC-Challenge", partial(ARC, subset="ARC-Challenge"), hub=(arc.REPO,), chatcore=0.25, card="ARC-C", places={
-        "sft/real/train": at(1, "train")}),  # 1.1K harder ones
-    ChatTask("MMLU", _mmlu, hub=(mmlu.REPO,), chatcore=0.25, card="MMLU", places={
-        "mid/real/train": at(1, "train"),  # multiple choice
-        "mid/real/val": at(1, "test", stop=5200),
-        "sft/real/metrics": at(0, "test")}),
-    ChatTask("GSM8K", partial(GSM8K, subset="main"), hub=(gsm8k.REPO,), chatcore=0.0, card="GSM8K", places={
-        "mid/real/train": at(2, "train"),  # 8K math problems with calculator tool calls
-        "mid/real/val": at(2, "test", stop=420),
-        "sft/real/train": at(2, "train"),
-        "rl/real/train": at(0, "train"),
-        "rl/real/val": at(0, "test")}),
+    ChatTask("ARC-Easy", partial(ARC, subset="ARC-Easy"), hub=(arc.REPO,), chatcore=0.25, card="ARC-E"),
+    ChatTask("ARC-Challenge", partial(ARC, subset="ARC-Challenge"), hub=(arc.REPO,), chatcore=0.25, card="ARC-C"),
+    ChatTask("MMLU", _mmlu, hub=(mmlu.REPO,), chatcore=0.25, card="MMLU"),
+    ChatTask("GSM8K", partial(GSM8K, subset="main"), hub=(gsm8k.REPO,), chatcore=0.0, card="GSM8K"),
     ChatTask("HumanEval", _humaneval, hub=(humaneval.REPO,), chatcore=0.0, card="HumanEval"),
-    ChatTask("SpellingBee", SpellingBee, chatcore=0.0, card="SpellingBee", places={
-        "mid/real/train": at(6, "train"),  # count letters, with a python tool call
-        "sft/real/train": at(6, "train", size=300),
-        "mid/offline/train": at(0, "train", size=700),
-        "sft/offline/train": at(0, "train", size=700, seed=1),
-        "rl/offline/train": at(0, "train", size=700, seed=2),
-        "offline/test": at(0, "test", size=100)}),
+    ChatTask("SpellingBee", SpellingBee, chatcore=0.0, card="SpellingBee"),
     # The other tasks of the real mixtures
-    ChatTask("SmolTalk", SmolTalk, hub=(smoltalk.REPO,), places={
-        "mid/real/train": at(0, "train"),  # general conversations
-        "mid/real/val": at(0, "test"),
-        "sft/real/train": at(3, "train", stop=10_000),
-        "sft/real/val": at(0, "test")}),
-    ChatTask("Identity", _identity, settings=("identity_file",), places={
-        "mid/real/train": at(3, "jsonl", copies=2),  # who am I; listed twice = oversampled 2x
-        "sft/real/train": at(4, "jsonl"),
-        "mid/offline/train": at(5, "train", copies=2, size=200),
-        "sft/offline/train": at(5, "train", copies=2, size=200, seed=1),
-        "rl/offline/train": at(2, "train", size=200, seed=2),
-        "offline/test": at(5, "test", size=50)}),
-    ChatTask("SimpleSpelling", SimpleSpelling, places={
-        "mid/real/train": at(5, "train"),  # spell a word letter by letter
-        "sft/real/train": at(5, "train", size=300),
-        "mid/offline/train": at(1, "train", size=500),
-        "sft/offline/train": at(1, "train", size=500, seed=1),
-        "offline/test": at(1, "test", size=60)}),
-    # The offline tasks (why these sizes, and which examples each stage reads: tasks/offline.py)
-    ChatTask("Arithmetic", Arithmetic, places={
-        "mid/offline/train": at(2, "train", size=800),  # word problems with calculator calls, "#### answer"
-        "sft/offline/train": at(2, "train", size=800, seed=1),
-        "rl/offline/train": at(1, "train", size=800, seed=2),
-        "offline/test": at(2, "test", size=120)}),
-    ChatTask("PydocsChat", PydocsChat, places={
-        "mid/offline/train": at(3, "train", step=9),  # ~800 of the 7,188 training entries, all modules
-        "sft/offline/train": at(3, "train", step=9, start=4),  # the entries between midtraining's
-        "offline/test": at(3, "test", step=5)}),  # ~160 of the 799 test entries
-    ChatTask("PydocsMC", PydocsMC, places={
-        "mid/offline/train": at(4, "train", step=16),  # ~450 multiple-choice questions (1 trained token)
-        "sft/offline/train": at(4, "train", step=16, start=8),
-        "sft/offline/metrics": at(0, "test", step=8),
-        # all 791: a small model answers them at chance, and 99 of them moved Offline ChatCORE by +-0.007 between two
-        # models of one pipeline, as much as a stage's gain (bench/RESULTS.md)
-        "offline/test": at(4, "test")}),
+    ChatTask("SmolTalk", SmolTalk, hub=(smoltalk.REPO,)),
+    ChatTask("Identity", _identity, settings=("identity_file",)),
+    ChatTask("SimpleSpelling", SimpleSpelling),
+    # The offline tasks (why these: the offline mixtures below)
+    ChatTask("Arithmetic", Arithmetic),
+    ChatTask("PydocsChat", PydocsChat),
+    ChatTask("PydocsMC", PydocsMC),
     # Your own conversations (--conversations=FILE): a custom mixture's only task; added to a real or offline mixture
     # by stage_tasks, since it is there only when a file is given
-    ChatTask("Conversations", _conversations, settings=("conversations",), places={
-        "mid/custom/train": at(0, "train"),
-        "mid/custom/val": at(0, "val"),
-        "sft/custom/train": at(0, "train"),
-        "sft/custom/val": at(0, "val")}),
+    ChatTask("Conversations", _conversations, settings=("conversations",)),
 ]
 
 
-def check(task, tasks):
-    """UserError unless `task` can join `tasks`: a new name, known mixtures, and no slot another task holds."""
-    if any(other.name == task.name for other in tasks):
-        raise UserError(f"chat task {task.name!r} is registered twice")
-    for mixture, (slot, _, copies, _) in task.places.items():
-        if mixture not in MIXTURES:
-            raise UserError(f"chat task {task.name!r}: unknown mixture {mixture!r} (known: {', '.join(MIXTURES)})")
-        if copies < 1:
-            raise UserError(f"chat task {task.name!r}: copies must be >= 1 in {mixture}")
-        for other in tasks:
-            if other.places.get(mixture, (None,))[0] == slot:
-                raise UserError(f"chat task {task.name!r}: slot {slot} of {mixture} is taken by {other.name!r}")
+class Use(NamedTuple):
+    task: str  # the name of a task of TASKS
+    split: str
+    copies: int  # how many times it is listed (2: its examples twice, oversampled)
+    kwargs: dict  # the task's own arguments: size, seed, stop, step
 
 
-for _i, _task in enumerate(TASKS):
-    check(_task, TASKS[:_i])
+def use(task, split, copies=1, **kwargs):
+    """One entry of a mixture: task `task` read as its build(split=split, **kwargs), listed `copies` times."""
+    return Use(task, split, copies, kwargs)
 
 
-def register(task):
-    """Add a task at runtime (TASKS itself is where a task of this repository is declared)."""
-    check(task, TASKS)
-    TASKS.append(task)
+# Every mixture: {name: (who reads it, [use(...), ...] in order)}
+MIXTURES = {
+    "mid/real/train": ("scripts/mid_train.py --mixture=real", [
+        use("SmolTalk", "train"),  # general conversations
+        use("MMLU", "train"),  # multiple choice
+        use("GSM8K", "train"),  # 8K math problems with calculator tool calls
+        use("Identity", "jsonl", copies=2),  # who am I; listed twice = oversampled 2x
+        use("SimpleSpelling", "train"),  # spell a word letter by letter
+        use("SpellingBee", "train"),  # count letters, with a python tool call
+    ]),
+    "mid/real/val": ("its validation bpb", [
+        use("SmolTalk", "test"),
+        use("MMLU", "test", stop=5200),
+        use("GSM8K", "test", stop=420),
+    ]),
+    "sft/real/train": ("scripts/chat_sft.py --mixture=real", [
+        use("ARC-Easy", "train"),  # 2.3K multiple-choice science questions
+        use("ARC-Challenge", "train"),  # 1.1K harder ones
+        use("GSM8K", "train"),
+        use("SmolTalk", "train", stop=10_000),
+        use("Identity", "jsonl"),
+        use("SimpleSpelling", "train", size=300),
+        use("SpellingBee", "train", size=300),
+    ]),
+    "sft/real/val": ("its validation bpb", [
+        use("SmolTalk", "test"),
+    ]),
+    "sft/real/metrics": ("its multiple-choice accuracy during training", [
+        use("MMLU", "test"),
+        use("ARC-Easy", "test"),
+    ]),
+    "rl/real/train": ("scripts/chat_rl.py --mixture=real", [
+        use("GSM8K", "train"),
+    ]),
+    "rl/real/val": ("its pass@k", [
+        use("GSM8K", "test"),
+    ]),
+    # The offline mixtures: synthetic tasks that need no download, so midtraining and chat evaluation run anywhere (a
+    # laptop, CI, a machine without internet), and a small model is measured on things it can learn. Every task and
+    # its split are deterministic and documented in its module; train and test never share a word (spelling), a
+    # problem (arithmetic), a documentation entry (pydocs) or a conversation (identity). The sizes let a CPU-sized
+    # midtraining (speedrun.sh's CPU path: a depth-4 model reads 60 x 4,096 = 246k tokens) see most of every task:
+    # 3,644 training conversations (~350k tokens with a 4,096-token pydocs tokenizer) and 1,281 test conversations
+    # (~154k tokens) for CPython 3.11.
+    # SFT reads other examples of the same train splits than midtraining (the generators' seed 1, the pydocs entries
+    # between midtraining's; a few generated examples repeat, the template space being finite): on the same ones
+    # again it only overfits (bench/RESULTS.md, "The CPU speedrun's chat stages"). RL reads others again (seed 2), of
+    # the tasks whose answers a program checks and that a speedrun-sized model gets right at times, so that its
+    # sampled answers differ in reward: SpellingBee, Arithmetic, Identity. SimpleSpelling and PydocsChat it never gets
+    # right at that size (every answer rewarded 0: nothing to learn, only sampling to pay for), and PydocsMC is scored
+    # by its logits, not an answer. On arithmetic alone, RL drifted the other tasks and lowered the speedrun's Offline
+    # ChatCORE (bench/RESULTS.md).
+    "mid/offline/train": ("scripts/mid_train.py --mixture=offline", [
+        use("SpellingBee", "train", size=700),
+        use("SimpleSpelling", "train", size=500),
+        use("Arithmetic", "train", size=800),  # word problems with calculator calls, "#### answer"
+        use("PydocsChat", "train", step=9),  # ~800 of the 7,188 training entries, all modules
+        use("PydocsMC", "train", step=16),  # ~450 multiple-choice questions (1 trained token)
+        use("Identity", "train", copies=2, size=200),
+    ]),
+    "sft/offline/train": ("scripts/chat_sft.py --mixture=offline: other examples of midtraining's tasks", [
+        use("SpellingBee", "train", size=700, seed=1),
+        use("SimpleSpelling", "train", size=500, seed=1),
+        use("Arithmetic", "train", size=800, seed=1),
+        use("PydocsChat", "train", step=9, start=4),  # the entries between midtraining's
+        use("PydocsMC", "train", step=16, start=8),
+        use("Identity", "train", copies=2, size=200, seed=1),
+    ]),
+    "sft/offline/metrics": ("its multiple-choice accuracy during training", [
+        use("PydocsMC", "test", step=8),
+    ]),
+    "rl/offline/train": ("scripts/chat_rl.py --mixture=offline: other examples again", [
+        use("SpellingBee", "train", size=700, seed=2),
+        use("Arithmetic", "train", size=800, seed=2),
+        use("Identity", "train", size=200, seed=2),
+    ]),
+    "offline/test": ("chat_eval -a offline, Offline ChatCORE; the offline stages' validation", [
+        use("SpellingBee", "test", size=100),
+        use("SimpleSpelling", "test", size=60),
+        use("Arithmetic", "test", size=120),
+        use("PydocsChat", "test", step=5),  # ~160 of the 799 test entries
+        # all 791: a small model answers them at chance, and 99 of them moved Offline ChatCORE by +-0.007 between two
+        # models of one pipeline, as much as a stage's gain (bench/RESULTS.md)
+        use("PydocsMC", "test"),
+        use("Identity", "test", size=50),
+    ]),
+    # Your own conversations: the whole of a custom mixture; with real or offline, one more task (stage_tasks)
+    "mid/custom/train": (
+        "scripts/mid_train.py --mixture=custom --conversations=FILE; with real or offline: added to theirs",
+        [use("Conversations", "train")]),
+    "mid/custom/val": ("its validation bpb (the first max(1, n // 20) conversations of FILE)", [
+        use("Conversations", "val"),
+    ]),
+    "sft/custom/train": (
+        "scripts/chat_sft.py --mixture=custom --conversations=FILE; with real or offline: added to theirs",
+        [use("Conversations", "train")]),
+    "sft/custom/val": ("its validation bpb", [
+        use("Conversations", "val"),
+    ]),
+    "sft/custom/metrics": ("none: free-text conversations have no choices to score", []),
+}
 
 
 def find(name):
@@ -247,19 +272,64 @@ def find(name):
     raise UserError(f"unknown chat task {name!r}: tasks/registry.py has {', '.join(t.name for t in TASKS)}")
 
 
-def placed(mixture):
-    """The tasks that have a place in `mixture`, in slot order."""
+def uses(mixture):
+    """
+    The uses of `mixture`, in order. UserError for an unknown mixture, a use that names no registered task, or one
+    listed fewer than once.
+    """
     if mixture not in MIXTURES:
         raise UserError(f"unknown mixture {mixture!r} (known: {', '.join(MIXTURES)})")
-    return sorted((task for task in TASKS if mixture in task.places), key=lambda task: task.places[mixture][0])
+    _, entries = MIXTURES[mixture]
+    names = [task.name for task in TASKS]
+    for entry in entries:
+        if entry.task not in names:
+            raise UserError(f"mixture {mixture} lists unknown chat task {entry.task!r}: tasks/registry.py has "
+                            f"{', '.join(names)}")
+        if entry.copies < 1:
+            raise UserError(f"mixture {mixture}: {entry.task} listed {entry.copies} times, copies must be >= 1")
+    return entries
+
+
+def check(task, tasks):
+    """UserError unless `task` can join `tasks`: a name none of them has."""
+    if any(other.name == task.name for other in tasks):
+        raise UserError(f"chat task {task.name!r} is registered twice")
+
+
+def register(task, places=None):
+    """
+    Add a task at runtime (TASKS itself is where a task of this repository is declared), and its uses to the end of
+    mixtures: places {mixture: use(task.name, ...)}.
+    """
+    check(task, TASKS)
+    for mixture, entry in (places or {}).items():
+        if mixture not in MIXTURES:
+            raise UserError(f"chat task {task.name!r}: unknown mixture {mixture!r} (known: {', '.join(MIXTURES)})")
+        if entry.copies < 1:
+            raise UserError(f"chat task {task.name!r}: copies must be >= 1 in {mixture}")
+    TASKS.append(task)
+    for mixture, entry in (places or {}).items():
+        MIXTURES[mixture][1].append(entry)
+
+
+for _i, _task in enumerate(TASKS):
+    check(_task, TASKS[:_i])
+for _mixture in MIXTURES:
+    uses(_mixture)  # a misspelt task fails here, not in the middle of a stage
+
+
+def build_use(entry, **settings):
+    """The Task one use reads (one Task, however many copies); `settings`: the script's, e.g. identity_file."""
+    task = find(entry.task)
+    taken = {k: v for k, v in settings.items() if k in task.settings}
+    return task.build(split=entry.split, **taken, **entry.kwargs)
 
 
 def build_tasks(mixture, **settings):
-    """[(name, Task)] of `mixture` in slot order, a task with copies=2 listed twice (the same Task: built once)."""
+    """[(name, Task)] of `mixture` in its order, a use with copies=2 listed twice (the same Task: built once)."""
     out = []
-    for task in placed(mixture):
-        built = task.build_at(mixture, **settings)
-        out += [(task.name, built)] * task.places[mixture][2]
+    for entry in uses(mixture):
+        out += [(entry.task, build_use(entry, **settings))] * entry.copies
     return out
 
 
@@ -268,7 +338,7 @@ def stage_tasks(stage, kind, part, conversations="", **settings):
     [(name, Task)] that `stage` (mid | sft | rl) reads for `part` (train | val | metrics) of the `kind` (real |
     offline | custom) mixture: its own mixture, except that an offline stage validates on the offline test split of
     the tasks it trains on. `conversations` (--conversations, a file): the custom mixture's only task; with real or
-    offline, one more task, last (its place in "<stage>/custom/<part>").
+    offline, one more task, last (its uses in "<stage>/custom/<part>").
     """
     check_choice("stage", stage, ("mid", "sft", "rl"))
     check_choice("part", part, ("train", "val", "metrics"))
@@ -277,7 +347,7 @@ def stage_tasks(stage, kind, part, conversations="", **settings):
     if kind == "custom":
         return build_tasks(f"{stage}/custom/{part}", conversations=conversations)
     if kind == "offline" and part == "val":
-        trained = {task.name for task in placed(f"{stage}/offline/train")}
+        trained = {entry.task for entry in uses(f"{stage}/offline/train")}
         tasks = [(name, task) for name, task in build_tasks("offline/test", **settings) if name in trained]
     else:
         tasks = build_tasks(f"{stage}/{kind}/{part}", **settings)
@@ -287,8 +357,10 @@ def stage_tasks(stage, kind, part, conversations="", **settings):
 
 
 def stage_mixture(stage, kind, part, **settings):
-    """What a stage reads (stage_tasks): one task as it is (nothing to mix: SFT's real validation, RL's GSM8K, a custom
-    mixture), or a TaskMixture of them (seed 42, the same every run)."""
+    """
+    What a stage reads (stage_tasks): one task as it is (nothing to mix: SFT's real validation, RL's GSM8K, a custom
+    mixture), or a TaskMixture of them (seed 42, the same every run).
+    """
     tasks = [task for _, task in stage_tasks(stage, kind, part, **settings)]
     return tasks[0] if len(tasks) == 1 else TaskMixture(tasks)
 
@@ -309,26 +381,109 @@ def hub_repos():
 
 
 def real_run_splits():
-    """[(task, [split, ...])] of every task that downloads: the splits a real run reads (its real mixtures' places,
-    the ChatCORE test split), what tasks.prefetch fetches."""
+    """
+    [(task, [split, ...])] of every task that downloads: the splits a real run reads (its uses in the real mixtures,
+    the ChatCORE test split), what tasks.prefetch fetches.
+    """
     out = []
     for task in (task for task in TASKS if task.hub):
-        splits = [split for mixture, (_, split, _, _) in task.places.items() if "/real/" in mixture]
+        splits = [entry.split for mixture, (_, entries) in MIXTURES.items() if "/real/" in mixture
+                  for entry in entries if entry.task == task.name]
         splits += ["test"] if task.chatcore is not None else []
-        out.append((task, list(dict.fromkeys(splits))))  # each split once, in the order of its places
+        out.append((task, list(dict.fromkeys(splits))))  # each split once, in the order of the mixtures
     return out
 
 
-def main():
-    for name, reader in MIXTURES.items():
+# -----------------------------------------------------------------------------
+# python -m tasks.registry [show NAME]
+
+
+def describe(entry):
+    """One use as `python -m tasks.registry` lists it: "Identity train, size=200 (x2)"."""
+    args = "".join(f", {k}={v!r}" for k, v in entry.kwargs.items())
+    copies = f" (x{entry.copies})" if entry.copies > 1 else ""
+    return f"{entry.task} {entry.split}{args}{copies}"
+
+
+def print_examples(task, n):
+    """The first `n` examples of `task`: tokens with the training mask if a tokenizer is trained, else the JSON."""
+    from nanochat.tokenizer import get_tokenizer
+    if not n or not len(task):
+        return
+    try:
+        tokenizer = get_tokenizer()
+    except UserError:
+        tokenizer = None
+        print("(no trained tokenizer: printing the conversations as JSON)")
+    for i in range(min(n, len(task))):
+        conversation = task[i]
+        if tokenizer is None:
+            print(json.dumps(conversation, indent=2, ensure_ascii=False))
+        else:
+            ids, mask = tokenizer.render_conversation(conversation)
+            print(tokenizer.visualize_tokenization(ids, mask))
+        print("-" * 80)
+
+
+def show(name, n, split, **settings):
+    """
+    `show NAME`: a mixture's uses, each with its size, and their total; or a task's facts, the mixtures that use it
+    and the size of one split. Then the first `n` examples, of the mixture as a stage reads it, or of the split.
+    """
+    if name in MIXTURES:
+        reader, _ = MIXTURES[name]
         print(f"{name} - {reader}:")
-        for task in placed(name):
-            _, split, copies, kwargs = task.places[name]
-            args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-            print(f"  {task.name} {split}{args}{f' (x{copies})' if copies > 1 else ''}")
-    print("ChatCORE (chat_eval -a all; the test split): " + ", ".join(f"{name} (guessing: {baseline})"
-                                                              for name, baseline in chatcore_baselines().items()))
-    print("report card: " + ", ".join(f"{name} as {label}" for name, label in report_card_labels()))
+        tasks = []
+        for entry in uses(name):
+            task = build_use(entry, **settings)
+            print(f"  {describe(entry)}: {len(task):,} examples")
+            tasks += [task] * entry.copies
+        shown = tasks[0] if len(tasks) == 1 else TaskMixture(tasks)  # as stage_mixture reads it
+        print(f"  total: {len(shown):,} examples\n")
+    elif name in (task.name for task in TASKS):
+        task = find(name)
+        facts = [f"downloads {', '.join(task.hub)}" if task.hub else "no download"]
+        facts += [f"in ChatCORE (guessing scores {task.chatcore})"] if task.chatcore is not None else []
+        facts += [f"on the report card as {task.card}"] if task.card else []
+        print(f"{task.name}: {'; '.join(facts)}")
+        for mixture, (_, entries) in MIXTURES.items():
+            for entry in entries:
+                if entry.task == name:
+                    print(f"  {mixture}: {describe(entry)}")
+        shown = task.build(split=split, **{k: v for k, v in settings.items() if k in task.settings})
+        print(f"{task.name} {split}: {len(shown):,} examples\n")
+    else:
+        raise UserError(f"{name!r} is neither a chat task ({', '.join(t.name for t in TASKS)}) nor a mixture "
+                        f"({', '.join(MIXTURES)})")
+    print_examples(shown, n)
+
+
+def main(argv=None):
+    from nanochat.common import setup_default_logging
+    setup_default_logging()  # a UserError prints one line
+    parser = argparse.ArgumentParser(
+        prog="python -m tasks.registry",
+        description="Every mixture's tasks, in order; or `show NAME`: a task's or a mixture's size(s), composition "
+                    "and a few rendered examples.")
+    parser.add_argument("command", nargs="?", choices=["show"])
+    parser.add_argument("name", nargs="?", help="a task (e.g. GSM8K) or a mixture (e.g. mid/offline/train)")
+    parser.add_argument("-n", type=int, default=3, help="number of examples to print")
+    parser.add_argument("--split", default="test", help="the split of a task to show (Conversations: train or val)")
+    parser.add_argument("--conversations", default="", help="your conversations (JSONL), for the custom mixtures")
+    parser.add_argument("--identity_file", default="", help="the identity conversations of the real mixtures")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        for name, (reader, entries) in MIXTURES.items():
+            print(f"{name} - {reader}:")
+            for entry in entries:
+                print(f"  {describe(entry)}")
+        baselines = ", ".join(f"{name} (guessing: {baseline})" for name, baseline in chatcore_baselines().items())
+        print(f"ChatCORE (chat_eval -a all; the test split): {baselines}")
+        print("report card: " + ", ".join(f"{name} as {label}" for name, label in report_card_labels()))
+    elif args.name is None:
+        parser.error("show needs a NAME: a task or a mixture")
+    else:
+        show(args.name, args.n, args.split, conversations=args.conversations, identity_file=args.identity_file)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """
-SmolTalk (HuggingFaceTB/smol-smoltalk): general chat conversations (rewriting, summarising, everyday talk,
-following constraints, ...), the subset of SmolTalk Hugging Face selected for small models. This is what
-teaches the model the chat format itself: user and assistant turns, sometimes with a system message.
+SmolTalk (HuggingFaceTB/smol-smoltalk): general chat conversations, the subset selected for small models.
+
+Rewriting, summarising, everyday talk, following constraints, ...: the subset of SmolTalk Hugging Face selected for
+small models. This is what teaches the model the chat format itself: user and assistant turns, sometimes with a
+system message.
 
 Files, fetched once each from the Hugging Face hub (tasks.common.hf_download) and read with pyarrow:
     HuggingFaceTB/smol-smoltalk  data/train-00000-of-00001.parquet   ~460K conversations
@@ -14,10 +16,9 @@ Generative, with no automatic evaluation: there is no single right answer to che
 used for training and for validation loss only; evaluate() raises NotImplementedError.
 """
 
-import argparse
 
 
-from tasks.common import Task, hf_parquet, print_examples, check_choice
+from tasks.common import Task, hf_parquet, check_choice
 
 REPO = "HuggingFaceTB/smol-smoltalk"
 SPLITS = ("train", "test")
@@ -47,17 +48,3 @@ class SmolTalk(Task):
     def evaluate(self, conversation, assistant_response):
         raise NotImplementedError("SmolTalk has no automatic evaluation (open-ended conversations): use it for "
                                   "training and validation loss")
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few rendered SmolTalk examples (downloads the split once).")
-    parser.add_argument("--split", default="test", choices=SPLITS)
-    parser.add_argument("-n", type=int, default=3, help="number of examples")
-    args = parser.parse_args(argv)
-    print_examples(SmolTalk(split=args.split), args.n)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,17 @@
 """
-SpellingBee and SimpleSpelling: synthetic letter tasks, generated offline (no download). A model sees text
-as tokens, not letters, so "how many r's are in strawberry?" is hard for it; these tasks teach it to spell a
-word out and to count letters with the python tool.
+SpellingBee and SimpleSpelling: synthetic letter tasks (count letters, spell a word), generated offline.
 
-    SpellingBee     user:      How many times does the letter 'r' appear in 'strawberry'?
-                    assistant: text "Spelled out, 'strawberry' is s-t-r-a-w-b-e-r-r-y. Let me count the 'r's with Python."
-                               python "'strawberry'.count('r')"   python_output "3"
-                               text "The letter 'r' appears 3 times in 'strawberry'.\\n\\n#### 3"
-    SimpleSpelling  user:      How do you spell strawberry?
-                    assistant: "strawberry is spelled s-t-r-a-w-b-e-r-r-y"
+No download. A model sees text as tokens, not letters, so "how many r's are in strawberry?" is hard for it; these
+tasks teach it to spell a word out and to count letters with the python tool.
+
+    SpellingBee
+      user:       How many times does the letter 'r' appear in 'strawberry'?
+      assistant:  text "Spelled out, 'strawberry' is s-t-r-a-w-b-e-r-r-y. Let me count the 'r's with Python."
+                  python "'strawberry'.count('r')"   python_output "3"
+                  text "The letter 'r' appears 3 times in 'strawberry'.\\n\\n#### 3"
+    SimpleSpelling
+      user:       How do you spell strawberry?
+      assistant:  "strawberry is spelled s-t-r-a-w-b-e-r-r-y"
 
 The words come from the embedded documentation corpus (nanochat.pydocs.pydocs_entries(), docstrings):
 lowercase words of 3-12 letters, written as whole words (runs of [A-Za-z0-9_] that are all lowercase
@@ -27,7 +30,6 @@ random.Random(f"{name}-{seed}-{split}-{index}"): deterministic, and any index ca
 Both tasks are generative; evaluate() checks the final `#### N` number / the spelling.
 """
 
-import argparse
 import collections
 import functools
 import random
@@ -64,7 +66,8 @@ def _code_use(text, start, end):
 def _all_words():
     from nanochat.pydocs import pydocs_entries
     docs_per_word = collections.Counter()  # in how many docstrings a word appears
-    uses, code_uses = collections.Counter(), collections.Counter()  # all its occurrences; those as code
+    uses = collections.Counter()  # all its occurrences
+    code_uses = collections.Counter()  # those as code
     identifiers = set()
     for record in pydocs_entries():
         text = record["docstring"]
@@ -103,7 +106,9 @@ class _WordTask(Task):
         size = DEFAULT_SIZE[split] if size is None else size
         if size < 0:
             raise UserError(f"{type(self).__name__}: size must be >= 0, got {size}")
-        self.split, self.size, self.seed = split, size, seed
+        self.split = split
+        self.size = size
+        self.seed = seed
         self.words = words(split)
         super().__init__(**kwargs)
 
@@ -160,7 +165,8 @@ class SpellingBee(_WordTask):
                     {"type": "text", "text": rng.choice(COUNT_INTROS).format(**fields) + "\n\n"},
                     {"type": "python", "text": f"'{word}'.count('{letter}')"},
                     {"type": "python_output", "text": str(count)},
-                    {"type": "text", "text": f"\n\nThe letter '{letter}' appears {count} {times} in '{word}'.\n\n#### {count}"},
+                    {"type": "text",
+                     "text": f"\n\nThe letter '{letter}' appears {count} {times} in '{word}'.\n\n#### {count}"},
                 ]},
             ],
             "word": word, "letter": letter, "answer": count,
@@ -214,20 +220,3 @@ class SimpleSpelling(_WordTask):
         reference = SPELLING_RE.findall(assistant_text(conversation["messages"][-1]))[-1]
         found = SPELLING_RE.findall(assistant_response)
         return bool(found) and found[-1] == reference
-
-
-def main(argv=None):
-    from nanochat.common import setup_default_logging
-    from tasks.common import print_examples
-    setup_default_logging()
-    parser = argparse.ArgumentParser(description="Print a few SpellingBee and SimpleSpelling examples.")
-    parser.add_argument("--split", default="train", choices=SPLITS)
-    parser.add_argument("-n", type=int, default=3, help="number of examples per task")
-    args = parser.parse_args(argv)
-    print(f"{len(words('train')):,} train words, {len(words('test')):,} test words\n")
-    print_examples(SpellingBee(split=args.split), args.n)
-    print_examples(SimpleSpelling(split=args.split), args.n)
-
-
-if __name__ == "__main__":
-    main()

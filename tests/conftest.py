@@ -1,6 +1,8 @@
 """
-The fixtures of the tests (tests/helpers.py: what they share that is not a fixture). Tests never touch the network or the user's ~/.cache: every test gets its own
-NANOCHAT_BASE_DIR, and downloads are served by a local HTTP server on 127.0.0.1.
+The fixtures of the tests (tests/helpers.py: what they share that is not a fixture).
+
+Tests never touch the network or the user's ~/.cache: every test gets its own NANOCHAT_BASE_DIR, and downloads are
+served by a local HTTP server on 127.0.0.1.
 """
 
 import os
@@ -17,8 +19,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first (a stable sort): with several test processes, the long runs start at once and the short
-    tests fill in around them, instead of one long run starting last while the other processes sit idle."""
+    """
+    The slow tests first (a stable sort): with several test processes, the long runs start at once and the short
+    tests fill in around them, instead of one long run starting last while the other processes sit idle.
+    """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
@@ -45,8 +49,10 @@ def file_server(tmp_path):
 
 @pytest.fixture
 def hub(file_server, monkeypatch):
-    """The task fixtures of every hub repo of tasks/registry.py, served at "{url}/datasets/{repo}/resolve/main/{path}"
-    like the Hugging Face hub (NANOCHAT_HF_URL points at it). Its `requests` count what the loaders downloaded."""
+    """
+    The task fixtures of every hub repo of tasks/registry.py, served at "{url}/datasets/{repo}/resolve/main/{path}"
+    like the Hugging Face hub (NANOCHAT_HF_URL points at it). Its `requests` count what the loaders downloaded.
+    """
     import shutil
 
     from tasks.registry import hub_repos
@@ -98,24 +104,29 @@ def pydocs_corpus(pydocs_dir, isolated_env, monkeypatch):
 
 
 def copy_pydocs_entries(pydocs_dir, base):
-    """The records the corpus build collected (<base_dir>/pydocs_entries.json, nanochat/pydocs.py) into `base` too,
+    """
+    The records the corpus build collected (<base_dir>/pydocs_entries.json, nanochat/pydocs.py) into `base` too,
     as a user's base dir holds them after its first build: without them each rank of each chat stage a test runs
-    would parse the standard library again (~4 s of a core)."""
+    would parse the standard library again (~4 s of a core).
+    """
     import shutil
     shutil.copy(os.path.join(os.path.dirname(os.path.dirname(pydocs_dir)), "pydocs_entries.json"), base)
 
 
 @pytest.fixture(scope="session")
 def small_tokenizer_dir(pydocs_dir, tmp_path_factory):
-    """A 512-token tokenizer trained once per session on the pydocs training shards (the real tok_train path's
-    Tokenizer, not a stub). Returns its directory; tests get a private copy through `trained_tokenizer`."""
+    """
+    A 512-token tokenizer trained once per session on the pydocs training shards (the real tok_train path's
+    Tokenizer, not a stub). Returns its directory; tests get a private copy through `trained_tokenizer`.
+    """
     import pyarrow.parquet as pq
 
     from nanochat.tokenizer import Tokenizer
 
     def build(out):
         texts = []
-        for name in sorted(n for n in os.listdir(pydocs_dir) if n.startswith("shard_"))[:-1]:  # the last shard is validation
+        # the last shard is validation
+        for name in sorted(n for n in os.listdir(pydocs_dir) if n.startswith("shard_"))[:-1]:
             texts += pq.read_table(os.path.join(pydocs_dir, name), columns=["text"]).column("text").to_pylist()
         Tokenizer.train_from_iterator(iter(texts[:2000]), 512).save(str(out))
     return build_once(tmp_path_factory, "tokenizer", build)
@@ -133,8 +144,10 @@ def trained_tokenizer(pydocs_corpus, small_tokenizer_dir, isolated_env):
 
 @pytest.fixture(scope="session")
 def tiny_models(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
-    """tiny_models(name): the base dir of TINY_MODELS[name], trained once per session (see build_once). Read-only:
-    a test that writes gets its own copy through `tiny_model`."""
+    """
+    tiny_models(name): the base dir of TINY_MODELS[name], trained once per session (see build_once). Read-only:
+    a test that writes gets its own copy through `tiny_model`.
+    """
     import shutil
 
     def base_dir(name):
@@ -148,7 +161,8 @@ def tiny_models(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
                 shutil.copytree(small_tokenizer_dir, target / "tokenizer")
                 copy_pydocs_entries(pydocs_dir, target)
             env = {"NANOCHAT_BASE_DIR": target, "NANOCHAT_DATASET": "pydocs", "WANDB_MODE": "offline",
-                   **dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))}
+                   **dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                    "MASTER_PORT"))}
             result = run_script(*stage, env=env, timeout=600)
             assert result.returncode == 0, f"tiny model {name}: {result.stderr[-3000:]}"
         return build_once(tmp_path_factory, f"model_{name}", build)
@@ -157,8 +171,10 @@ def tiny_models(pydocs_dir, small_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture
 def tiny_model(tiny_models, isolated_env, monkeypatch):
-    """tiny_model(name): this test's own copy of the session's tiny model `name` (corpus, tokenizer, checkpoints) as
-    its NANOCHAT_BASE_DIR, with NANOCHAT_DATASET=pydocs. Returns the base dir."""
+    """
+    tiny_model(name): this test's own copy of the session's tiny model `name` (corpus, tokenizer, checkpoints) as
+    its NANOCHAT_BASE_DIR, with NANOCHAT_DATASET=pydocs. Returns the base dir.
+    """
     import shutil
 
     def use(name):

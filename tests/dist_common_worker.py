@@ -1,4 +1,5 @@
 """Run under torchrun by tests/test_common.py: compute_init, check the ranks, exchange them over the process group."""
+
 import json
 import sys
 

@@ -1,7 +1,9 @@
 """
-Worker for tests/test_loss.py under torchrun (CPU, gloo): rank r takes micro-batch r of the same step the test
-computes in one process, runs count_step_targets + supervised_loss, averages the gradient over ranks as the
-optimizers do (sum / world size), and writes its gradient and logged numbers to OUT_DIR/rank{r}.pt.
+The chat loss's gradient on N ranks, for tests/test_loss.py; runs under torchrun (CPU, gloo).
+
+Rank r takes micro-batch r of the same step the test computes in one process, runs count_step_targets +
+supervised_loss, averages the gradient over ranks as the optimizers do (sum / world size), and writes its gradient
+and logged numbers to OUT_DIR/rank{r}.pt.
 """
 
 import os
@@ -19,7 +21,8 @@ from nanochat.losses import count_step_targets, supervised_loss
 def main():
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
     model = ToyModel()
     batches = [step_micro_batches()[rank]]  # one micro-step per rank
     per_rank, total = count_step_targets(batches, rank, world_size)

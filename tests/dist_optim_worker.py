@@ -1,18 +1,18 @@
 """
-Worker for tests/test_optim.py; runs under torchrun on CPU (gloo):
+The distributed optimizers against one process, for tests/test_optim.py; runs under torchrun on CPU (gloo):
 
     python -m torch.distributed.run --standalone --nproc_per_node=W tests/dist_optim_worker.py OUT_DIR
 
 Every rank writes OUT_DIR/rank{r}.pt with the results of two scenarios; the test process asserts on them.
 
 1. "main": DistMuon + DistAdamW for 5 steps on gradients that differ per rank, with lr and momentum
-   changed between steps, next to Muon + torch.optim.AdamW in this same process fed the rank-averaged
-   gradients (every rank can compute every rank's gradients: they come from seeded generators).
+   changed between steps, next to Muon + AdamW (nanochat's one-process optimizers) in this same process fed
+   the rank-averaged gradients (every rank can compute every rank's gradients: they come from seeded generators).
    Saved: both final parameter sets, which Muon matrices this rank holds momentum for, and this rank's
    optimizer state next to the reference's.
 2. "resume": 2 steps, optimizer_shard() -> torch.save (one file per rank) -> fresh optimizers ->
    load_optimizer_shards(every rank's file) -> 2 more steps, next to 4 uninterrupted steps; the same
-   resumed in one process (Muon + torch AdamW), and from one process's checkpoint into W ranks. A missing
+   resumed in one process (Muon + AdamW), and from one process's checkpoint into W ranks. A missing
    rank file must raise UserError.
 Newton-Schulz runs in the compute dtype ($NANOCHAT_DTYPE: the test runs the worker in fp32 and in bf16).
 """
@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.adamw import DistAdamW
+from nanochat.adamw import AdamW, DistAdamW
 from nanochat.checkpoint_manager import load_optimizer_shards, optimizer_shard
 from nanochat.common import UserError
 from nanochat.hardware import autocast_dtype
@@ -38,7 +38,8 @@ MUON_SHAPES = [(16, 8)] * 3 + [(8, 32), (24, 8)] + [(16, 8)] * 2 + [(12, 12)] * 
 # ranks), a 1-D one with 5 entries, a 0-d scalar.
 ADAMW_SHAPES = [[(10, 6), (7, 6), (12, 4)], [(1,), (5,), ()]]
 ADAMW_GROUPS = [dict(lr=0.01, weight_decay=0.1), dict(lr=0.05, weight_decay=0.0)]
-BETAS, EPS = (0.8, 0.95), 1e-8
+BETAS = (0.8, 0.95)
+EPS = 1e-8
 MUON_LR = 0.02
 
 
@@ -64,9 +65,11 @@ def clone_params(muon, adamw):
 
 
 def local_grad(shape, step, rank, index):
-    """This rank's gradient of parameter `index` at `step`. Multiples of 1/64 of moderate size: sums of
+    """
+    This rank's gradient of parameter `index` at `step`. Multiples of 1/64 of moderate size: sums of
     them are exact in fp32 in any order, so the all-rank average is bit-identical however the collective
-    adds them up, and the comparison with the single-process reference can be tight."""
+    adds them up, and the comparison with the single-process reference can be tight.
+    """
     gen = torch.Generator().manual_seed(100_000 * step + 1000 * rank + index)
     return torch.round(torch.randn(shape, generator=gen) * 64) / 64
 
@@ -82,7 +85,7 @@ def build(muon, adamw, distributed):
     groups = [dict(params=ps, initial_lr=g["lr"], **g) for ps, g in zip(adamw, ADAMW_GROUPS)]
     if distributed:
         return DistMuon(muon, lr=MUON_LR, ns_dtype=autocast_dtype("cpu")), DistAdamW(groups, betas=BETAS, eps=EPS)
-    return Muon(muon, lr=MUON_LR, ns_dtype=autocast_dtype("cpu")), torch.optim.AdamW(groups, betas=BETAS, eps=EPS)
+    return Muon(muon, lr=MUON_LR, ns_dtype=autocast_dtype("cpu")), AdamW(groups, betas=BETAS, eps=EPS)
 
 
 def run_steps(opt_muon, opt_adamw, muon, adamw, steps, ranks, world_size):
@@ -115,7 +118,8 @@ def snapshot(muon, adamw):
 def main():
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
     all_ranks = list(range(world_size))
     result = {"world_size": world_size, "compute_dtype": str(autocast_dtype("cpu")).removeprefix("torch.")}
 
@@ -136,14 +140,18 @@ def main():
     for p in muon:
         position[p.shape] = position.get(p.shape, -1) + 1
         result["muon_position"].append(position[p.shape])
-    result["muon_buffers"] = [dist_muon_opt.state[p]["momentum_buffer"].clone() if p in dist_muon_opt.state else None for p in muon]
+    result["muon_buffers"] = [dist_muon_opt.state[p]["momentum_buffer"].clone() if p in dist_muon_opt.state else None
+                              for p in muon]
     result["ref_muon_buffers"] = [ref_muon_opt.state[p]["momentum_buffer"].clone() for p in ref_muon]
-    flat_adamw, flat_ref_adamw = [p for ps in adamw for p in ps], [p for ps in ref_adamw for p in ps]
-    result["adamw_state"] = [{k: v.clone() for k, v in dist_adamw_opt.state[p].items() if isinstance(v, torch.Tensor)} for p in flat_adamw]
-    result["ref_adamw_state"] = [{k: ref_adamw_opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")} for p in flat_ref_adamw]
+    flat_adamw = [p for ps in adamw for p in ps]
+    flat_ref_adamw = [p for ps in ref_adamw for p in ps]
+    result["adamw_state"] = [{k: v.clone() for k, v in dist_adamw_opt.state[p].items() if isinstance(v, torch.Tensor)}
+                             for p in flat_adamw]
+    result["ref_adamw_state"] = [{k: ref_adamw_opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+                                 for p in flat_ref_adamw]
 
     # 2. checkpoint round trips (nanochat.checkpoint_manager): 2 steps + save + load + 2 steps == 4 uninterrupted steps,
-    #    resuming on the same world size, in one process (Muon + torch AdamW), and from one process into W ranks
+    #    resuming on the same world size, in one process (Muon + AdamW), and from one process into W ranks
     muon, adamw = make_params()
     opt_m, opt_a = build(muon, adamw, distributed=True)
     run_steps(opt_m, opt_a, muon, adamw, range(2), [rank], world_size)

@@ -1,7 +1,8 @@
 """
-What the tests share that is not a fixture (tests/conftest.py holds the fixtures): how a test starts a script, the
-local file server, what a session builds once, the tiny models' settings, and small helpers of several test files.
-A test module imports from here, never from another test module.
+What the tests share that is not a fixture (tests/conftest.py holds the fixtures).
+
+How a test starts a script, the local file server, what a session builds once, the tiny models' settings, and small
+helpers of several test files. A test module imports from here, never from another test module.
 """
 
 import contextlib
@@ -86,8 +87,10 @@ class FileServer:
 
 
 def script_command(args, nproc=1):
-    """The argv of `args`: a .sh file runs under bash; anything else (-m module, a .py file, -c code) under this
-    python, or under `torchrun --standalone --nproc_per_node=nproc` (CPU, gloo) when nproc > 1."""
+    """
+    The argv of `args`: a .sh file runs under bash; anything else (-m module, a .py file, -c code) under this
+    python, or under `torchrun --standalone --nproc_per_node=nproc` (CPU, gloo) when nproc > 1.
+    """
     args = [str(a) for a in args]
     if args[0].endswith(".sh"):
         assert nproc == 1, "a shell script is not launched by torchrun"
@@ -98,9 +101,11 @@ def script_command(args, nproc=1):
 
 
 def script_env(env=None):
-    """This test's environment (its NANOCHAT_BASE_DIR, offline wandb, ...) with one thread per process and this
+    """
+    This test's environment (its NANOCHAT_BASE_DIR, offline wandb, ...) with one thread per process and this
     checkout first on PYTHONPATH (whatever the working directory), updated by `env` (a None value removes that
-    variable)."""
+    variable).
+    """
     full = dict(os.environ, OMP_NUM_THREADS="1",
                 PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
     for key, value in (env or {}).items():
@@ -129,8 +134,10 @@ def computed_as_in_scripts():
 
 
 def run_script(*args, nproc=1, env=None, timeout=300, cwd=REPO_ROOT, text=True, **kwargs):
-    """Run a script the way a user does (see script_command), from the repo root, in script_env(env); stdout and
-    stderr captured (as text, or bytes with text=False). Returns the CompletedProcess."""
+    """
+    Run a script the way a user does (see script_command), from the repo root, in script_env(env); stdout and
+    stderr captured (as text, or bytes with text=False). Returns the CompletedProcess.
+    """
     import subprocess
     return subprocess.run(script_command(args, nproc), cwd=cwd, env=script_env(env), capture_output=True, text=text,
                           timeout=timeout, **kwargs)
@@ -175,8 +182,10 @@ def refusal_in_process(module, *args):
 
 
 def one_line_error(result, *fragments):
-    """The script failed the way a UserError ends it: exit 1, exactly one line on stderr, `error: ...`, containing
-    every fragment. Returns that line."""
+    """
+    The script failed the way a UserError ends it: exit 1, exactly one line on stderr, `error: ...`, containing
+    every fragment. Returns that line.
+    """
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     for fragment in fragments:
@@ -185,7 +194,10 @@ def one_line_error(result, *fragments):
 
 
 def run_in_process(module, *args, monkeypatch):
-    """Run `python -m <module> <args>` in this process (no interpreter start-up): its UserError propagates to the test."""
+    """
+    Run `python -m <module> <args>` in this process (no interpreter start-up): its UserError propagates to the
+    test.
+    """
     import runpy
     monkeypatch.setattr(sys, "argv", [module, *args])
     runpy.run_module(module, run_name="__main__")
@@ -200,7 +212,8 @@ def run_signalled(marker, sig, *args, next_write=False, **kwargs):
     """
     assert args[0] == "-m", args
     wrapper = os.path.join(REPO_ROOT, "tests", "signal_in_write.py")
-    result = run_script(wrapper, *(["--next"] if next_write else []), marker, sig if isinstance(sig, str) else signal.Signals(sig).name, *args[1:], **kwargs)
+    result = run_script(wrapper, *(["--next"] if next_write else []), marker,
+                        sig if isinstance(sig, str) else signal.Signals(sig).name, *args[1:], **kwargs)
     ended = time.time()
     sent = re.search(r"\(signal_in_write: sent \w+ inside the write of .* at ([\d.]+)\)", result.stderr)
     assert sent, f"{marker!r} never came: {(result.stdout + result.stderr)[-3000:]}"
@@ -213,7 +226,8 @@ def stop_at(proc, marker, sig=signal.SIGTERM, to=None, timeout=300):
     send `sig` (to the process whose pid `to()` gives then, default proc itself), and wait for proc to end. Returns
     (all its output, seconds from the signal to its end). Fails if it ends before the marker or outlives `timeout`.
     """
-    lines, deadline = [], time.time() + timeout
+    lines = []
+    deadline = time.time() + timeout
     for line in proc.stdout:
         lines.append(line)
         if marker in line:
@@ -241,8 +255,10 @@ def wait_for_steps(path, n, proc, timeout=120):
 
 
 def speedrun_env(profile="cpu", **overrides):
-    """The environment (for run_script's env) of a speedrun.sh profile shrunk by NANOCHAT_SMOKE=1 (the cpu one to
-    seconds), with this python (and its torchrun) and no venv set-up; `overrides` such as BASE_STEPS=... on top."""
+    """
+    The environment (for run_script's env) of a speedrun.sh profile shrunk by NANOCHAT_SMOKE=1 (the cpu one to
+    seconds), with this python (and its torchrun) and no venv set-up; `overrides` such as BASE_STEPS=... on top.
+    """
     return dict(NANOCHAT_PROFILE=profile, NANOCHAT_SMOKE="1", NANOCHAT_SKIP_SETUP="1",
                 PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **overrides)
 
@@ -267,7 +283,8 @@ def build_once(tmp_path_factory, name, build):
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's base temp, one level above each worker's
-    target, done = root / "built" / name, root / "built" / f"{name}.done"
+    target = root / "built" / name
+    done = root / "built" / f"{name}.done"
     target.parent.mkdir(exist_ok=True)
     with FileLock(str(root / "built" / f"{name}.lock")):
         if not done.exists():
@@ -290,9 +307,11 @@ RECIPE_2025 = ["--embedding_lr=0.2", "--unembedding_lr=0.004", "--warmdown_ratio
                "--value_embeds=False", "--init_recipe=2025", "--bos_aligned=False"]
 TINY_MODELS = {
     "base": (None, [*TINY_BASE, *TINY_SIZES, "--num_iterations=10", "--save_every=5"]),  # context 64; steps 5 and 10
-    "mid": ("base", ["-m", "scripts.mid_train", "--mixture=offline", *TINY_SIZES, "--num_iterations=10", "--eval_every=-1"]),
+    "mid": ("base", ["-m", "scripts.mid_train", "--mixture=offline", *TINY_SIZES, "--num_iterations=10",
+                     "--eval_every=-1"]),
     "base2025": (None, [*TINY_BASE, *RECIPE_2025, *TINY_SIZES, "--num_iterations=10"]),
-    "mid2025": ("base2025", ["-m", "scripts.mid_train", "--mixture=offline", *TINY_SIZES, "--num_iterations=10", "--eval_every=-1"]),
+    "mid2025": ("base2025", ["-m", "scripts.mid_train", "--mixture=offline", *TINY_SIZES, "--num_iterations=10",
+                             "--eval_every=-1"]),
     # context 512: long enough for a reply to be cut short (chat_web)
     "base512": (None, [*TINY_BASE, *RECIPE_2025, "--max_seq_len=512", "--device_batch_size=1", "--total_batch_size=512",
                        "--eval_tokens=512", "--num_iterations=10"]),
@@ -381,7 +400,8 @@ def step_micro_batches():
 def engine_stream(engine, prompt, num_samples=1, **kwargs):
     """Each sample's raw token stream from Engine.generate, and its masks."""
     columns = list(engine.generate(prompt, num_samples, **kwargs))
-    return [[c[0][i] for c in columns] for i in range(num_samples)], [[c[1][i] for c in columns] for i in range(num_samples)]
+    return ([[c[0][i] for c in columns] for i in range(num_samples)],
+            [[c[1][i] for c in columns] for i in range(num_samples)])
 
 
 # -----------------------------------------------------------------------------
@@ -397,7 +417,8 @@ def bigram_model(tokenizer, transitions, n_embd=128, sequence_len=64):
     chosen with probability 1 - 1e-10 even at temperature 1; two: a fair coin between them.
     """
     from nanochat.gpt import GPT, GPTConfig
-    cfg = GPTConfig(sequence_len=sequence_len, vocab_size=tokenizer.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=n_embd)
+    cfg = GPTConfig(sequence_len=sequence_len, vocab_size=tokenizer.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2,
+                    n_embd=n_embd)
     torch.manual_seed(0)
     model = GPT(cfg)
     model.init_weights()
@@ -413,11 +434,15 @@ def bigram_model(tokenizer, transitions, n_embd=128, sequence_len=64):
 
 
 def written_out(q, k, v, window=None, key_mask=None):
-    """Attention in float64, one query and key at a time: query i of Tq is at position Tk - Tq + i and sees key j
-    when j <= its position, its position - j <= window (if any), and key_mask allows j."""
+    """
+    Attention in float64, one query and key at a time: query i of Tq is at position Tk - Tq + i and sees key j
+    when j <= its position, its position - j <= window (if any), and key_mask allows j.
+    """
     B, H, Tq, D = q.shape
-    Tk, rep = k.size(2), H // k.size(1)
-    k, v = k.double().repeat_interleave(rep, dim=1), v.double().repeat_interleave(rep, dim=1)
+    Tk = k.size(2)
+    rep = H // k.size(1)
+    k = k.double().repeat_interleave(rep, dim=1)
+    v = v.double().repeat_interleave(rep, dim=1)
     out = torch.zeros(B, H, Tq, D, dtype=torch.float64)
     for b in range(B):
         for i in range(Tq):

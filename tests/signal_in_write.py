@@ -1,6 +1,7 @@
 """
-Run a script with a stdout that sends this process a signal from INSIDE the write of the first line containing a
-marker, deterministically (not a race with a signal from outside):
+Run a script whose stdout signals it from INSIDE the write of a marked line, deterministically.
+
+The signal comes in the write of the first line containing a marker (not a race with a signal from outside):
 
     python tests/signal_in_write.py MARKER SIGTERM scripts.base_train --depth=1 ...
     python tests/signal_in_write.py --next MARKER SIGINT scripts.chat_cli ...   # inside the write after MARKER's
@@ -20,12 +21,18 @@ import time
 
 
 class SignallingWriter(io.RawIOBase):
-    """Writes to file descriptor `fd`; the first write containing `marker` (with `next`: the write after it) first
-    sends `sig` to this process."""
+    """
+    Writes to file descriptor `fd`; the first write containing `marker` (with `next`: the write after it) first
+    sends `sig` to this process.
+    """
 
     def __init__(self, fd, marker, sig, next=False):
-        self.fd, self.marker, self.sig, self.next = fd, marker.encode(), sig, next
-        self.seen = self.sent = False
+        self.fd = fd
+        self.marker = marker.encode()
+        self.sig = sig
+        self.next = next
+        self.seen = False
+        self.sent = False
 
     def writable(self):
         return True

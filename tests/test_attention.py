@@ -31,8 +31,12 @@ CASES = {  # name: (Tq, Tk, window, padding of each row (a key_mask) or None)
 def test_attention_with_a_window_equals_attention_written_out(name):
     Tq, Tk, window, padding = CASES[name]
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 4, Tq, 8), torch.randn(2, 2, Tk, 8), torch.randn(2, 2, Tk, 8)
-    key_mask = None if padding is None else torch.arange(Tk)[None, None, None, :] >= torch.tensor(padding)[:, None, None, None]
+    q = torch.randn(2, 4, Tq, 8)
+    k = torch.randn(2, 2, Tk, 8)
+    v = torch.randn(2, 2, Tk, 8)
+    key_mask = None
+    if padding is not None:
+        key_mask = torch.arange(Tk)[None, None, None, :] >= torch.tensor(padding)[:, None, None, None]
     got = attention(q, k, v, key_mask, window)
     torch.testing.assert_close(got.double(), written_out(q, k, v, window, key_mask), rtol=0, atol=1e-5)
     if window is not None and window < Tk - 1:  # the window binds here: attention without it differs
@@ -52,7 +56,8 @@ def test_layer_windows_tile_the_pattern_and_end_long():
 def windowed_model(window_pattern="SL", T=160):
     """A model whose S layers see 128 earlier tokens (the shortest window) and whose sequences are longer."""
     torch.manual_seed(0)
-    config = GPTConfig(sequence_len=T, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, window_pattern=window_pattern)
+    config = GPTConfig(sequence_len=T, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                       window_pattern=window_pattern)
     model = GPT(config)
     model.init_weights()
     for name, p in model.named_parameters():  # the zero-initialised projections and head get weight
@@ -62,18 +67,21 @@ def windowed_model(window_pattern="SL", T=160):
 
 
 def test_flops_count_the_window():
-    windowed, full = windowed_model("SL", T=1024), windowed_model("L", T=1024)
+    windowed = windowed_model("SL", T=1024)
+    full = windowed_model("L", T=1024)
     # layer 0 sees 256 of 1024 positions: its attention term 12 * n_embd * 256 instead of 12 * n_embd * 1024
     assert full.estimate_flops() - windowed.estimate_flops() == 12 * 32 * (1024 - 256)
 
 
 def test_windowed_model_cached_paths_equal_its_full_forward():
-    model, full_model = windowed_model(), windowed_model("L")
+    model = windowed_model()
+    full_model = windowed_model("L")
     idx = torch.randint(0, 256, (2, 160))
     with torch.no_grad():
         full = model(idx)
         assert (full - full_model(idx))[:, 140:].abs().max() > 1e-3  # the window binds at these positions
-        cache = KVCache(batch_size=2, n_kv_head=2, max_len=160, head_dim=8, n_layer=2, device="cpu", dtype=torch.float32)
+        cache = KVCache(batch_size=2, n_kv_head=2, max_len=160, head_dim=8, n_layer=2, device="cpu",
+                        dtype=torch.float32)
         pieces = [model(idx[:, :100], kv_cache=cache), model(idx[:, 100:140], kv_cache=cache)]  # a prefill, a chunk
         torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, :140], rtol=0, atol=1e-5)
         weights = decode_weights(model)
@@ -82,8 +90,10 @@ def test_windowed_model_cached_paths_equal_its_full_forward():
 
 
 def test_engine_decodes_a_windowed_model_as_naive_generation(small_tokenizer_dir):
-    """Prompts of 150 and 131 tokens decoded together (right-aligned, the shorter one padded) for 20 greedy tokens,
-    through the window of 128: each equals naive generation of its prompt alone."""
+    """
+    Prompts of 150 and 131 tokens decoded together (right-aligned, the shorter one padded) for 20 greedy tokens, through
+    the window of 128: each equals naive generation of its prompt alone.
+    """
     tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=192, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2,

@@ -1,6 +1,8 @@
 """
-The calculator tool (nanochat/execution.py, use_calculator): what it evaluates and refuses (at once, whatever the expression asks
-for), and the Engine forcing its output into a generation, on bigram models that call it.
+The calculator tool's tests (nanochat/execution.py, use_calculator), and the Engine forcing its output.
+
+What it evaluates and refuses (at once, whatever the expression asks for), and the Engine forcing its output into a
+generation, on bigram models that call it.
 """
 
 import time
@@ -21,7 +23,9 @@ def tool_model(tokenizer, expression, branch=False):
     The expression's tokens must all differ (a bigram model cannot tell two occurrences of a token apart).
     """
     sp = tokenizer.encode_special
-    t, x, bang = tokenizer.encode("T")[0], tokenizer.encode("x")[0], tokenizer.encode("!")[0]
+    t = tokenizer.encode("T")[0]
+    x = tokenizer.encode("x")[0]
+    bang = tokenizer.encode("!")[0]
     chain = [sp("<|assistant_start|>"), t, sp("<|python_start|>"), *tokenizer.encode(expression), sp("<|python_end|>")]
     assert len(set(chain)) == len(chain)
     transitions = {a: [b] for a, b in zip(chain, chain[1:])}

@@ -1,7 +1,8 @@
 """
-Tests of scripts/chat_cli.py, run as a user runs it (a subprocess) on a tiny trained checkpoint: `-p` answers
-once with exactly the engine's reply, the interactive chat keeps the conversation (the second reply is the
-engine's reply to both exchanges), `clear` starts over, the context overflows gracefully, Ctrl-C at the prompt
+Tests of scripts/chat_cli.py, run as a user runs it (a subprocess) on a tiny trained checkpoint.
+
+`-p` answers once with exactly the engine's reply, the interactive chat keeps the conversation (the second reply is
+the engine's reply to both exchanges), `clear` starts over, the context overflows gracefully, Ctrl-C at the prompt
 and Ctrl-D behave, and a missing checkpoint is one line naming the stage to run.
 """
 
@@ -55,7 +56,8 @@ def expected_turn(engine, messages, max_tokens, seed, temperature=1.0, top_k=50)
 
 def chat_cli(base, *args, stdin=b"", timeout=120):
     # bytes, decoded here: text mode would turn a "\r" the model wrote into "\n"
-    result = run_script("-m", "scripts.chat_cli", *args, env={"NANOCHAT_BASE_DIR": base}, input=stdin, text=False, timeout=timeout)
+    result = run_script("-m", "scripts.chat_cli", *args, env={"NANOCHAT_BASE_DIR": base}, input=stdin, text=False,
+                        timeout=timeout)
     return result.returncode, result.stdout.decode("utf-8"), result.stderr.decode("utf-8")
 
 
@@ -81,24 +83,29 @@ def test_p_answers_once_with_the_engines_reply_and_exits(checkpoint_base, engine
 
 def parse_turns(out):
     """[(reply, context tokens used)] of an interactive session's stdout."""
-    return [(m.group(1), int(m.group(2))) for m in re.finditer(r"Assistant: (.*?)\n\[context: (\d+)/64 tokens[^\]]*\]", out, re.S)]
+    return [(m.group(1), int(m.group(2)))
+            for m in re.finditer(r"Assistant: (.*?)\n\[context: (\d+)/64 tokens[^\]]*\]", out, re.S)]
 
 
 @pytest.mark.slow
 def test_interactive_chat_keeps_the_conversation_clears_and_quits(checkpoint_base, engine):
     long_message = "tell me everything about " * 40
     follow_ups = [f"And then what happened on day {i}?" for i in range(6)]
-    stdin = "\n".join(["Hello", "How are you?", "clear", "Hello", long_message, *follow_ups, "quit", "never read"]) + "\n"
+    stdin = "\n".join(["Hello", "How are you?", "clear", "Hello", long_message, *follow_ups,
+                       "quit", "never read"]) + "\n"
     hello = [{"role": "user", "content": "Hello"}]
     seed = seed_with_text(engine, hello, 10)  # every reply uses it
-    code, out, err = chat_cli(checkpoint_base, "--source=base", "--device_type=cpu", "--max_tokens=10", f"--seed={seed}", *SAMPLING,
-                              stdin=stdin.encode())
+    code, out, err = chat_cli(checkpoint_base, "--source=base", "--device_type=cpu", "--max_tokens=10",
+                              f"--seed={seed}", *SAMPLING, stdin=stdin.encode())
     assert code == 0, err
     assert "context 64 tokens" in out  # the banner
     turns = parse_turns(out)
     assert len(turns) == 3 + len(follow_ups), out
     first = expected_turn(engine, hello, 10, seed)
-    second = expected_turn(engine, hello + [{"role": "assistant", "content": first[0]}, {"role": "user", "content": "How are you?"}], 10, seed)
+    second = expected_turn(engine,
+                           hello + [{"role": "assistant", "content": first[0]},
+                                    {"role": "user", "content": "How are you?"}],
+                           10, seed)
     assert turns[0] == first
     assert turns[1] == second  # the model was given the first exchange too
     assert second[1] > first[1]
@@ -166,7 +173,8 @@ def test_ctrl_c_inside_a_reply_stops_it_and_the_chat_goes_on(checkpoint_base, en
     assert " [stopped]" not in turns[1]  # the next reply runs as usual: the reply's handler is gone with it
 
 
-@pytest.mark.parametrize("source, stage", [("sft", "python -m scripts.chat_sft"), ("base", "python -m scripts.base_train")])
+@pytest.mark.parametrize("source, stage", [("sft", "python -m scripts.chat_sft"),
+                                           ("base", "python -m scripts.base_train")])
 def test_a_missing_checkpoint_is_one_line_naming_the_stage(tmp_path, source, stage):
     code, out, err = chat_cli(tmp_path / "empty", f"--source={source}", "--device_type=cpu", "-p", "hi")
     assert code == 1
@@ -179,4 +187,5 @@ def test_help_and_a_p_without_its_prompt(tmp_path):
     code, out, _ = chat_cli(tmp_path, "--help")
     assert code == 0 and "--prompt" in out and '-p "' in out and "--max_tokens" in out
     code, _, err = chat_cli(tmp_path, "--device_type=cpu", "-p")
-    assert code == 1 and err.strip().splitlines() == ['error: -p needs the prompt after it, e.g. -p "Why is the sky blue?"']
+    assert (code == 1
+            and err.strip().splitlines() == ['error: -p needs the prompt after it, e.g. -p "Why is the sky blue?"'])

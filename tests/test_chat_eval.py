@@ -20,12 +20,13 @@ from helpers import run_script
 from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.scoring import Progress, score_categorical, score_generative
 from nanochat.tokenizer import Tokenizer
-from scripts.chat_eval import expand_short_flags, load_tasks, mean_centered, score_categorical, score_generative, scores
+from scripts.chat_eval import expand_short_flags, load_tasks, mean_centered, scores
 from tasks.common import Task, render_mc
 from tasks.humaneval import HumanEval, build_program, extract_code
 from tasks.registry import chatcore_baselines
-from tasks.scoring import Progress
+
 
 @pytest.fixture(scope="module")
 def tok(small_tokenizer_dir):
@@ -36,7 +37,8 @@ class FakeTask(Task):
     """Rows (user text, letters or None, reference answer): categorical when letters are given, else generative."""
 
     def __init__(self, rows, eval_type):
-        self.rows, self.eval_type = rows, eval_type
+        self.rows = rows
+        self.eval_type = eval_type
         super().__init__()
 
     def num_examples(self):
@@ -57,15 +59,18 @@ class FakeTask(Task):
 # The multiple-choice format: the letter in the prompt is the token of the bare answer
 
 def test_mc_prompt_letters_are_the_answer_tokens(tok):
-    """For every label a task can use (A-Z; ARC also uses 1-9), rendered as the assistant's whole answer, its token
-    ids appear in the rendered prompt exactly where that label is written, right after its choice."""
+    """
+    For every label a task can use (A-Z; ARC also uses 1-9), rendered as the assistant's whole answer, its token
+    ids appear in the rendered prompt exactly where that label is written, right after its choice.
+    """
     labels = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [str(d) for d in range(1, 10)]
     # choice texts that end in ways that could stick to what follows: spaces, punctuation, a newline, nothing
     texts = ["Paris", "the Sun ", "f(x", "it's", "42", "...", "été", "", "two\nlines", "end.", "(", "Oslo,"]
     choices = [texts[i % len(texts)] for i in range(len(labels))]
     question = "Which of these is right?"
     for start in range(0, len(labels), 5):  # questions of 5 labels, as tasks have a few choices each
-        letters, shown = labels[start:start + 5], choices[start:start + 5]
+        letters = labels[start:start + 5]
+        shown = choices[start:start + 5]
         for answer in letters:
             conversation = {"messages": [{"role": "user", "content": render_mc(question, letters, shown)},
                                          {"role": "assistant", "content": answer}]}
@@ -74,7 +79,8 @@ def test_mc_prompt_letters_are_the_answer_tokens(tok):
             prompt = ids[:mask.index(1)]
             where = shown[letters.index(answer)] + " ("
             found = [j for j in range(len(prompt)) if prompt[j:j + len(answer_ids)] == answer_ids
-                     and tok.decode(prompt[:j]).endswith(where) and tok.decode(prompt[j + len(answer_ids):]).startswith(")")]
+                     and tok.decode(prompt[:j]).endswith(where)
+                     and tok.decode(prompt[j + len(answer_ids):]).startswith(")")]
             assert len(found) == 1, (answer, where, [tok.decode([t]) for t in prompt])
 
 
@@ -87,7 +93,8 @@ def test_humaneval_loads_the_published_file_and_runs_the_tests(hub):
     assert len(task) == 3 and hub.requests == {served: 1}
     HumanEval()  # downloaded once
     assert sum(hub.requests.values()) == 1
-    first, helper = task[0], task[1]
+    first = task[0]
+    helper = task[1]
     assert first["entry_point"] == "add_digits" and first["messages"][0]["content"] == first["prompt"]
     assert first["messages"][0]["content"].startswith("def add_digits(n: int) -> int:")
     # every canonical solution, as the reference assistant answer (the whole function), passes
@@ -96,7 +103,8 @@ def test_humaneval_loads_the_published_file_and_runs_the_tests(hub):
         assert task.evaluate(conversation, conversation["messages"][-1]["content"]), conversation["task_id"]
     body = "    return sum(int(d) for d in str(n))\n"
     assert task.evaluate(first, body)  # the body alone continues the prompt
-    assert task.evaluate(first, "Here it is:\n```python\ndef add_digits(n):\n    return sum(map(int, str(n)))\n```\nDone.")
+    fenced = "Here it is:\n```python\ndef add_digits(n):\n    return sum(map(int, str(n)))\n```\nDone."
+    assert task.evaluate(first, fenced)
     assert task.evaluate(first, "```\n" + body + "```")  # a fenced body
     assert not task.evaluate(first, "    return n % 10\n")  # wrong: 123 -> 3
     assert not task.evaluate(first, "def add_digits(n):\n    return 6\n")  # passes one assert, not the others
@@ -122,8 +130,10 @@ def test_humaneval_program_building():
 # Categorical scoring
 
 class TokenCounter(torch.nn.Module):
-    """logits[b, t, v] = how many times token v occurs in ids[b, :t+1]: causal, and a letter's logit at the last
-    position is how often the prompt wrote it."""
+    """
+    logits[b, t, v] = how many times token v occurs in ids[b, :t+1]: causal, and a letter's logit at the last
+    position is how often the prompt wrote it.
+    """
 
     def __init__(self, vocab_size):
         super().__init__()
@@ -153,26 +163,33 @@ def test_categorical_picks_the_most_likely_allowed_letter(tok):
 
 
 def random_gpt(tok, seed=0):
-    """A depth-1 GPT with random weights everywhere (init_weights zeroes the output projections and the head,
-    which would make every position predict the same uniform distribution)."""
+    """
+    A depth-1 GPT with random weights everywhere (init_weights zeroes the output projections and the head,
+    which would make every position predict the same uniform distribution).
+    """
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    model = GPT(config)
     model.init_weights()
+    block = model.transformer.h[0]
     with torch.no_grad():
-        for w in (model.transformer.h[0].attn.c_proj.weight, model.transformer.h[0].mlp.c_proj.weight, model.lm_head.weight):
+        for w in (block.attn.c_proj.weight, block.mlp.c_proj.weight, model.lm_head.weight):
             w.normal_(0, 0.5)
     return model.eval()
 
 
 def test_batched_categorical_equals_one_prompt_at_a_time(tok):
-    """Rows of different lengths padded into one forward give each prompt the answer of its own forward, in the
-    order asked (scoring sorts the prompts by length within windows of 16 batches: batch size 1 and 2 make several)."""
+    """
+    Rows of different lengths padded into one forward give each prompt the answer of its own forward, in the
+    order asked (scoring sorts the prompts by length within windows of 16 batches: batch size 1 and 2 make several).
+    """
     words = ["cat", "dog", "tree", "house", "blue", "seven", "river", "open", "list", "number", "small", "stone"]
     rows = []
     for i in range(40):
         n = 2 + i % 4
         question = " ".join(words[(i * 5 + k) % len(words)] for k in range(1 + (i * 7) % 9))  # 1 to 9 words
-        rows.append((render_mc(question, "ABCDE"[:n], [words[(i + k) % len(words)] for k in range(n)]), "ABCDE"[:n], "A"))
+        choices = [words[(i + k) % len(words)] for k in range(n)]
+        rows.append((render_mc(question, "ABCDE"[:n], choices), "ABCDE"[:n], "A"))
     task = FakeTask(rows, "categorical")
     model = random_gpt(tok)
     expected = []
@@ -185,7 +202,8 @@ def test_batched_categorical_equals_one_prompt_at_a_time(tok):
     assert len({len(tok.render_for_completion(task[i])) for i in range(len(task))}) > 4  # padding really happens
     assert len(set(expected)) > 1  # the answers depend on the prompt
     for batch_size in (1, 2, 5, 40):
-        chosen = [c for _, c in score_categorical(model, tok, task, list(range(len(task))), batch_size, torch.device("cpu"))]
+        scored = score_categorical(model, tok, task, list(range(len(task))), batch_size, torch.device("cpu"))
+        chosen = [c for _, c in scored]
         assert chosen == expected, batch_size
 
 
@@ -200,11 +218,13 @@ def bigram_gpt(tok, first_logits):
     `first_logits` ({token: logit}), after those it ends the turn; it ends the turn after anything else too.
     """
     torch.manual_seed(0)
-    model = GPT(GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=16))
+    config = GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2, n_embd=16)
+    model = GPT(config)
     model.init_weights()  # output projections and lm_head are zero
     end = tok.encode_special("<|assistant_end|>")
     with torch.no_grad():
-        wte, head = model.transformer.wte.weight, model.lm_head.weight
+        wte = model.transformer.wte.weight
+        head = model.lm_head.weight
         wte.zero_()
         wte[:, 0] = 1.0  # state 0: anything else
         wte[tok.encode_special("<|assistant_start|>")] = F.one_hot(torch.tensor(1), 16).float()  # state 1
@@ -218,7 +238,8 @@ def bigram_gpt(tok, first_logits):
 
 
 def test_generative_pass_at_k(tok):
-    one, two = tok.encode("1")[0], tok.encode("2")[0]
+    one = tok.encode("1")[0]
+    two = tok.encode("2")[0]
     model = bigram_gpt(tok, {one: 10.5, two: 10.0})  # after <|assistant_start|>: "1" a bit more likely than "2"
     engine = Engine(model, tok)
     task = FakeTask([(f"question {i}", None, answer) for i, answer in enumerate("12312")], "generative")
@@ -245,15 +266,19 @@ def test_generative_pass_at_k(tok):
 
 
 def test_greedy_batches_equal_one_problem_at_a_time(tok):
-    """Greedy answers decoded together (chat_eval's batch_size) are the answers of one problem at a time (fp32):
+    """
+    Greedy answers decoded together (chat_eval's batch_size) are the answers of one problem at a time (fp32):
     prompts of different lengths, one that leaves less room than max_new_tokens (decoded alone, with what room
-    it has), one that fills the context (fails without generating)."""
+    it has), one that fills the context (fails without generating).
+    """
     model = random_gpt(tok, seed=1)
     engine = Engine(model, tok)
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
     rows = [(" ".join(words[(i * 3 + k) % len(words)] for k in range(1 + (i * 5) % 7)), None, "x") for i in range(10)]
     rows[8] = ("word " * 80, None, "x")  # fills the context
-    room = lambda text: engine.context_len - len(tok.render_for_completion(FakeTask([(text, None, "x")], "generative")[0]))
+    def room(text):
+        return engine.context_len - len(tok.render_for_completion(FakeTask([(text, None, "x")], "generative")[0]))
+
     rows[6] = (next(t for t in ("a" * n for n in range(200, 0, -1)) if 3 <= room(t) <= 8), None, "x")  # room < 12
     task = FakeTask(rows, "generative")
     indices = list(range(len(task)))
@@ -263,14 +288,16 @@ def test_greedy_batches_equal_one_problem_at_a_time(tok):
     assert alone[8] == (False, None) and alone[6][1] is not None
     assert len({answers[0] for _, answers in alone if answers}) > 3  # the answers differ from problem to problem
     for batch_size in (3, 8, 16):
-        assert score_generative(engine, tok, task, indices, 2, 12, 0.0, 0, 42, batch_size=batch_size) == alone, batch_size
+        together = score_generative(engine, tok, task, indices, 2, 12, 0.0, 0, 42, batch_size=batch_size)
+        assert together == alone, batch_size
 
 
 # -----------------------------------------------------------------------------
 # ChatCORE, progress, arguments
 
 def test_chatcore_arithmetic():
-    accuracy = {"ARC-Easy": 0.5, "ARC-Challenge": 0.25, "MMLU": 0.625, "GSM8K": 0.1, "HumanEval": 0.0, "SpellingBee": 0.4}
+    accuracy = {"ARC-Easy": 0.5, "ARC-Challenge": 0.25, "MMLU": 0.625, "GSM8K": 0.1, "HumanEval": 0.0,
+                "SpellingBee": 0.4}
     results = {name: {"accuracy": a, "chance": 0.0} for name, a in accuracy.items()}
     # centered: (0.5 - 0.25) / 0.75 = 1/3, 0, (0.625 - 0.25) / 0.75 = 1/2, 0.1, 0, 0.4; their mean:
     expected = (1 / 3 + 0 + 0.5 + 0.1 + 0 + 0.4) / 6
@@ -293,8 +320,8 @@ def test_progress_line(capsys):
 
 
 def test_arguments():
-    assert expand_short_flags(["-i", "mid", "--max_problems=3", "-a", "ARC-Easy,GSM8K"]) == \
-        ["--source=mid", "--max_problems=3", "--task_name=ARC-Easy,GSM8K"]
+    expanded = expand_short_flags(["-i", "mid", "--max_problems=3", "-a", "ARC-Easy,GSM8K"])
+    assert expanded == ["--source=mid", "--max_problems=3", "--task_name=ARC-Easy,GSM8K"]
     with pytest.raises(UserError, match="-a needs a value"):
         expand_short_flags(["-i", "mid", "-a"])
     with pytest.raises(UserError, match=r"unknown task 'Nope': use ARC-Easy, .*, PydocsMC, .*all or offline"):
@@ -310,8 +337,11 @@ def test_arguments():
 # The report card
 
 def test_report_card(isolated_env):
+    """The card's task rows are those chat_eval's sections name, with their labels, in the registry's order."""
     from nanochat import report
+    from scripts.chat_eval import card_labels
     directory = report.report_dir()
+    labels = [f"- {key}: {value}" for key, value in card_labels().items()]  # the line chat_eval writes
 
     def section(slug, title, lines):
         with open(os.path.join(directory, f"{slug}.md"), "w") as f:
@@ -320,10 +350,12 @@ def test_report_card(isolated_env):
     # nothing evaluated: no card, and generate still works
     text = open(report.generate()).read()
     assert "Report card" not in text and "| metric | value |" in text
-    section("base-model-evaluation", "Base model evaluation", ["- model: base d1 step 30", "- pydocs-CORE metric: 0.1234"])
+    section("base-model-evaluation", "Base model evaluation",
+            ["- model: base d1 step 30", "- pydocs-CORE metric: 0.1234"])
     section("chat-evaluation-mid", "Chat evaluation mid",
-            ["- ARC-Easy: 0.3000", "- GSM8K: 0.0500", "- ChatCORE: 0.0712", "- tasks: all"])
-    section("chat-evaluation-sft", "Chat evaluation sft", ["- ARC-Easy: 0.4000", "- PydocsMC: 0.5000", "- Offline ChatCORE: 0.2000"])
+            ["- GSM8K: 0.0500", "- ARC-Easy: 0.3000", "- ChatCORE: 0.0712", "- tasks: all", *labels])
+    section("chat-evaluation-sft", "Chat evaluation sft",
+            ["- ARC-Easy: 0.4000", "- PydocsMC: 0.5000", "- Offline ChatCORE: 0.2000", *labels])
     text = open(report.generate()).read()
     card = text[text.index("### Report card"):].split("\n\n")[1]
     assert card.splitlines() == [
@@ -359,6 +391,13 @@ def task_lines(out):
     return dict(re.findall(r"^(\w[\w-]*): ([\d.]+% \(\d+/\d+\)) in ", out, re.MULTILINE))
 
 
+def card_rows(section):
+    """The labels of the report card's rows that this chat evaluation section fills (nanochat.report)."""
+    from nanochat.report import parse_section, report_card
+    card = report_card({"chat-evaluation-mid": parse_section(section)})
+    return [row.split(" | ")[0].removeprefix("| ") for row in card[2:]]
+
+
 @pytest.mark.slow
 def test_offline_end_to_end_and_two_ranks_score_the_same(mid_model):
     args = ["-i", "mid", "-a", "offline", "--max_problems=5", "--max_new_tokens=24", "--batch_size=2"]
@@ -368,14 +407,17 @@ def test_offline_end_to_end_and_two_ranks_score_the_same(mid_model):
     lines = task_lines(out)
     assert list(lines) == ["SpellingBee", "SimpleSpelling", "Arithmetic", "PydocsChat", "PydocsMC", "Identity"]
     assert all(line.endswith("/5)") for line in lines.values()), lines
-    assert re.search(r"^PydocsMC 2/5 \(40%\) \| [\d.]+ problems/s \| ~\d+s left \| acc so far [\d.]+%$", out, re.MULTILINE), out
-    assert re.search(r"^Offline ChatCORE: -?[\d.]+$", out, re.MULTILINE) and not re.search(r"^ChatCORE", out, re.MULTILINE)
+    progress = r"^PydocsMC 2/5 \(40%\) \| [\d.]+ problems/s \| ~\d+s left \| acc so far [\d.]+%$"
+    assert re.search(progress, out, re.MULTILINE), out
+    assert re.search(r"^Offline ChatCORE: -?[\d.]+$", out, re.MULTILINE)
+    assert not re.search(r"^ChatCORE", out, re.MULTILINE)
     section = (mid_model / "report" / "chat-evaluation-mid.md").read_text()
     assert section.startswith("## Chat evaluation mid\n")
     for name in lines:
         assert re.search(rf"^- {name}: [\d.]+$", section, re.MULTILINE), section
     assert re.search(r"^- Offline ChatCORE: -?[\d.]+$", section, re.MULTILINE) and "- ChatCORE:" not in section
     assert "| PydocsMC | categorical | 5 |" in section and "| 0.2500 |" in section  # 4 choices: chance is 1/4
+    assert card_rows(section) == ["SpellingBee", "Offline ChatCORE"]  # the offline task on the card, and the score
 
     two = chat_eval(*args, nproc=2)
     assert two.returncode == 0, two.stderr
@@ -396,6 +438,7 @@ def test_chatcore_tasks_from_the_hub(mid_model, hub):
     section = (mid_model / "report" / "chat-evaluation-mid.md").read_text()
     assert re.search(r"^- ChatCORE: -?[\d.]+$", section, re.MULTILINE) and "Offline ChatCORE" not in section
     assert "| MMLU | categorical | 2 |" in section and "| HumanEval | generative | 2 |" in section
+    assert card_rows(section) == ["ARC-E", "ARC-C", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE"]
 
 
 def test_missing_model_or_data_is_one_line_naming_the_command(isolated_env, small_tokenizer_dir, hub, tmp_path):
@@ -413,7 +456,8 @@ def test_missing_model_or_data_is_one_line_naming_the_command(isolated_env, smal
 def test_bad_source_and_help(capsys, monkeypatch):
     import scripts.chat_eval
     from scripts.chat_eval import main
-    monkeypatch.setattr(scripts.chat_eval, "source", scripts.chat_eval.source)  # main() sets the module's config: undo it after
+    # main() sets the module's config: undo it after
+    monkeypatch.setattr(scripts.chat_eval, "source", scripts.chat_eval.source)
     with pytest.raises(UserError, match="--source must be one of mid, sft, rl, got 'base'"):
         main(["-i", "base"])
     with pytest.raises(SystemExit) as exit_info:

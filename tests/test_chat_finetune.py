@@ -1,7 +1,8 @@
 """
-The chat finetuning stages: scripts/chat_sft.py and scripts/chat_rl.py end to end on a tiny midtrained model
-(offline data), SFT's exact resume, and the RL update on hand-computed numbers and on a trivial task where it
-must raise the reward.
+The chat finetuning stages: scripts/chat_sft.py and scripts/chat_rl.py end to end on a tiny midtrained model.
+
+On offline data; SFT's exact resume, and the RL update on hand-computed numbers and on a trivial task where it must
+raise the reward.
 """
 
 import json
@@ -12,8 +13,8 @@ import torch
 from helpers import run_script, run_signalled, ToyModel
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 
-SFT = ["-m", "scripts.chat_sft", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2", "--examples_per_step=4",
-       "--eval_tokens=1024", "--eval_metrics_max_problems=8"]
+SFT = ["-m", "scripts.chat_sft", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2",
+       "--examples_per_step=4", "--eval_tokens=1024", "--eval_metrics_max_problems=8"]
 RL = ["-m", "scripts.chat_rl", "--source=mid", "--mixture=offline", "--prompts_per_step=2", "--num_samples=4",
       "--max_new_tokens=16", "--eval_examples=4", "--device_batch_size=4", "--temperature=1.0"]
 
@@ -63,7 +64,8 @@ def test_sft_trains_evaluates_and_resumes_exactly(chat_base):
 
 @pytest.mark.slow
 def test_sft_batch_arithmetic_error_is_one_line(chat_base):
-    result = run_script(*[a for a in SFT if not a.startswith("--examples_per_step")], "--examples_per_step=5", "--num_iterations=2")
+    result = run_script(*[a for a in SFT if not a.startswith("--examples_per_step")], "--examples_per_step=5",
+                        "--num_iterations=2")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "examples_per_step 5 is not a multiple of device_batch_size x world_size = 2 x 1 = 2" in lines[0]
@@ -99,7 +101,8 @@ def test_a_few_policy_gradient_steps_raise_the_reward_on_a_trivial_task(trained_
     from nanochat.tokenizer import get_tokenizer
     torch.manual_seed(0)
     tokenizer = get_tokenizer()
-    model = GPT(GPTConfig(sequence_len=16, vocab_size=tokenizer.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=tokenizer.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1,
+                          n_embd=32))
     model.init_weights()
     optimizers = model.setup_optimizers(unembedding_lr=0.01, embedding_lr=0.01, matrix_lr=0.01)
     engine = Engine(model, tokenizer)
@@ -118,22 +121,27 @@ def test_a_few_policy_gradient_steps_raise_the_reward_on_a_trivial_task(trained_
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=True)
-    early, late = sum(rewards_per_step[:2]) / 2, sum(rewards_per_step[-3:]) / 3
+    early = sum(rewards_per_step[:2]) / 2
+    late = sum(rewards_per_step[-3:]) / 3
     assert 0.25 < early < 0.75 and late > early + 0.2, rewards_per_step  # starts near chance, ends well above
 
 
 @pytest.mark.slow
 def test_rl_resume_equals_the_uninterrupted_run(rl_base):
-    """The problems and seeds of a step depend only on the step: a resumed RL run samples, rewards and trains
+    """
+    The problems and seeds of a step depend only on the step: a resumed RL run samples, rewards and trains
     exactly as the uninterrupted one (same answers, rewards and weights). The tiny model earns no reward, so its
-    weights stay put; the optimizer state's part of a resume is the stage protocol's, proven by the other stages."""
+    weights stay put; the optimizer state's part of a resume is the stage protocol's, proven by the other stages.
+    """
     ckpt = rl_base / "chatrl_checkpoints" / "d1"
     # room to end some answers, and a temperature at which a tiny model ends some (at 1.0 the one trained with dense
     # attention ran every answer to 64 tokens, so that the steps' answers showed no difference in length)
-    rl = [a for a in RL if not a.startswith(("--max_new_tokens", "--temperature"))] + ["--max_new_tokens=64", "--temperature=1.5"]
+    rl = [a for a in RL if not a.startswith(("--max_new_tokens", "--temperature"))]
+    rl += ["--max_new_tokens=64", "--temperature=1.5"]
     full = run_script(*rl, "--num_iterations=4", "--save_every=2", "--eval_every=-1")
     assert full.returncode == 0, full.stderr[-3000:]
-    full_rewards, full_weights = step_losses(ckpt, "reward"), torch.load(ckpt / "model_000004.pt")
+    full_rewards = step_losses(ckpt, "reward")
+    full_weights = torch.load(ckpt / "model_000004.pt")
     full_lengths = step_losses(ckpt, "answer_length")
     assert len(full_rewards) == 4 and len(set(full_lengths)) > 1, full_lengths  # the steps sampled different answers
     for f in ckpt.glob("*000004*"):
@@ -148,8 +156,10 @@ def test_rl_resume_equals_the_uninterrupted_run(rl_base):
 
 @pytest.mark.slow
 def test_rl_stops_within_seconds_in_pass_at_k_and_in_sampling(rl_base):
-    """A SIGTERM in the first pass@k (the 270 test problems x 16 answers: minutes) stops it at once; the step that
-    follows drops its sampling at its first token; the stage saves step 0 and exits 75, the last pass@k also cut short."""
+    """
+    A SIGTERM in the first pass@k (the 270 test problems x 16 answers: minutes) stops it at once; the step that
+    follows drops its sampling at its first token; the stage saves step 0 and exits 75, the last pass@k also cut short.
+    """
     args = [a for a in RL if not a.startswith(("--num_samples", "--eval_examples"))]
     # the SIGTERM from inside the write of the pass@k line (helpers.run_signalled: deterministic)
     result, seconds = run_signalled("pass@k: 270 test problems x 16 answers", "SIGTERM", *args, "--num_samples=16",
@@ -164,8 +174,10 @@ def test_rl_stops_within_seconds_in_pass_at_k_and_in_sampling(rl_base):
 
 @pytest.mark.slow
 def test_sft_stops_within_seconds_in_its_evaluations(chat_base):
-    """A Ctrl-C in SFT's first validation (eval_tokens: hours of it) stops it at once; one training step finishes and
-    is saved; the final evaluations stop at once too; exit 75."""
+    """
+    A Ctrl-C in SFT's first validation (eval_tokens: hours of it) stops it at once; one training step finishes and
+    is saved; the final evaluations stop at once too; exit 75.
+    """
     args = [a for a in SFT if not a.startswith("--eval_tokens")]
     # Ctrl-C (SIGINT) from inside the write of the first batch's line, just before the validation
     result, seconds = run_signalled("x, y = next(train_loader)", "SIGINT", *args, "--eval_tokens=100000000",

@@ -1,3 +1,5 @@
+"""Checkpoints (nanochat/checkpoint_manager.py): an exact round trip, a resume's checks, broken files, tags."""
+
 import os
 import types
 
@@ -56,8 +58,10 @@ def test_round_trip_is_exact(tmp_path):
 
 
 def test_resume_loads_only_into_a_model_of_the_checkpoints_config(tmp_path):
-    """load_for_resume: the weights into the model a run built, every saving rank's optimizer state; a model built
-    with other settings is refused naming each field that differs, and so is another tokenizer."""
+    """
+    load_for_resume: the weights into the model a run built, every saving rank's optimizer state; a model built
+    with other settings is refused naming each field that differs, and so is another tokenizer.
+    """
     model, optimizers = trained_model_and_optimizers()
     save(tmp_path, model, optimizers)
     tokenizer = types.SimpleNamespace(fingerprint=lambda: "any", get_vocab_size=lambda: 128, directory="tok")
@@ -119,16 +123,20 @@ def test_model_tag_is_never_guessed(tmp_path):
 
 
 def test_a_checkpoint_directory_may_carry_its_own_tokenizer(isolated_env):
-    """An imported model's tokenizer lives in <checkpoint_dir>/tokenizer/; load_model and the token bytes use it,
-    and carry_tokenizer passes it on to the checkpoints trained from it (the base dir's needs no copy)."""
+    """
+    An imported model's tokenizer lives in <checkpoint_dir>/tokenizer/; load_model and the token bytes use it,
+    and carry_tokenizer passes it on to the checkpoints trained from it (the base dir's needs no copy).
+    """
     from nanochat.checkpoint_manager import checkpoint_dir_for, load_model
     from nanochat.tokenizer import Tokenizer, carry_tokenizer, get_token_bytes
     own = Tokenizer({bytes([i]): i for i in range(256)})  # no tokenizer in the base dir at all
-    model = GPT(GPTConfig(sequence_len=16, vocab_size=own.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1, n_embd=64))
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=own.get_vocab_size(), n_layer=1, n_head=1, n_kv_head=1,
+                          n_embd=64))
     model.init_weights()
     ckpt = checkpoint_dir_for("sft", "imported")
     carry_tokenizer(own, ckpt)
-    meta = dict(model_config=model.config.to_dict(), tokenizer=dict(fingerprint=own.fingerprint(), vocab_size=own.get_vocab_size()))
+    meta = dict(model_config=model.config.to_dict(),
+                tokenizer=dict(fingerprint=own.fingerprint(), vocab_size=own.get_vocab_size()))
     save_checkpoint(ckpt, 0, model.state_dict(), None, meta)
     _, tokenizer, _ = load_model("sft", "cpu", phase="eval")
     assert tokenizer.fingerprint() == own.fingerprint() and tokenizer.directory == os.path.join(ckpt, "tokenizer")

@@ -1,3 +1,5 @@
+"""What every script needs first (nanochat/common.py): compute_init, errors, logging, print0, downloads, ranks."""
+
 import hashlib
 import json
 import logging
@@ -38,7 +40,8 @@ def test_compute_init_keeps_freed_memory_on_a_cpu():
 import ctypes, torch
 from nanochat.common import compute_init
 class MallInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [(name, ctypes.c_int)
+                for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 libc = ctypes.CDLL(None)
 libc.mallinfo.restype = MallInfo
 def tensor_made_and_freed():
@@ -72,15 +75,18 @@ def test_compute_init_two_processes_over_gloo(tmp_path):
 
 
 def test_two_nodes_rank_differs_from_local_rank_and_share_rank_0s_compute_dtype(tmp_path):
-    """Two 'machines' (two torchrun launchers, one process each): on node 1, RANK=1 but LOCAL_RANK=0. The compute
+    """
+    Two 'machines' (two torchrun launchers, one process each): on node 1, RANK=1 but LOCAL_RANK=0. The compute
     dtype is one decision for the run, rank 0's: node 1, told otherwise by its own NANOCHAT_DTYPE, computes in rank
-    0's dtype too (machines that decided apart could compute in different dtypes)."""
+    0's dtype too (machines that decided apart could compute in different dtypes).
+    """
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [start_script("-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
-                          "--master_addr=127.0.0.1", f"--master_port={port}", "tests/dist_common_worker.py", tmp_path / "out",
+                          "--master_addr=127.0.0.1", f"--master_port={port}", "tests/dist_common_worker.py",
+                          tmp_path / "out",
                           env={"NANOCHAT_DTYPE": ("bfloat16", "float32")[n]},
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -102,7 +108,8 @@ def test_incomplete_torchrun_env_is_a_clear_error(monkeypatch):
 
 
 def test_incomplete_env_in_a_script_prints_one_line(tmp_path):
-    result = run_script("-c", "from nanochat.common import compute_init; compute_init('cpu')", env={"RANK": "0", "LOCAL_RANK": None})
+    result = run_script("-c", "from nanochat.common import compute_init; compute_init('cpu')",
+                        env={"RANK": "0", "LOCAL_RANK": None})
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: distributed launch is incomplete"), result.stderr
@@ -111,12 +118,13 @@ def test_incomplete_env_in_a_script_prints_one_line(tmp_path):
 def test_out_of_memory_in_a_script_prints_one_line_that_says_what_to_lower():
     # torch's OutOfMemoryError (a GPU's; raised here as the allocator raises it): a size to change, not a traceback
     code = ("from nanochat.common import setup_default_logging; import torch; setup_default_logging(); raise "
-            "torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 "
-            "GiB of which 1.03 GiB is free.\\nIncluding non-PyTorch memory...')")
+            "torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+            "79.19 GiB of which 1.03 GiB is free.\\nIncluding non-PyTorch memory...')")
     result = run_script("-c", code, env={"RANK": "1", "WORLD_SIZE": "8"})
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "[rank 1] error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB): lower --device_batch_size"], result.stderr
+        "[rank 1] error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB): lower --device_batch_size",
+    ], result.stderr
 
 
 def test_torchrun_on_mps_is_refused(monkeypatch):
@@ -158,7 +166,8 @@ def test_colored_formatter_highlights_figures():
                                "Downloaded Shard 3 (95.2 MB), %d%% done, 1,024 docs", (45,), None)
     colored = ColoredFormatter(color=True).format(record)
     assert "\033[1mShard 3\033[0m" in colored
-    assert "\033[1m95.2 MB\033[0m" in colored and "\033[1m45%\033[0m" in colored and "\033[1m1,024 docs\033[0m" in colored
+    assert "\033[1m95.2 MB\033[0m" in colored and "\033[1m45%\033[0m" in colored
+    assert "\033[1m1,024 docs\033[0m" in colored
     assert "\033[32m\033[1mINFO" in colored  # INFO in green bold
     plain = ColoredFormatter(color=False).format(record)
     assert "\033" not in plain and plain.endswith("INFO - Downloaded Shard 3 (95.2 MB), 45% done, 1,024 docs")
@@ -208,7 +217,8 @@ def test_concurrent_callers_download_once(file_server):
     file_server.slow_paths["/f.bin"] = 0.05  # slow enough that all callers arrive while it downloads
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_download_worker, args=(f"{file_server.url}/f.bin", "dl/f.bin", queue)) for _ in range(4)]
+    procs = [ctx.Process(target=_download_worker, args=(f"{file_server.url}/f.bin", "dl/f.bin", queue))
+             for _ in range(4)]
     for p in procs:
         p.start()
     paths = [queue.get(timeout=120) for _ in procs]
@@ -224,7 +234,8 @@ def test_download_killed_with_sigkill_leaves_nothing_then_completes(file_server,
     open(os.path.join(file_server.root, "big.bin"), "wb").write(data)
     file_server.slow_paths["/big.bin"] = 0.05
     final = isolated_env / "dl" / "big.bin"
-    code = f"from nanochat.common import download_file_with_lock; download_file_with_lock('{file_server.url}/big.bin', 'dl/big.bin')"
+    code = ("from nanochat.common import download_file_with_lock; "
+            f"download_file_with_lock('{file_server.url}/big.bin', 'dl/big.bin')")
     proc = start_script("-c", code)
     deadline = time.time() + 60
     while time.time() < deadline:  # wait until it is midway: a temp file with some bytes in it

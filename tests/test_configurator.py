@@ -1,3 +1,7 @@
+"""
+The configurator's tests (nanochat/configurator.py): `--key=value` parsed and checked, config files, --help.
+"""
+
 import os
 
 import pytest
@@ -78,7 +82,8 @@ def test_script_help_lists_every_key(tmp_path):
     assert result.returncode == 0
     out = result.stdout
     assert "A toy stage script." in out
-    for line in ("--depth      int    20", "--matrix_lr  float  0.02", "--run        str    'dummy'", "--compile    bool   True"):
+    for line in ("--depth      int    20", "--matrix_lr  float  0.02", "--run        str    'dummy'",
+                 "--compile    bool   True"):
         assert line in out, out
     assert "model depth" in out and "Muon learning rate" in out
     assert "RESULT" not in out  # --help exits before the script runs
@@ -92,8 +97,10 @@ def test_script_overrides_and_prints_them(tmp_path):
 
 
 def test_under_torchrun_a_double_dash_ends_its_options(tmp_path):
-    """speedrun.sh's torchrun lines put `--` after the module: torchrun itself stops at --run=..., an ambiguous
-    abbreviation of its --run-path / --run_path; with the `--` the script gets its arguments, the `--` skipped."""
+    """
+    speedrun.sh's torchrun lines put `--` after the module: torchrun itself stops at --run=..., an ambiguous
+    abbreviation of its --run-path / --run_path; with the `--` the script gets its arguments, the `--` skipped.
+    """
     assert parse_args(["--", "--depth=3"], KEYS) == dict(depth=3)
     without = run_toy(tmp_path, "--run=x", nproc=2)
     assert without.returncode != 0 and "ambiguous option: --run=x" in without.stderr

@@ -1,7 +1,8 @@
 """
-The conversation loader of the chat stages (nanochat/conversation_loader.py: ConversationLoader, padded_batch): packed
-and padded rows, ranks reading disjoint conversations, exact continuation from a state_dict, also across the end of an
-epoch.
+The conversation loader of the chat stages (nanochat/conversation_loader.py: ConversationLoader, padded_batch).
+
+Packed and padded rows, ranks reading disjoint conversations, exact continuation from a state_dict, also across the
+end of an epoch.
 """
 
 import pytest
@@ -55,7 +56,8 @@ def test_packed_rows_are_full_shifted_and_masked(tok):
     loader = ConversationLoader(DATASET, tok, 2, 16, "cpu", packed=True)
     x1, y1 = next(loader)
     full = ConversationLoader(DATASET, tok, 2, 16, "cpu", packed=True, train_on_all_tokens=True)
-    (_, y_all), (x2, _) = next(full), next(full)
+    _, y_all = next(full)
+    x2, _ = next(full)
     assert (y_all != -1).all() and x2[0, 0].item() == y_all[-1, -1].item()  # the next batch starts with the last target
     assert x1.shape == y1.shape == (2, 16) and x1.dtype == torch.int32 and y1.dtype == torch.int64
     assert x1[0, 0].item() == tok.get_bos_token_id()  # the stream starts where conversation 0 starts

@@ -1,5 +1,5 @@
 """
-nanochat/core_eval.py (the CORE metric), nanochat/core_bundle.py and scripts/base_eval.py.
+The CORE metric: nanochat/core_eval.py, nanochat/core_bundle.py (its offline bundle) and scripts/base_eval.py.
 
 The fixture tests/fixtures/core_bundle/eval_bundle/ is a tiny bundle in DCLM's format (core.yaml, eval_data/,
 eval_meta_data.csv): 3 tasks, one per type. The tests zip it, serve it over local HTTP and let prepare_bundle
@@ -79,13 +79,15 @@ def gold_texts():
     return texts
 
 
-WRONG_LM = {"To be or not to be, that is the": "answer", "One, two, three, four,": "six", "Roses are red, violets are": "green"}
+WRONG_LM = {"To be or not to be, that is the": "answer", "One, two, three, four,": "six",
+            "Roses are red, violets are": "green"}
 
 
 def wrong_texts():
     texts = [f"{x['query']}\nAnswer: {x['choices'][0]}" for x in fixture_data("tiny_mc")]
     texts += [f"{x['context_options'][0]} {x['continuation']}" for x in fixture_data("tiny_schema")]
-    texts += [f"{x['context'].strip()} {WRONG_LM.get(x['context'].strip(), x['continuation'])}" for x in fixture_data("tiny_lm")]
+    texts += [f"{x['context'].strip()} {WRONG_LM.get(x['context'].strip(), x['continuation'])}"
+              for x in fixture_data("tiny_lm")]
     return texts
 
 
@@ -108,8 +110,10 @@ def served_bundle(file_server, monkeypatch):
 
 @pytest.fixture(scope="module")
 def offline_bundle(tmp_path_factory):
-    """The offline bundle, built once per test session (conftest.build_once) in its own base dir; (directory,
-    build seconds)."""
+    """
+    The offline bundle, built once per test session (conftest.build_once) in its own base dir; (directory,
+    build seconds).
+    """
     def build(base):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("NANOCHAT_BASE_DIR", str(base))
@@ -211,11 +215,13 @@ def test_render_prompts_by_hand():
 
 def test_continuation_spans():
     # multiple choice: after the common prefix; schema: the common suffix; LM: after the prompt without it
-    assert continuation_rows("multiple_choice", [[9, 1, 2, 3], [9, 1, 4], [9, 1, 2, 5, 6]]) == \
-        [([9, 1, 2, 3], 2, 4), ([9, 1, 4], 2, 3), ([9, 1, 2, 5, 6], 2, 5)]
-    assert continuation_rows("schema", [[9, 1, 7, 8], [9, 2, 2, 7, 8]]) == [([9, 1, 7, 8], 2, 4), ([9, 2, 2, 7, 8], 3, 5)]
+    assert continuation_rows("multiple_choice", [[9, 1, 2, 3], [9, 1, 4], [9, 1, 2, 5, 6]]) == [
+        ([9, 1, 2, 3], 2, 4), ([9, 1, 4], 2, 3), ([9, 1, 2, 5, 6], 2, 5)]
+    assert continuation_rows("schema", [[9, 1, 7, 8], [9, 2, 2, 7, 8]]) == [
+        ([9, 1, 7, 8], 2, 4), ([9, 2, 2, 7, 8], 3, 5)]
     assert continuation_rows("language_modeling", [[9, 1, 2], [9, 1, 2, 3, 4]]) == [([9, 1, 2, 3, 4], 3, 5)]
-    assert continuation_rows("language_modeling", [[9, 1, 2], [9, 1, 5, 4]]) == [([9, 1, 5, 4], 2, 4)]  # merged boundary
+    # a boundary the tokenizer merged
+    assert continuation_rows("language_modeling", [[9, 1, 2], [9, 1, 5, 4]]) == [([9, 1, 5, 4], 2, 4)]
     # a choice that is a prefix of another still gets its last token scored
     assert continuation_rows("multiple_choice", [[9, 1], [9, 1, 0]]) == [([9, 1], 1, 2), ([9, 1, 0], 1, 3)]
 
@@ -250,8 +256,8 @@ def test_model_preferring_gold_scores_one(served_bundle):
     tokenizer = byte_tokenizer()
     results = evaluate_core(PrefersText(tokenizer, gold_texts()), tokenizer, "cpu", prepare_bundle("dclm"))
     assert results["name"] == "CORE" and results["score"] == 1.0
-    assert {k: (r["accuracy"], r["centered"], r["examples"]) for k, r in results["tasks"].items()} == \
-        {"tiny_mc": (1.0, 1.0, 5), "tiny_schema": (1.0, 1.0, 4), "tiny_lm": (1.0, 1.0, 4)}
+    assert {k: (r["accuracy"], r["centered"], r["examples"]) for k, r in results["tasks"].items()} == {
+        "tiny_mc": (1.0, 1.0, 5), "tiny_schema": (1.0, 1.0, 4), "tiny_lm": (1.0, 1.0, 4)}
 
 
 def test_model_preferring_wrong_answers_scores_its_hand_computed_value(served_bundle):
@@ -267,7 +273,8 @@ def test_model_preferring_wrong_answers_scores_its_hand_computed_value(served_bu
 
 def test_fewshot_count_is_clamped_with_a_note(served_bundle, capsys):
     tokenizer = byte_tokenizer()
-    results = evaluate_core(PrefersText(tokenizer, gold_texts()), tokenizer, "cpu", prepare_bundle("dclm"), max_per_task=3)
+    results = evaluate_core(PrefersText(tokenizer, gold_texts()), tokenizer, "cpu", prepare_bundle("dclm"),
+                            max_per_task=3)
     out = capsys.readouterr().out
     assert "note: tiny_mc asks for 3 few-shot examples but has only 3 examples after max_per_task: using 2" in out
     assert [(r["shots"], r["examples"]) for r in results["tasks"].values()] == [(2, 3), (1, 3), (2, 3)]
@@ -299,7 +306,8 @@ def test_batched_equals_one_example_per_forward(served_bundle, offline_bundle, m
             data = load_task_data(task["path"])[:10]
             shots = min(task["num_fewshot"], 2)
             # one example per forward; one row per forward; all rows together; then in chunks of 5 examples
-            runs = [evaluate_task(model, tokenizer, task, data, "cpu", shots, batch_tokens, 96) for batch_tokens in (0, 100, 4096)]
+            runs = [evaluate_task(model, tokenizer, task, data, "cpu", shots, batch_tokens, 96)
+                    for batch_tokens in (0, 100, 4096)]
             with monkeypatch.context() as m:
                 m.setattr(core_eval, "EXAMPLES_PER_CHUNK", 5)
                 runs.append(evaluate_task(model, tokenizer, task, data, "cpu", shots, 4096, 96))
@@ -345,7 +353,8 @@ def test_offline_bundle_is_deterministic_fast_and_verbatim(offline_bundle, isola
                 options = item["context_options"]
                 solved = f"{options[item['gold']]}{task['delimiter']}{item['continuation']}"
             else:
-                options, solved = [None], f"{item['context']}{task['delimiter']}{item['continuation']}"
+                options = [None]
+                solved = f"{item['context']}{task['delimiter']}{item['continuation']}"
             assert len(set(options)) == len(options)
             assert any(d.startswith(solved) for d in docs), solved
     defaults = load_task_data(os.path.join(first, "eval_data", "pydocs", "default.jsonl"))
@@ -370,13 +379,15 @@ def test_base_eval_end_to_end(tiny_model, served_bundle):
 
     # the default bundle for the pydocs corpus: offline, reported under its own name
     out, report = base_eval("--max_per_task=16")
-    for label in ("pydocs_summary", "pydocs_default", "pydocs_header", "pydocs_owner", "pydocs_next_word", "pydocs_next_param"):
+    for label in ("pydocs_summary", "pydocs_default", "pydocs_header", "pydocs_owner", "pydocs_next_word",
+                  "pydocs_next_param"):
         assert label in out and f"| {label} |" in report
     assert "pydocs-CORE metric:" in out and "- pydocs-CORE metric: " in report and "\n- CORE metric" not in report
 
     # the dclm bundle (the fixture, downloaded from the local server): key "CORE metric"; 2 ranks == 1 rank
     out1, report1 = base_eval("--bundle=dclm", "--device_batch_tokens=256")
-    assert "\nCORE metric: " in out1 and "- CORE metric: " in report1 and "| tiny_mc | multiple_choice | 3 | 5 |" in report1
+    assert "\nCORE metric: " in out1 and "- CORE metric: " in report1
+    assert "| tiny_mc | multiple_choice | 3 | 5 |" in report1
     out2, report2 = base_eval("--bundle=dclm", "--device_batch_tokens=256", nproc=2)
     assert report2 == report1
     assert served_bundle.requests == {"/eval_bundle.zip": 1}

@@ -1,7 +1,9 @@
 """
-Data loader: shapes and dtypes, the data-slot property (2 ranks x accumulation 1 see exactly what 1 rank x
-accumulation 2 sees), disjoint documents across ranks, exact resume, best-fit BOS-aligned rows (no token lost).
-Ranks are simulated in one process by building the loader with rank/world_size (the same code torchrun runs).
+The pretraining data loader (nanochat/dataloader.py): what it reads on any number of ranks, and its resume.
+
+Shapes and dtypes, the data-slot property (2 ranks x accumulation 1 see exactly what 1 rank x accumulation 2
+sees), disjoint documents across ranks, exact resume, best-fit BOS-aligned rows (no token lost). Ranks are
+simulated in one process by building the loader with rank/world_size (the same code torchrun runs).
 """
 
 import json
@@ -47,9 +49,9 @@ def corpus(isolated_env, monkeypatch):
 
 
 def make(tok, rank=0, world_size=1, B=2, T=16, total=None, split="train", state=None, bos_aligned=False):
-    loader = DistributedTokenLoader(B=B, T=T, split=split, device="cpu", tokenizer=tok, rank=rank, world_size=world_size,
-                                    total_batch_size=total, seed=0, bos_aligned=bos_aligned, tokenizer_threads=2,
-                                    tokenizer_batch_size=8)
+    loader = DistributedTokenLoader(B=B, T=T, split=split, device="cpu", tokenizer=tok, rank=rank,
+                                    world_size=world_size, total_batch_size=total, seed=0, bos_aligned=bos_aligned,
+                                    tokenizer_threads=2, tokenizer_batch_size=8)
     if state is not None:
         loader.load_state_dict(state)
     return loader
@@ -64,7 +66,8 @@ def test_shapes_dtypes_and_shift(tok, corpus):
     x1, y1 = next(loader)
     x2, y2 = next(loader)
     assert x1.shape == y1.shape == (3, 16) and x1.dtype == torch.int32 and y1.dtype == torch.int64
-    flat_x, flat_y = x1.flatten(), y1.flatten()
+    flat_x = x1.flatten()
+    flat_y = y1.flatten()
     assert torch.equal(flat_x[1:].long(), flat_y[:-1])  # targets are the inputs shifted by one, across rows too
     assert x2[0, 0].item() == y1[-1, -1].item()  # and across batches: no token is skipped
     assert x1[0, 0].item() == tok.get_bos_token_id()  # the stream starts at a document start
@@ -75,7 +78,8 @@ def test_slots_make_the_stream_world_size_invariant(tok, corpus, bos_aligned):
     B, T = 2, 16
     total = 2 * B * T
     single = make(tok, total=total, bos_aligned=bos_aligned)  # 1 rank, accumulation 2: slot 0 then slot 1
-    ranks = [make(tok, rank=r, world_size=2, total=total, bos_aligned=bos_aligned) for r in range(2)]  # 2 ranks, accumulation 1
+    # 2 ranks, accumulation 1
+    ranks = [make(tok, rank=r, world_size=2, total=total, bos_aligned=bos_aligned) for r in range(2)]
     for step in range(250):  # long enough to cross units and an epoch of the training shards
         micro = [next(single) for _ in range(2)]
         per_rank = [next(r) for r in ranks]
@@ -150,8 +154,10 @@ def test_bos_aligned_rows_start_at_documents(tok, corpus):
 
 
 def test_best_fit_choices():
-    """Rows begin with the longest whole document that fits, then take the longest piece that fits, else the
-    shortest piece (to be cut); a document longer than a row comes in as a row and leftovers of half a row."""
+    """
+    Rows begin with the longest whole document that fits, then take the longest piece that fits, else the
+    shortest piece (to be cut); a document longer than a row comes in as a row and leftovers of half a row.
+    """
     buffer = _BestFitBuffer(width=10)
     for i, n in enumerate([3, 7, 23, 4, 6, 2]):
         buffer.add(i, np.arange(n))
@@ -179,7 +185,8 @@ class RecordingTokenizer:
     """A tokenizer that keeps what it encoded: the documents the loader read, BOS first."""
 
     def __init__(self, tok):
-        self.tok, self.encoded = tok, []
+        self.tok = tok
+        self.encoded = []
 
     def get_bos_token_id(self):
         return self.tok.get_bos_token_id()
@@ -191,8 +198,10 @@ class RecordingTokenizer:
 
 
 def placed_and_buffered(loader, batches):
-    """Counters of the tokens: in the rows of `batches` micro-batches (inputs and the last target of each row),
-    waiting in the slot's best-fit buffer, and of the documents read into that buffer."""
+    """
+    Counters of the tokens: in the rows of `batches` micro-batches (inputs and the last target of each row),
+    waiting in the slot's best-fit buffer, and of the documents read into that buffer.
+    """
     (slot,) = loader.slots
     placed = Counter()
     for _ in range(batches):
@@ -216,8 +225,10 @@ def test_best_fit_loses_no_token(tok, corpus):
 
 
 def test_best_fit_drops_only_when_documents_outgrow_rows(tok, corpus, monkeypatch):
-    """Rows of 17 tokens, documents of 41 on average: every row starts a document, so the rows cannot hold all the
-    tokens. The buffer stays bounded, full of leftovers; the shortest are dropped, counted; resuming stays exact."""
+    """
+    Rows of 17 tokens, documents of 41 on average: every row starts a document, so the rows cannot hold all the
+    tokens. The buffer stays bounded, full of leftovers; the shortest are dropped, counted; resuming stays exact.
+    """
     monkeypatch.setattr(nanochat.dataloader, "BESTFIT_BUFFER", 50)
     loader = DistributedTokenLoader(B=2, T=16, split="train", device="cpu", tokenizer=RecordingTokenizer(tok), rank=0,
                                     world_size=1, bos_aligned=True, tokenizer_threads=2, tokenizer_batch_size=8)
@@ -235,11 +246,12 @@ def test_best_fit_drops_only_when_documents_outgrow_rows(tok, corpus, monkeypatc
 
 
 def test_positions_of_the_other_mode(tok, corpus):
-    """A bos_aligned position saved before best fit (a document start) loads; a best-fit one is refused by the stream."""
+    """A bos_aligned position saved before best fit (a document start) loads; the stream refuses a best-fit one."""
     from nanochat.common import UserError
     old = {"slots": {"0": [0, 1, 3, 0]}, "micro": 0}
     loader = make(tok, state=old, bos_aligned=True)
-    next(loader), next(loader)
+    next(loader)
+    next(loader)
     pieces = loader.state_dict()["slots"]["0"]["pieces"]  # the buffer before the second batch
     assert pieces and min((epoch, unit, doc) for epoch, unit, doc, _, _ in pieces) >= (0, 1, 3)  # nothing before it
     with pytest.raises(UserError, match="bos_aligned=True"):

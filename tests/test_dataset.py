@@ -1,7 +1,9 @@
 """
-Tests of nanochat/dataset.py and corpus_build.py: the pydocs corpus (offline, deterministic, atomic), the FineWeb-Edu download
-path against a local server (fixed validation shard, skip what is there, replace what is damaged), and the
-reading API (listing, row groups, rank striding).
+The pretraining corpora (nanochat/dataset.py, corpus_build.py): building, downloading, reading.
+
+The pydocs corpus (offline, deterministic, atomic); the hub corpora's download path against a local server (fixed
+validation shard, skip what is there, replace what is damaged), and a new hub corpus as one entry; the reading API
+(listing, row groups, rank striding).
 """
 
 import hashlib
@@ -35,8 +37,10 @@ def _fixture_docs(shard):
 
 @pytest.fixture(params=["fineweb-edu", "climbmix"])
 def tiny_hub(request, file_server, monkeypatch):
-    """A 3-shard hub corpus on the local server (10 docs per shard, row groups of 4), selected via env: FineWeb-Edu
-    (the default: NANOCHAT_DATASET unset) or ClimbMix. Both take the same path, into base_data/<corpus>."""
+    """
+    A 3-shard hub corpus on the local server (10 docs per shard, row groups of 4), selected via env: FineWeb-Edu
+    (the default: NANOCHAT_DATASET unset) or ClimbMix. Both take the same path, into base_data/<corpus>.
+    """
     for s in range(3):
         _write_shard(os.path.join(file_server.root, dataset.shard_name(s)), _fixture_docs(s), row_group_size=4)
     monkeypatch.setenv("NANOCHAT_DATA_URL", file_server.url)
@@ -75,7 +79,8 @@ def test_pydocs_builds_offline_to_identical_bytes(pydocs_dir, tmp_path):
 
 
 def test_pydocs_layout_and_content(pydocs_corpus):
-    train, val = dataset.list_parquet_files("train"), dataset.list_parquet_files("val")
+    train = dataset.list_parquet_files("train")
+    val = dataset.list_parquet_files("val")
     shards = sorted(n for n in os.listdir(pydocs_corpus) if n.startswith("shard_"))
     assert val == [os.path.join(pydocs_corpus, shards[-1])]  # the last shard, fixed
     assert train == [os.path.join(pydocs_corpus, s) for s in shards[:-1]] and len(train) >= 2
@@ -161,7 +166,8 @@ def test_pydocs_built_on_demand_once_under_concurrency(monkeypatch):
         return real_write(directory)
 
     monkeypatch.setattr(corpus_build, "_write_pydocs", counting_write)
-    results, errors = [], []
+    results = []
+    errors = []
 
     def reader():
         try:
@@ -282,9 +288,12 @@ def test_missing_data_and_bad_input_errors(tiny_hub, monkeypatch):
     with pytest.raises(ValueError):
         dataset.list_parquet_files("test")
     monkeypatch.delenv("NANOCHAT_DATA_SHARDS")  # the real corpora: their own URLs and shard counts
-    for name, (url, shards) in dataset.HUB_CORPORA.items():
+    hub = {name: corpus for name, corpus in dataset.CORPORA.items() if corpus.kind == "hub"}
+    assert sorted(hub) == ["climbmix", "fineweb-edu"]
+    for name, corpus in hub.items():
         monkeypatch.setenv("NANOCHAT_DATASET", name)
-        assert dataset.hub_num_shards() == shards and dataset.hub_url() == tiny_hub.url  # NANOCHAT_DATA_URL wins
+        assert dataset.hub_num_shards() == corpus.shards
+        assert dataset.hub_url() == tiny_hub.url  # NANOCHAT_DATA_URL wins
         assert dataset.fetch_command().endswith("python -m nanochat.dataset -n 8")
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     with pytest.raises(UserError, match="not downloaded"):
@@ -295,6 +304,23 @@ def test_missing_data_and_bad_input_errors(tiny_hub, monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     assert dataset.fetch_command() == "NANOCHAT_DATASET=pydocs python -m nanochat.dataset"
     assert tiny_hub.requests == {}
+
+
+def test_a_new_hub_corpus_is_one_entry(file_server, monkeypatch):
+    """An entry in CORPORA is all a hub corpus needs: selected, downloaded, read, named in --help and errors."""
+    for s in range(3):
+        _write_shard(os.path.join(file_server.root, dataset.shard_name(s)), _fixture_docs(s), row_group_size=4)
+    entry = dataset.Corpus("hub", "python -m nanochat.dataset -n 8", "dclm", url=file_server.url, shards=3)
+    monkeypatch.setitem(dataset.CORPORA, "tiny-web", entry)
+    monkeypatch.setenv("NANOCHAT_DATASET", "tiny-web")
+    with pytest.raises(UserError, match="NANOCHAT_DATASET=tiny-web python -m nanochat.dataset -n 8"):
+        dataset.list_parquet_files("val")
+    assert "tiny-web" in dataset._parser().format_help()
+    dataset.main(["-n", "-1"])
+    assert dataset.list_parquet_files("train") == [_local(0), _local(1)]
+    assert [d for b in dataset.parquets_iter_batched("val") for d in b] == _fixture_docs(2)
+    from nanochat.core_eval import default_bundle_kind
+    assert default_bundle_kind() == "dclm"
 
 
 def test_missing_data_cli_prints_one_line_error(tiny_hub):

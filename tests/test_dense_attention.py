@@ -1,9 +1,9 @@
 """
-Dense attention in training steps on a CPU (issue 36): attention(dense=True) computes the scores in batched matmuls,
-in blocks of queries, each against only the keys they see. In float64 it is the attention written out, forward and
-backward; in bf16 its error, forward and backward, is SDPA's own size; the model takes it only in training steps
-computing in bf16 (never in fp32, never in evaluation); and the start of a stage decides it by a probe kept per
-machine (nanochat/stage.py, dense_attention_pays).
+Dense attention in training steps on a CPU (issue 36): cpu_kernels.dense_attention computes the scores in batched
+matmuls, in blocks of queries, each against only the keys they see. In float64 it is the attention written out,
+forward and backward; in bf16 its error, forward and backward, is SDPA's own size; the model takes it only in training
+steps computing in bf16 (never in fp32, never in evaluation); and the start of a stage decides it by a probe kept per
+machine (nanochat/probes.py, dense_attention_pays).
 """
 
 import json
@@ -12,14 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanochat.gpt as gpt
-import nanochat.stage as stage
+import nanochat.cpu_kernels as cpu_kernels
+import nanochat.probes as probes
+from nanochat.cpu_kernels import dense_attention
 from nanochat.gpt import GPT, GPTConfig, attention
 
 from helpers import written_out
 
 
-@pytest.mark.parametrize("T, window", [(12, None), (12, 3), (12, 0), (13, 5)], ids=["causal", "window 3", "window 0", "window 5"])
+@pytest.mark.parametrize("T, window", [(12, None), (12, 3), (12, 0), (13, 5)],
+                         ids=["causal", "window 3", "window 0", "window 5"])
 @pytest.mark.parametrize("rows", [128, 2, 1], ids=["one block", "blocks of 2 rows", "blocks of 1 row"])
 @pytest.mark.parametrize("B, H", [(2, 4), (1, 3)], ids=["8 heads in all", "3 heads: blocks twice as tall"])
 def test_dense_attention_equals_attention_written_out(T, window, rows, B, H, monkeypatch):
@@ -27,21 +29,14 @@ def test_dense_attention_equals_attention_written_out(T, window, rows, B, H, mon
     torch.manual_seed(0)
     q, k, v, dy = (torch.randn(B, H, T, 8, dtype=torch.float64) for _ in range(4))
     monkeypatch.setattr(F, "scaled_dot_product_attention", None)  # the dense path calls no SDPA: it would fail here
-    monkeypatch.setattr(gpt, "DENSE_ROWS", rows)
+    monkeypatch.setattr(cpu_kernels, "DENSE_ROWS", rows)
     results = []
-    for fn in (lambda *t: attention(*t, window=window, dense=True), lambda *t: written_out(*t, window)):
+    for fn in (lambda *t: dense_attention(*t, window), lambda *t: written_out(*t, window)):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         y = fn(*inputs)
         results.append((y, *torch.autograd.grad(y, inputs, dy)))
     for name, a, b in zip(("output", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
-
-
-def test_dense_attention_of_a_chunk_after_a_prefix_is_sdpas():
-    """dense is for training steps (Tq == Tk); a chunk of new tokens after cached ones takes SDPA's path as before."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 14, 8), torch.randn(2, 3, 14, 8)
-    torch.testing.assert_close(attention(q, k, v, window=4, dense=True), attention(q, k, v, window=4), rtol=0, atol=0)
 
 
 # Measured (5 seeds; 2 x 4 heads; T x D 128 x 64, 512 x 128, 256 x 64 with a window of 64): the relative error
@@ -58,7 +53,7 @@ def test_dense_attention_in_bf16_is_as_accurate_as_sdpa_forward_and_backward(T, 
     y = attention(*ref_inputs, window=window)
     reference = (y, *torch.autograd.grad(y, ref_inputs, dy))
     inputs = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
-    y = attention(*inputs, window=window, dense=True)
+    y = dense_attention(*inputs, window)
     got = (y, *torch.autograd.grad(y, inputs, dy.to(torch.bfloat16)))
     for name, a, b in zip(("output", "dq", "dk", "dv"), got, reference):
         assert a.dtype == torch.bfloat16
@@ -84,10 +79,13 @@ def loss_and_grads(model, x, y, autocast):
 
 @pytest.mark.parametrize("window_pattern", ["L", "SL"])
 def test_a_model_takes_the_dense_path_in_bf16_training_steps_only(window_pattern, monkeypatch):
-    x, y = torch.randint(0, 128, (2, 64)), torch.randint(0, 128, (2, 64))
-    plain, dense = tiny_model(False, window_pattern=window_pattern), tiny_model(True, window_pattern=window_pattern)
+    x = torch.randint(0, 128, (2, 64))
+    y = torch.randint(0, 128, (2, 64))
+    plain = tiny_model(False, window_pattern=window_pattern)
+    dense = tiny_model(True, window_pattern=window_pattern)
     # fp32: the same operations, bit for bit, whatever dense_attention says
-    (plain_loss, plain_grads), (dense_loss, dense_grads) = (loss_and_grads(m, x, y, autocast=False) for m in (plain, dense))
+    plain_loss, plain_grads = loss_and_grads(plain, x, y, autocast=False)
+    dense_loss, dense_grads = loss_and_grads(dense, x, y, autocast=False)
     assert dense_loss == plain_loss and all(torch.equal(a, b) for a, b in zip(dense_grads, plain_grads))
     # bf16 training: equal within bf16's rounding, and computed without SDPA
     plain_loss, plain_grads = loss_and_grads(plain, x, y, autocast=True)
@@ -105,24 +103,39 @@ def test_a_model_takes_the_dense_path_in_bf16_training_steps_only(window_pattern
     assert len(calls) == 2
 
 
+def pays(config, device_type="cpu", compute_dtype=torch.bfloat16):
+    """probes.dense_attention_pays with the kernels Stage.start gives it."""
+    return probes.dense_attention_pays(config, device_type, compute_dtype, attention, dense_attention)
+
+
 def test_the_probe_decides_once_per_machine_and_shape(isolated_env, monkeypatch):
     config = GPTConfig(sequence_len=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
-    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
-    dense, why = stage.dense_attention_pays(config, "cpu")
+    dense, why = pays(config, compute_dtype=torch.float32)
     assert not dense and "SDPA" in why and not (isolated_env / "attention_kernels.json").exists()  # fp32: no probe
-    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
-    assert stage.dense_attention_pays(config, "cuda")[0] is False  # a GPU: SDPA
-    assert stage.dense_attention_pays(GPTConfig(sequence_len=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=64), "cpu")[0] is False
-    too_long = GPTConfig(sequence_len=stage.DENSE_ATTENTION_MAX_LEN + 1, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
-    assert stage.dense_attention_pays(too_long, "cpu") == (False, "Attention in training steps: SDPA (dense is not measured above 2048 positions)")
+    assert pays(config, "cuda")[0] is False  # a GPU: SDPA
+    assert pays(GPTConfig(sequence_len=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=64))[0] is False  # GQA
+    too_long = GPTConfig(sequence_len=probes.DENSE_ATTENTION_MAX_LEN + 1, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
+    assert pays(too_long) == (False, "Attention in training steps: SDPA (dense is not measured above 2048 positions)")
     assert not (isolated_env / "attention_kernels.json").exists()
-    dense, why = stage.dense_attention_pays(config, "cpu")  # measured here, the answer kept
+    dense, why = pays(config)  # measured here, the answer kept
     kept = json.loads((isolated_env / "attention_kernels.json").read_text())
     (key, speedup), = kept.items()
-    assert "64 positions x 32 channels" in key and dense == (speedup >= stage.DENSE_ATTENTION_MIN_SPEEDUP)
+    assert "64 positions x 32 channels" in key and dense == (speedup >= probes.DENSE_ATTENTION_MIN_SPEEDUP)
     assert f"{speedup:.2f}x" in why
-    monkeypatch.setattr(stage, "_attention_probe", lambda T, D: pytest.fail("measured again"))
+    monkeypatch.setattr(probes, "_attention_probe", lambda *args: pytest.fail("measured again"))
     for kept_speedup, expected in ((1.1, False), (1.6, True)):  # read back, and the threshold applied to it
         (isolated_env / "attention_kernels.json").write_text(json.dumps({key: kept_speedup}))
-        dense, why = stage.dense_attention_pays(config, "cpu")
-        assert dense is expected and why.startswith(f"Attention in training steps: {'dense bf16 matmuls' if expected else 'SDPA'}")
+        dense, why = pays(config)
+        label = "dense bf16 matmuls" if expected else "SDPA"
+        assert dense is expected and why.startswith(f"Attention in training steps: {label}")
+
+
+def test_the_probe_times_the_kernels_it_is_given():
+    """The probe imports no model code: it times the two callables its caller gives it, SDPA's side first."""
+    seen = []
+
+    def counted(name, kernel):
+        return lambda *inputs: seen.append(name) or kernel(*inputs)
+    speedup = probes._attention_probe(16, 8, counted("SDPA", attention), counted("dense", dense_attention), rounds=2,
+                                      calls=1)
+    assert seen == ["SDPA", "dense"] * 2 and speedup > 0

@@ -13,7 +13,8 @@ import torch
 from helpers import bigram_model, build_once, engine_stream
 from nanochat.common import UserError
 import nanochat.engine as engine_module
-from nanochat.engine import Engine, KVCache, TextStreamer, decode_step, decode_weights, generate_naive, sample_next_token
+from nanochat.engine import (Engine, KVCache, TextStreamer, decode_step, decode_weights, generate_naive,
+                             sample_next_token)
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import Tokenizer
 
@@ -36,10 +37,12 @@ def tiny(small_tokenizer_dir, pydocs_dir, tmp_path_factory):
     """
     tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
     bos = tokenizer.get_bos_token_id()
-    cfg = GPTConfig(sequence_len=SEQ_LEN, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2, n_embd=128)
+    cfg = GPTConfig(sequence_len=SEQ_LEN, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2,
+                    n_embd=128)
 
     def train(path):
-        data = torch.tensor([t for ids in tokenizer.encode(pydocs_texts(pydocs_dir, 0)[:600], prepend=bos) for t in ids])
+        documents = tokenizer.encode(pydocs_texts(pydocs_dir, 0)[:600], prepend=bos)
+        data = torch.tensor([t for ids in documents for t in ids])
         torch.manual_seed(0)
         model = GPT(cfg)
         model.init_weights()
@@ -84,7 +87,10 @@ def test_greedy_matches_naive_generation(tiny, prompt_len):
     engine = Engine(model, tokenizer)
     generated = []
     # every prompt starts with <|bos|>: for length 1, also try single tokens from inside the documents
-    candidates = [p[:prompt_len] for p in prompts[:3]] if prompt_len > 1 else [prompts[0][:1]] + [p[1:2] for p in prompts[:3]]
+    if prompt_len > 1:
+        candidates = [p[:prompt_len] for p in prompts[:3]]
+    else:
+        candidates = [prompts[0][:1]] + [p[1:2] for p in prompts[:3]]
     for prompt in candidates:
         max_tokens = min(30, SEQ_LEN - prompt_len)
         expected = naive_until_end(model, engine, prompt, max_tokens, temperature=0)
@@ -96,8 +102,10 @@ def test_greedy_matches_naive_generation(tiny, prompt_len):
 
 
 def test_an_engine_follows_weight_updates(tiny):
-    """The engine keeps its decode weights between calls (a server, RL sampling) and remakes them after any
-    in-place change: after an update it generates what the updated model does, not what the old one did."""
+    """
+    The engine keeps its decode weights between calls (a server, RL sampling) and remakes them after any in-place
+    change: after an update it generates what the updated model does, not what the old one did.
+    """
     model, tokenizer, prompts = tiny
     model = copy.deepcopy(model)
     engine = Engine(model, tokenizer)
@@ -163,8 +171,10 @@ def test_prompts_of_different_lengths_decode_together_as_each_alone(tiny):
             stream = [column[row] for column in columns][:len(expected)]
             assert stream == expected, (p, row)
     # sampled (temperature 1): as many samples as asked, each a proper stream; the seed decides
-    again = [column for column, _ in engine.generate_many(chosen, num_samples=2, max_tokens=25, temperature=1.0, seed=3)]
-    assert again == [column for column, _ in engine.generate_many(chosen, num_samples=2, max_tokens=25, temperature=1.0, seed=3)]
+    sampled = lambda: [column for column, _ in engine.generate_many(chosen, num_samples=2, max_tokens=25,
+                                                                   temperature=1.0, seed=3)]
+    again = sampled()
+    assert again == sampled()
     assert all(len(column) == 6 for column in again)
     with pytest.raises(UserError, match="exceeds the context"):
         engine.generate_many([prompts[0][:10], prompts[1][:SEQ_LEN - 5]], max_tokens=10)
@@ -205,7 +215,8 @@ def test_decode_step_equals_full_forward(tiny, batch):
     with torch.no_grad():
         full = model(idx)  # (B, 40, vocab)
         # capacity 4: the cache has to grow (4 -> 8 -> 16 -> 32 -> 40) while decoding
-        cache = KVCache(batch, cfg.n_kv_head, 40, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.float32, capacity=4)
+        cache = KVCache(batch, cfg.n_kv_head, 40, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.float32,
+                        capacity=4)
         last = model.prefill(idx[:, :3], cache)
         torch.testing.assert_close(last, full[:, 2], rtol=0, atol=1e-5)
         weights = decode_weights(model)
@@ -218,15 +229,18 @@ def test_decode_step_equals_full_forward(tiny, batch):
 
 
 def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
-    """Under bf16 autocast (the compute dtype of a CPU with native bf16) the engine's decode weights are bf16 copies,
-    made once, and made again in fp32 when it runs without autocast; the bf16 step's logits stay within bf16
-    rounding of the fp32 forward's, and greedy decoding still runs to the end."""
+    """
+    Under bf16 autocast (the compute dtype of a CPU with native bf16) the engine's decode weights are bf16 copies, made
+    once, and made again in fp32 when it runs without autocast; the bf16 step's logits stay within bf16 rounding of the
+    fp32 forward's, and greedy decoding still runs to the end.
+    """
     model, tokenizer, prompts = tiny
     engine = Engine(model, tokenizer)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         (tokens,), _ = engine_stream(engine, prompts[0][:10], max_tokens=20, temperature=0)
         weights = engine._decode_weights()
-        matrices = [w for layer in weights.layers for w in layer[:5] if w is not None]  # the lookup tables stay as they are
+        # the lookup tables stay as they are
+        matrices = [w for layer in weights.layers for w in layer[:5] if w is not None]
         assert weights.lm_head.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in matrices)
         assert engine._decode_weights().lm_head is weights.lm_head
     assert len(tokens) > 0 and engine._decode_weights().lm_head.dtype == torch.float32
@@ -234,9 +248,12 @@ def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
 
 
 def bf16_steps_match_the_forward(model, ids, weights):
-    """decode_step in bf16 with `weights` over ids[10:20] after a prefill of ids[:10]: every step's logits within
-    bf16 rounding of the fp32 forward's."""
-    cfg, idx = model.config, torch.tensor([ids[:20]])
+    """
+    decode_step in bf16 with `weights` over ids[10:20] after a prefill of ids[:10]: every step's logits within bf16
+    rounding of the fp32 forward's.
+    """
+    cfg = model.config
+    idx = torch.tensor([ids[:20]])
     with torch.no_grad():
         full = model(idx)
         cache = KVCache(1, cfg.n_kv_head, 20, cfg.n_embd // cfg.n_head, cfg.n_layer, "cpu", torch.bfloat16)
@@ -249,10 +266,12 @@ def bf16_steps_match_the_forward(model, ids, weights):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_one_sample_bf16_decoding_multiplies_with_the_kernels_the_probe_chose(tiny, monkeypatch, native):
-    """One row in bf16 on a CPU: where hardware.native_bf16_gemv says torch's own kernels are faster (both answers
-    driven here), the engine's copies are row-major and every matrix of the step is multiplied with oneDNN off
-    (seen from inside each product), then on again; otherwise column-major copies through oneDNN. Either way the
-    logits stay within bf16 rounding of the fp32 forward's."""
+    """
+    One row in bf16 on a CPU: where probes.native_bf16_gemv says torch's own kernels are faster (both answers driven
+    here), the engine's copies are row-major and every matrix of the step is multiplied with oneDNN off (seen from
+    inside each product), then on again; otherwise column-major copies through oneDNN. Either way the logits stay within
+    bf16 rounding of the fp32 forward's.
+    """
     model, tokenizer, prompts = tiny
     monkeypatch.setattr(engine_module, "native_bf16_gemv", lambda rows: native and rows <= 2)
     engine = Engine(model, tokenizer)
@@ -327,7 +346,8 @@ def test_top_k(tiny):
     prompt = prompts[4][:10]
     greedy = engine.generate_batch(prompt, max_tokens=25, temperature=0)
     assert engine.generate_batch(prompt, num_samples=2, max_tokens=25, temperature=1.5, top_k=1)[0] == greedy[0] * 2
-    assert engine.generate_batch(prompt, max_tokens=25, top_k=0, seed=3) == engine.generate_batch(prompt, max_tokens=25, top_k=None, seed=3)
+    everything = engine.generate_batch(prompt, max_tokens=25, top_k=None, seed=3)
+    assert engine.generate_batch(prompt, max_tokens=25, top_k=0, seed=3) == everything
     (tokens,), _ = engine_stream(engine, prompt, max_tokens=25, temperature=2.0, top_k=3, seed=4)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]
@@ -387,7 +407,8 @@ def test_context_edges_and_early_stop(tiny):
     gen = engine.generate(prompts[0][:5], num_samples=2, max_tokens=50, temperature=0)
     first = [next(gen) for _ in range(3)]
     gen.close()  # a caller stops whenever it likes
-    assert [c for c, _ in first] == [c for c, _ in list(engine.generate(prompts[0][:5], num_samples=2, max_tokens=3, temperature=0))]
+    again = engine.generate(prompts[0][:5], num_samples=2, max_tokens=3, temperature=0)
+    assert [c for c, _ in first] == [c for c, _ in again]
 
 
 # -----------------------------------------------------------------------------
@@ -405,7 +426,8 @@ def test_stops_at_assistant_end_and_bos(small_tokenizer_dir):
         for temperature in (0, 1.0):
             (tokens,), (masks,) = engine_stream(engine, prompt, max_tokens=20, temperature=temperature)
             assert tokens == [a, b, sp(end)] and masks == [1, 1, 1]
-            assert engine.generate_batch(prompt, max_tokens=20, temperature=temperature) == ([prompt + [a, b]], [[0, 0, 1, 1]])
+            expected = ([prompt + [a, b]], [[0, 0, 1, 1]])
+            assert engine.generate_batch(prompt, max_tokens=20, temperature=temperature) == expected
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """
-Tests of nanochat/execution.py: programs run, fail, time out and run out of memory as reported, and every
-escape the guard is meant to stop (spawning, signals, deletes, sockets, the environment, stdin, stray
-grandchildren) fails without damage. Each execute_code call starts a Python (~0.1 s).
+Tests of nanochat/execution.py's execute_code: programs as reported, and every escape stopped.
+
+Programs run, fail, time out and run out of memory as reported, and every escape the guard is meant to stop
+(spawning, signals, deletes, sockets, the environment, stdin, stray grandchildren) fails without damage. Each
+execute_code call starts a Python (~0.1 s).
 """
 
 import contextlib
@@ -236,7 +238,8 @@ def test_network_is_refused(code):
 
 def test_working_directory_is_fresh_empty_and_removed():
     code = "import os\nprint(os.getcwd())\nprint(os.listdir('.'))\nopen('scratch.txt', 'w').write('x')"
-    first, second = execute_code(code), execute_code(code)
+    first = execute_code(code)
+    second = execute_code(code)
     assert first.success and second.success, first.stderr
     cwd1, listing1 = first.stdout.splitlines()
     cwd2, listing2 = second.stdout.splitlines()

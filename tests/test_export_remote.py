@@ -59,7 +59,8 @@ def recipe_base(small_tokenizer_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def exports(recipe_base, tmp_path_factory):
     """export(tag): the fp32 export of MODELS[tag] with the default layout (made once), and load(tag): ours of it."""
-    out, done = tmp_path_factory.mktemp("exports"), {}
+    out = tmp_path_factory.mktemp("exports")
+    done = {}
 
     def export(tag):
         if tag not in done:
@@ -90,11 +91,17 @@ def remote_model(exports, tmp_path_factory):
 
 def test_2026_model_exports_with_its_modeling_file(exports, remote_model):
     directory = exports("r26")
-    assert (directory / MODELING_FILE).read_text() == modeling_source()  # gpt.py's architecture written into it
+    source = (directory / MODELING_FILE).read_text()
+    assert source == modeling_source()  # gpt.py's architecture written into it
+    # the model's arithmetic only: no CPU training kernel (nanochat/cpu_kernels.py), nothing of nanochat imported
+    for kernel in ("autograd.Function", "RMSNorm(", "DENSE_ROWS", "baddbmm", "import nanochat", "from nanochat"):
+        assert kernel not in source, kernel
     config = json.loads((directory / "config.json").read_text())
     stem = MODELING_FILE.removesuffix(".py")
-    assert config["auto_map"] == {"AutoConfig": f"{stem}.NanoChatGPTConfig", "AutoModelForCausalLM": f"{stem}.NanoChatGPTForCausalLM"}
-    assert (config["qk_scale"], config["layer_scalars"], config["value_embeds"], config["rope_base"]) == (1.2, True, True, 100000.0)
+    assert config["auto_map"] == {"AutoConfig": f"{stem}.NanoChatGPTConfig",
+                                  "AutoModelForCausalLM": f"{stem}.NanoChatGPTForCausalLM"}
+    parts = (config["qk_scale"], config["layer_scalars"], config["value_embeds"], config["rope_base"])
+    assert parts == (1.2, True, True, 100000.0)
     assert type(remote_model).__name__ == "NanoChatGPTForCausalLM"
     assert "trust_remote_code=True" in (directory / "README.md").read_text()
     assert not any(p.name.endswith(".py") for p in exports("rope").iterdir())  # the plain layout has no code
@@ -108,7 +115,8 @@ def test_the_remote_layout_loads_as_the_model_card_says_without_warnings(exports
 
     import transformers.dynamic_module_utils as modules
     monkeypatch.setattr(modules, "HF_MODULES_CACHE", str(tmp_path))
-    directory, captured = exports("r26"), io.StringIO()
+    directory = exports("r26")
+    captured = io.StringIO()
     handler = logging.StreamHandler(captured)
     logging.getLogger("transformers").addHandler(handler)
     try:
@@ -139,11 +147,13 @@ def test_remote_model_matches_our_logits_and_greedy_tokens(recipe_base, remote_m
     try:
         for prompt in (tokenizer.encode("The function", prepend="<|bos|>"),
                        tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+2?"}]})):
-            engine_tokens = [column[0] for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=20, temperature=0)]
+            columns = Engine(model, tokenizer).generate(prompt, max_tokens=20, temperature=0)
+            engine_tokens = [column[0] for column, _ in columns]
             assert list(generate_naive(model, prompt, 20, temperature=0)) == engine_tokens
             lengths.clear()
             batch = torch.tensor([prompt, prompt])
-            out = remote_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=20, do_sample=False)
+            out = remote_model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=20,
+                                        do_sample=False)
             assert out[:, len(prompt):].tolist() == [engine_tokens] * 2
             assert lengths == [len(prompt)] + [1] * 19
     finally:
@@ -151,8 +161,10 @@ def test_remote_model_matches_our_logits_and_greedy_tokens(recipe_base, remote_m
 
 
 def test_windowed_model_exports_with_its_modeling_file(recipe_base, exports, tmp_path_factory):
-    """Sliding windows have no field in transformers' NanoChat config: the remote layout, whose copy of gpt.py's
-    attention applies them, on the full context and through its cache past the window."""
+    """
+    Sliding windows have no field in transformers' NanoChat config: the remote layout, whose copy of gpt.py's attention
+    applies them, on the full context and through its cache past the window.
+    """
     import transformers.dynamic_module_utils as modules
     model, tokenizer, _ = ours(recipe_base, "win")
     assert json.loads((exports("win") / "config.json").read_text())["window_pattern"] == "S"
@@ -191,7 +203,8 @@ def test_rope_base_alone_exports_plain(recipe_base, exports):
 @pytest.mark.parametrize("tag", MODELS)
 def test_export_import_round_trip(recipe_base, exports, tag, monkeypatch):
     model, _, _ = ours(recipe_base, tag)
-    run_in_process("scripts.import_model", f"--path={exports(tag)}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+    run_in_process("scripts.import_model", f"--path={exports(tag)}", "--source=sft", "--model_tag=back",
+                   monkeypatch=monkeypatch)
     back, _, _ = load_model("sft", "cpu", phase="eval", model_tag="back")
     assert back.config == model.config
     assert back.state_dict().keys() == model.state_dict().keys()
@@ -204,7 +217,8 @@ def test_plain_layouts_refuse_the_2026_parts(recipe_base, tmp_path, monkeypatch)
     shutil.copytree(recipe_base, base)
     error = one_line_error(run_script("-m", "scripts.export_model", "--source=base", "--model_tag=r26",
                                       f"--out={tmp_path / 'out'}", "--layout=hf", env={"NANOCHAT_BASE_DIR": base}))
-    assert "qk_scale=1.2, layer_scalars=True, value_embeds=True has no equivalent" in error and "--layout=remote" in error
+    assert "qk_scale=1.2, layer_scalars=True, value_embeds=True has no equivalent" in error
+    assert "--layout=remote" in error
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     with pytest.raises(UserError, match=r"has no equivalent .*nor mlx-lm.s.*--layout=remote"):
         run_in_process("scripts.export_model", "--source=base", "--model_tag=r26", f"--out={tmp_path / 'out'}",

@@ -13,7 +13,9 @@ from nanochat.fp8 import fp8_fits, fp8_linear, fp8_supported
 # The relative Frobenius error against fp32 F.linear, measured over 5 seeds x shapes (16,16,16) to (256,768,768),
 # x fp32 and bf16: the forward 0.035-0.040 (two e4m3 casts), the gradients 0.057-0.068 (e5m2 has one mantissa bit
 # fewer). Not below FP8_MIN_ERROR: a silent fallback to an unquantized matmul would read ~0.
-FWD_TOL, GRAD_TOL, FP8_MIN_ERROR = 0.05, 0.09, 0.02
+FWD_TOL = 0.05
+GRAD_TOL = 0.09
+FP8_MIN_ERROR = 0.02
 SHAPES = [(16, 16, 16), (100, 256, 512), (7, 48, 96)]  # (rows, in, out); 100 and 7 rows: not multiples of 16
 
 
@@ -42,7 +44,8 @@ def fp8_run(x, w, grad_y):
 
 
 def fp32_run(x, w, grad_y):
-    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    x32 = x.detach().float().requires_grad_()
+    w32 = w.detach().float().requires_grad_()
     y = F.linear(x32, w32)
     y.backward(grad_y.float())
     return y, x32.grad, w32.grad
@@ -53,7 +56,9 @@ def test_the_three_matmuls_are_those_of_the_fp8_recipe(dtype):
     """y = q4(x) q4(w)^T, grad_x = q5(g) q4(w), grad_w = q5(g)^T q4(x): e4m3 operands, e5m2 gradient, one scale each."""
     x, w, grad_y = operands(48, 64, 32, dtype)
     y, grad_x, grad_w = fp8_run(x, w, grad_y)
-    x4, w4, g5 = quantized(x, torch.float8_e4m3fn), quantized(w, torch.float8_e4m3fn), quantized(grad_y, torch.float8_e5m2)
+    x4 = quantized(x, torch.float8_e4m3fn)
+    w4 = quantized(w, torch.float8_e4m3fn)
+    g5 = quantized(grad_y, torch.float8_e5m2)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 outputs: rounded to 8 bits of mantissa (2^-9 = 0.002)
     assert rel(y, x4 @ w4.T) < tol
     assert rel(grad_x, g5 @ w4) < tol
@@ -166,14 +171,17 @@ def train_mlp(linear, seed, dtype, steps=40):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_an_mlp_trained_in_fp8_ends_near_the_fp32_loss(seed, dtype):
     """Measured over seeds 0-5: fp32 falls from ~0.9 to ~0.04 in 40 steps; fp8 ends 0.7-3.4% above it."""
-    reference, fp8 = train_mlp(F.linear, seed, torch.float32), train_mlp(fp8_linear, seed, dtype)
+    reference = train_mlp(F.linear, seed, torch.float32)
+    fp8 = train_mlp(fp8_linear, seed, dtype)
     assert reference[-1] < 0.06 * reference[0]
     assert abs(fp8[-1] - reference[-1]) < 0.08 * reference[-1], (fp8[-1], reference[-1])
 
 
 def test_gpt_trains_through_fp8_and_evaluates_without_it():
-    """GPT.fp8 (base_train --fp8): a training step's loss and gradients through fp8_linear close to the plain model's
-    (every block matrix here fits: dims multiples of 16), and evaluation (no grad) exactly the plain model's."""
+    """
+    GPT.fp8 (base_train --fp8): a training step's loss and gradients through fp8_linear close to the plain model's
+    (every block matrix here fits: dims multiples of 16), and evaluation (no grad) exactly the plain model's.
+    """
     from nanochat.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
@@ -191,7 +199,8 @@ def test_gpt_trains_through_fp8_and_evaluates_without_it():
         results[fp8] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
         with torch.no_grad():
             results[fp8] += (model(idx),)
-    (plain_loss, plain_grads, plain_logits), (fp8_loss, fp8_grads, fp8_logits) = results[False], results[True]
+    plain_loss, plain_grads, plain_logits = results[False]
+    fp8_loss, fp8_grads, fp8_logits = results[True]
     # measured over seeds 0-3: the loss 0.02-0.17% off; the matrices' gradients 0.08-0.18 (relative, through two layers)
     assert fp8_loss != plain_loss and abs(fp8_loss - plain_loss) / plain_loss < 0.01
     for name, grad in plain_grads.items():

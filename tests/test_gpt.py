@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat import losses
+from nanochat import cpu_kernels, losses
+from nanochat.cpu_kernels import RMSNorm
 from nanochat.engine import KVCache, decode_step, decode_weights, generate_naive
-from nanochat.gpt import GPT, SOFTCAP, GPTConfig, _RMSNorm, apply_rotary_emb, config_from_depth, rotary
+from nanochat.gpt import GPT, SOFTCAP, GPTConfig, apply_rotary_emb, config_from_depth, rotary
 
 
 def make_model(**overrides):
@@ -102,7 +103,8 @@ def test_last_logits_are_the_forwards_at_those_positions():
     model = make_model()
     randomize_zero_init(model)
     model.eval()
-    idx, last = torch.randint(0, 256, (3, 20)), torch.tensor([19, 0, 7])
+    idx = torch.randint(0, 256, (3, 20))
+    last = torch.tensor([19, 0, 7])
     with torch.no_grad():
         assert torch.allclose(model.last_logits(idx, last), model(idx)[torch.arange(3), last], atol=1e-5)
 
@@ -179,18 +181,23 @@ def test_chunked_loss_equals_whole_batch_loss(monkeypatch):
             model(idx[i:i + 1], targets[i:i + 1], loss_reduction="none") for i in range(4)]), atol=1e-6)
 
 
-CPU_FUNCTIONS = {  # name: (gpt's Function for training on a CPU, the separate ops it stands for)
-    "norm": (lambda x, c, s: _RMSNorm.apply(x, 1.0), lambda x, c, s: F.rms_norm(x, (x.size(-1),))),
-    "qk norm, scale 1.2": (lambda x, c, s: _RMSNorm.apply(x, 1.2, c, s), lambda x, c, s: 1.2 * F.rms_norm(apply_rotary_emb(x, c, s), (8,))),
-    "qk norm, scale 1": (lambda x, c, s: _RMSNorm.apply(x, 1.0, c, s), lambda x, c, s: F.rms_norm(apply_rotary_emb(x, c, s), (8,))),
+CPU_FUNCTIONS = {  # name: (cpu_kernels' Function for training on a CPU, the separate ops it stands for)
+    "norm": (lambda x, c, s: RMSNorm.apply(x, 1.0),
+             lambda x, c, s: F.rms_norm(x, (x.size(-1),))),
+    "qk norm, scale 1.2": (lambda x, c, s: RMSNorm.apply(x, 1.2, c, s),
+                           lambda x, c, s: 1.2 * F.rms_norm(apply_rotary_emb(x, c, s), (8,))),
+    "qk norm, scale 1": (lambda x, c, s: RMSNorm.apply(x, 1.0, c, s),
+                         lambda x, c, s: F.rms_norm(apply_rotary_emb(x, c, s), (8,))),
 }
 
 
 @pytest.mark.parametrize("name", CPU_FUNCTIONS)
 def test_cpu_training_functions_equal_the_separate_ops(name):
-    """gpt.py's autograd Function for training on a CPU (fewer passes over memory) against the expressions they stand
+    """
+    cpu_kernels' autograd Function for training on a CPU (fewer passes over memory) against the expressions it stands
     for: torch's gradcheck in float64; in fp32 output and gradient equal to float64's within fp32 rounding, in bf16
-    within the separate ops' own bf16 error; on a strided slice, as block() gives them q and k."""
+    within the separate ops' own bf16 error; on a strided slice, as block() gives them q and k.
+    """
     fused, separate = CPU_FUNCTIONS[name]
     torch.manual_seed(0)
     B, T, H, D = 2, 16, 3, 8
@@ -214,17 +221,20 @@ def test_cpu_training_functions_equal_the_separate_ops(name):
 
 
 def test_training_on_a_cpu_through_the_functions_equals_the_separate_ops(monkeypatch):
-    """A model of the 2026 parts (qk_scale 1.2) trained on a CPU in fp32 goes through gpt.py's Functions; with the
-    separate ops put back in their place, the loss equals it within 1e-6 and every gradient within fp32 rounding.
-    Evaluation (no gradient) runs the separate ops themselves: the same logits exactly."""
+    """
+    A model of the 2026 parts (qk_scale 1.2) trained on a CPU in fp32 goes through cpu_kernels' Function; with the
+    separate ops put back in its place, the loss equals it within 1e-6 and every gradient within fp32 rounding.
+    Evaluation (no gradient) runs the separate ops themselves: the same logits exactly.
+    """
     import nanochat.gpt as gpt
     model = make_model(**PARTS_2026)
     with torch.no_grad():  # not the initialisation's zero projections: every path carries a gradient
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    idx, targets = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    idx = torch.randint(0, 256, (2, 32))
+    targets = torch.randint(0, 256, (2, 32))
     calls = []
-    monkeypatch.setattr(gpt._RMSNorm, "apply", lambda *a, f=gpt._RMSNorm.apply: calls.append("norm") or f(*a))
+    monkeypatch.setattr(RMSNorm, "apply", lambda *a, f=RMSNorm.apply: calls.append("norm") or f(*a))
     fused = model(idx, targets)
     fused.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -232,8 +242,7 @@ def test_training_on_a_cpu_through_the_functions_equals_the_separate_ops(monkeyp
     with torch.no_grad():
         logits = model(idx)
     model.zero_grad()
-    monkeypatch.setattr(gpt, "norm", lambda x: F.rms_norm(x, (x.size(-1),)))
-    monkeypatch.setattr(gpt, "rotary_norm", lambda x, c, s, scale: scale * gpt.norm(apply_rotary_emb(x, c, s)))
+    monkeypatch.setattr(cpu_kernels, "norm", gpt.norm)  # the architecture's own ops in the Function's place
     separate = model(idx, targets)
     separate.backward()
     assert abs(fused.item() - separate.item()) < 1e-6
@@ -246,13 +255,16 @@ def test_training_on_a_cpu_through_the_functions_equals_the_separate_ops(monkeyp
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own import
 def test_torch_compile_on_a_cpu_trains_as_eager():
-    """--compile=true on a CPU: torch.compile runs the separate ops (it fuses them itself; the Function's writes into
-    slices broke its tracing), and one training step gives eager's loss and gradients within fp32 rounding."""
+    """
+    --compile=true on a CPU: torch.compile runs the separate ops (it fuses them itself; the Function's writes into
+    slices broke its tracing), and one training step gives eager's loss and gradients within fp32 rounding.
+    """
     model = make_model(qk_scale=1.2)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    idx, targets = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    idx = torch.randint(0, 256, (2, 32))
+    targets = torch.randint(0, 256, (2, 32))
     eager = model(idx, targets)
     eager.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -291,7 +303,8 @@ def test_2026_model_kv_cache_and_decode_step_match_the_full_forward():
     idx = torch.randint(0, 256, (2, 20))
     with torch.no_grad():
         full = model(idx)
-        cache = KVCache(batch_size=2, n_kv_head=2, max_len=32, head_dim=16, n_layer=3, device="cpu", dtype=torch.float32)
+        cache = KVCache(batch_size=2, n_kv_head=2, max_len=32, head_dim=16, n_layer=3, device="cpu",
+                        dtype=torch.float32)
         pieces = [model(idx[:, :8], kv_cache=cache), model(idx[:, 8:12], kv_cache=cache)]  # prefill, a chunk
         torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, :12], rtol=0, atol=1e-5)
         weights = decode_weights(model)
@@ -343,7 +356,7 @@ def test_2026_init_and_parameter_groups():
     assert lr_of[id(model.resid_lambdas)]["lr"] == pytest.approx(0.005)
     assert lr_of[id(model.x0_lambdas)]["lr"] == 0.5 and lr_of[id(model.x0_lambdas)]["betas"] == (0.96, 0.95)
     assert {id(p) for g in muon.param_groups for p in g["params"]} >= {id(model.transformer.h[1].attn.ve_gate.weight)}
-    # FLOPs and the Chinchilla count leave the lookup tables out: the same as the plain model's plus the gates and scalars
+    # FLOPs and the Chinchilla count leave the lookup tables out: the plain model's plus the gates and scalars
     plain = make_model(n_layer=4, n_head=4, n_kv_head=2)
     extra = sum(b.attn.ve_gate.weight.numel() for b in model.transformer.h if b.attn.ve_gate is not None) + 2 * 4
     assert model.estimate_flops() == plain.estimate_flops() + 6 * extra
@@ -381,13 +394,15 @@ def test_the_architecture_part_alone_computes_gpts_logits_with_every_field_off_i
 
     from nanochat.hf_format import MODEL_CONFIG_KEYS, architecture_source, modeling_source
     parts = {f.name: off_its_default(f) for f in fields(GPTConfig) if f.name not in MODEL_CONFIG_KEYS}
-    model = make_model(n_layer=3, n_head=4, n_kv_head=2, sequence_len=160, **parts)  # long enough for the window to bind
+    # long enough for the window to bind
+    model = make_model(n_layer=3, n_head=4, n_kv_head=2, sequence_len=160, **parts)
     model.init_weights(recipe="2026")
     randomize_zero_init(model)
     architecture = {}
-    exec(compile("import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\nfrom collections import namedtuple\n"
-                 "from dataclasses import asdict, dataclass, fields\nfrom functools import partial\n" + architecture_source(),
-                 "the architecture part", "exec"), architecture)
+    imports = ("import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n"
+               "from collections import namedtuple\nfrom dataclasses import asdict, dataclass, fields\n"
+               "from functools import partial\n")
+    exec(compile(imports + architecture_source(), "the architecture part", "exec"), architecture)
     config = architecture["GPTConfig"](**model.config.to_dict())
     alone = torch.nn.Module()
     architecture["build_parameters"](alone, config)

@@ -1,7 +1,7 @@
 """
 The compute dtype (nanochat/hardware.py): decided by what the device does. decide_compute_dtype takes every input
 (the override, the CPU's flags, the probe), so both answers are tested on any machine; the machine's own answer,
-the probe's cache and the start-up line too.
+the start-up line, and the probes behind it and behind decoding (nanochat/probes.py), kept per machine, too.
 """
 
 import json
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from nanochat.common import UserError
-from nanochat.hardware import (autocast_context, bf16_flags_in, bf16_probe, compile_model, compute_dtype, compute_dtype_line,
-                               cpu_bf16_flags, decide_compute_dtype, get_peak_flops, native_bf16_gemv, onednn_off,
-                               NATIVE_GEMV_MAX_ROWS, NATIVE_GEMV_MIN_SPEEDUP)
+from nanochat.hardware import (autocast_context, bf16_flags_in, compile_model, compute_dtype, compute_dtype_line,
+                               cpu_bf16_flags, decide_compute_dtype, get_peak_flops)
+from nanochat.probes import NATIVE_GEMV_MAX_ROWS, NATIVE_GEMV_MIN_SPEEDUP, bf16_probe, native_bf16_gemv, onednn_off
 
 # /proc/cpuinfo lines of real CPUs (shortened): an Intel Xeon of the Sapphire Rapids generation, an AMD Zen 4, an
 # AWS Graviton3, and an AMD EPYC VM that hides AVX-512 (this repository's 2-core VM)
@@ -63,7 +63,8 @@ def test_the_override_wins_both_ways():
 def test_cuda_and_mps_ignore_cpu_flags(monkeypatch):
     # CUDA: bf16 from compute capability 8.0 (A100, H100); a V100 (7.0) or T4 (7.5) only emulates it, although
     # torch.cuda.is_bf16_supported() says yes there. No CPU probe either way. (The GPU's answer is given here.)
-    for capability, dtype in (((7, 0), torch.float32), ((7, 5), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)):
+    answers = (((7, 0), torch.float32), ((7, 5), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16))
+    for capability, dtype in answers:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert decide_compute_dtype("cuda", "", ("amx_bf16",), never)[0] == dtype
     assert decide_compute_dtype("mps", "", ("bf16",), never)[0] == torch.float32
@@ -74,7 +75,8 @@ def test_this_machine_and_the_override_in_the_environment(monkeypatch, isolated_
     dtype, why = compute_dtype("cpu")
     if not cpu_bf16_flags():
         assert dtype == torch.float32 and not (isolated_env / "compute_dtype.json").exists()  # nothing probed
-    assert compute_dtype_line("cpu") == f"Compute dtype: {str(dtype).removeprefix('torch.')} ({why}; weights and optimizer state stay fp32)"
+    name = str(dtype).removeprefix("torch.")
+    assert compute_dtype_line("cpu") == f"Compute dtype: {name} ({why}; weights and optimizer state stay fp32)"
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     dtype, context = autocast_context("cpu")
     assert dtype == torch.bfloat16
@@ -122,7 +124,9 @@ def test_onednn_off_restores_the_setting_when_the_step_fails():
 def test_onednn_off_in_two_threads_at_once_restores_it_when_the_last_leaves():
     # a server's worker thread decoding while another thread decodes too: A in, B in, A out, B out (each saving and
     # restoring on its own, B would restore "off" for good)
-    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    a_in = threading.Event()
+    b_in = threading.Event()
+    a_out = threading.Event()
     inside = []
 
     def a():

@@ -1,7 +1,9 @@
 """
-bench/head_speed.py's plumbing on CPU: our scripts.base_train and karpathy/nanochat HEAD's (a checkout from the local
-mirror, when there is one) at a tiny size, with the table and the notes it prints. HEAD's torch.compile is turned off
-(TORCHDYNAMO_DISABLE): its compile takes a minute here and the test is about the plumbing, not the speed.
+bench/head_speed.py's plumbing on CPU, at a tiny size.
+
+Our scripts.base_train and karpathy/nanochat HEAD's (a checkout from the local mirror, when there is one) at a tiny
+size, with the table and the notes it prints. HEAD's torch.compile is turned off (TORCHDYNAMO_DISABLE): its compile
+takes a minute here and the test is about the plumbing, not the speed.
 """
 
 import os
@@ -41,8 +43,8 @@ def test_ours_and_head_in_one_table(tmp_path):
     subprocess.run(["tar", "-x", "-C", str(head)], input=archive.stdout, check=True)
     (head / "COMMIT").write_text(HEAD_COMMIT + "\n")  # as head_speed's docstring makes .head: the table names it
     base = tmp_path / "bench"
-    result = head_speed(f"--head={head}", "--depths=1", "--rows=1", "--max_seq_len=64", "--device_type=cpu", "--steps=2",
-                        "--vocab_size=512", "--runs=ours,speedrun", "--engine=False", f"--base_dir={base}",
+    result = head_speed(f"--head={head}", "--depths=1", "--rows=1", "--max_seq_len=64", "--device_type=cpu",
+                        "--steps=2", "--vocab_size=512", "--runs=ours,speedrun", "--engine=False", f"--base_dir={base}",
                         env={"TORCHDYNAMO_DISABLE": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout

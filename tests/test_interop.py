@@ -1,8 +1,10 @@
 """
-Models in and out: scripts/export_model.py writes a directory that transformers loads with no custom code (same
-logits, same greedy tokens, same token ids, same chat prompts as ours), scripts/import_model.py reads such a
-directory, one written by transformers' save_pretrained and a checkpoint of karpathy/nanochat's layout, and an
-imported model keeps its own tokenizer. Bad input is one line and leaves nothing behind.
+Models in and out: export_model's directories in transformers, import_model's three kinds of input.
+
+scripts/export_model.py writes a directory that transformers loads with no custom code (same logits, same greedy
+tokens, same token ids, same chat prompts as ours), scripts/import_model.py reads such a directory, one written by
+transformers' save_pretrained and a checkpoint of karpathy/nanochat's layout, and an imported model keeps its own
+tokenizer. Bad input is one line and leaves nothing behind.
 
 One fp32 export of the session's tiny midtrained model (conftest's tiny_models) is shared by the tests (`exported`).
 The karpathy/nanochat checkpoint of tests/fixtures/reference_nanochat/ was written by that code itself, with what its
@@ -32,12 +34,14 @@ CONVERSATIONS = [
      {"role": "user", "content": "And 3 x 3?"}, {"role": "assistant", "content": "9"}],
 ]
 TEXTS = ["Hello world", "def f(x):\n    return x**2  # square\n", "  leading   and trailing   \n\n\n\t\t",
-         "héllo wörld, 中文字符, Ελληνικά", "संकेत नमस्ते, ยอมรับข้อตกลง, 日本語のテキスト", "emoji 🎉🚀👍🏽 mixed", "digits 1234567890 3.14159 1e-10",
+         "héllo wörld, 中文字符, Ελληνικά", "संकेत नमस्ते, ยอมรับข้อตกลง, 日本語のテキスト", "emoji 🎉🚀👍🏽 mixed",
+         "digits 1234567890 3.14159 1e-10",
          "\r\n\r\nwindows\r\nlines", "'s 't 're 've 'm 'll 'd THEY'LL", "", " ", "x" * 300]
 
 
 def run(module, *args, base, timeout=300):
-    return run_script("-m", module, *args, env={"NANOCHAT_BASE_DIR": base, "NANOCHAT_DATASET": "pydocs"}, timeout=timeout)
+    return run_script("-m", module, *args, env={"NANOCHAT_BASE_DIR": base, "NANOCHAT_DATASET": "pydocs"},
+                      timeout=timeout)
 
 
 @pytest.fixture
@@ -93,7 +97,8 @@ def test_export_matches_our_logits_and_greedy_tokens(ours, hf_model):
     from nanochat.engine import Engine
     for prompt in (tokenizer.encode("The function", prepend="<|bos|>"),
                    tokenizer.render_for_completion({"messages": CONVERSATIONS[0]})):
-        engine_tokens = [column[0] for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=24, temperature=0)]
+        engine_tokens = [column[0]
+                         for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=24, temperature=0)]
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
         assert out[0, len(prompt):].tolist() == engine_tokens
 
@@ -121,7 +126,8 @@ def test_chat_template_renders_our_prompts(ours, hf_tokenizer):
         if messages[-1]["role"] == "assistant":
             ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
             assert ids == tokenizer.render_conversation(conversation)[0]
-    for bad in ([{"role": "assistant", "content": "first"}], [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]):
+    for bad in ([{"role": "assistant", "content": "first"}],
+                [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]):
         with pytest.raises(Exception, match="alternate"):  # as render_for_completion refuses them
             hf_tokenizer.apply_chat_template(bad, add_generation_prompt=True)
 
@@ -138,7 +144,8 @@ def test_export_files(exported, ours):
         assert torch.equal(tensors[hf_name], model.state_dict()[ours_name]), hf_name
     assert len(tensors) == len(model.state_dict())
     special = tokenizer.get_special_tokens()
-    assert json.loads((exported / "generation_config.json").read_text())["eos_token_id"] == [special["<|assistant_end|>"], special["<|bos|>"]]
+    assert (json.loads((exported / "generation_config.json").read_text())["eos_token_id"]
+            == [special["<|assistant_end|>"], special["<|bos|>"]])
     card = (exported / "README.md").read_text()
     assert f"| {model.num_params():,} | 1 | 64 |" in card
     assert "10 steps x 256 tokens = 2,560 tokens" in card  # base and mid: 10 steps of 256 tokens each
@@ -159,12 +166,15 @@ def test_export_refusals(chat_base, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nanochat_base", "out"]  # no --out, no temporary left
     # a setting the format cannot hold is named
     from nanochat.hf_format import hf_config
-    model_config = dict(sequence_len=64, vocab_size=512, n_layer=1, n_head=1, n_kv_head=1, n_embd=64, window_pattern="SSSL")
+    model_config = dict(sequence_len=64, vocab_size=512, n_layer=1, n_head=1, n_kv_head=1, n_embd=64,
+                        window_pattern="SSSL")
     with pytest.raises(UserError, match="window_pattern='SSSL' has no equivalent"):
         hf_config(model_config, None, "float32")
     # --overwrite replaces the directory, in bf16 by default; the model card shows the report card's scores
     from nanochat.report import get_report
-    get_report().log(section="Chat evaluation mid", data=[{"model": "mid d1 step 10"}, {"ARC-Easy": 0.3125}])
+    from scripts.chat_eval import card_labels  # the labels line chat_eval writes into its section
+    get_report().log(section="Chat evaluation mid",
+                     data=[{"model": "mid d1 step 10"}, {"ARC-Easy": 0.3125}, card_labels()])
     run_in_process("scripts.export_model", "--source=mid", f"--out={out}", "--overwrite", monkeypatch=monkeypatch)
     assert "keep.txt" not in os.listdir(out) and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     card = (out / "README.md").read_text()
@@ -173,7 +183,8 @@ def test_export_refusals(chat_base, tmp_path, monkeypatch):
 
 def test_mlx_layout_keeps_our_names(chat_base, tmp_path, monkeypatch):
     from nanochat.hf_format import load_safetensors
-    run_in_process("scripts.export_model", "--source=mid", f"--out={tmp_path / 'mlx'}", "--layout=mlx", monkeypatch=monkeypatch)
+    run_in_process("scripts.export_model", "--source=mid", f"--out={tmp_path / 'mlx'}", "--layout=mlx",
+                   monkeypatch=monkeypatch)
     assert "transformer.wte.weight" in load_safetensors(tmp_path / "mlx" / "model.safetensors")
     assert json.loads((tmp_path / "mlx" / "config.json").read_text())["rope_theta"] == 10000.0
 
@@ -186,7 +197,8 @@ def test_export_import_round_trip(exported, ours, isolated_env, monkeypatch):
     """Into an empty base dir (no tokenizer there): the model comes back with its weights and its own tokenizer."""
     from nanochat.checkpoint_manager import load_model
     model, tokenizer, _ = ours
-    run_in_process("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+    run_in_process("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back",
+                   monkeypatch=monkeypatch)
     back, back_tokenizer, meta = load_model("sft", "cpu", phase="eval", model_tag="back")
     assert back_tokenizer.fingerprint() == tokenizer.fingerprint() == meta["tokenizer"]["fingerprint"]
     assert back_tokenizer.directory == str(isolated_env / "chatsft_checkpoints" / "back" / "tokenizer")
@@ -194,14 +206,16 @@ def test_export_import_round_trip(exported, ours, isolated_env, monkeypatch):
         assert torch.equal(back.state_dict()[name], tensor), name
     assert meta["imported_from"]["format"] == "Hugging Face NanoChat"
     with pytest.raises(UserError, match="already holds a model"):
-        run_in_process("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back", monkeypatch=monkeypatch)
+        run_in_process("scripts.import_model", f"--path={exported}", "--source=sft", "--model_tag=back",
+                       monkeypatch=monkeypatch)
 
 
 def test_import_save_pretrained_directory(exported, tmp_path, isolated_env, monkeypatch):
     from nanochat.checkpoint_manager import load_model
     vocab_size = json.loads((exported / "config.json").read_text())["vocab_size"]
-    config = transformers.NanoChatConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    config = transformers.NanoChatConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=256,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=32,
                                          bos_token_id=vocab_size - 9, eos_token_id=vocab_size - 5, pad_token_id=None)
     torch.manual_seed(0)
     hf = transformers.NanoChatForCausalLM(config).eval()
@@ -219,9 +233,11 @@ def test_import_save_pretrained_directory(exported, tmp_path, isolated_env, monk
 
 
 def reference_checkpoint(directory, tokenizer, step=650):
-    """A checkpoint as karpathy/nanochat's code writes it (see nanochat/reference_format.py), built here from the
+    """
+    A checkpoint as karpathy/nanochat's code writes it (see nanochat/reference_format.py), built here from the
     format: compiled-model key prefixes, vocab padded to a multiple of 64, bf16 embedding, a pickled tiktoken
-    Encoding. Returns our GPT holding the same (unpadded) weights."""
+    Encoding. Returns our GPT holding the same (unpadded) weights.
+    """
     import tiktoken
     from nanochat.gpt import GPT, GPTConfig
     from nanochat.hf_format import MODEL_CONFIG_KEYS
@@ -243,7 +259,8 @@ def reference_checkpoint(directory, tokenizer, step=650):
     os.makedirs(directory)
     torch.save(state, os.path.join(directory, f"model_{step:06d}.pt"))
     with open(os.path.join(directory, f"meta_{step:06d}.json"), "w") as f:
-        model_config = {k: v for k, v in config.to_dict().items() if k in MODEL_CONFIG_KEYS}  # that code's fields (2025)
+        # that code's fields (2025)
+        model_config = {k: v for k, v in config.to_dict().items() if k in MODEL_CONFIG_KEYS}
         json.dump({"step": step, "model_config": model_config, "user_config": {"device_batch_size": 4}}, f)
     enc = tiktoken.Encoding(name="rustbpe", pat_str=tokenizer.pattern, mergeable_ranks=tokenizer.mergeable_ranks,
                             special_tokens=tokenizer.get_special_tokens())
@@ -289,14 +306,16 @@ def test_import_refusals(ours, tmp_path, isolated_env, monkeypatch):
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "nanochat", "vocab_size": 521, "hidden_size": 64,
-                                                    "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 1}))
+                                                    "intermediate_size": 256, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 1}))
     with pytest.raises(UserError, match="has config.json but no model.safetensors"):
         run_in_process("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
     (hf_dir / "model.safetensors").write_bytes(b"\x00" * 4)
     with pytest.raises(UserError, match="has no tokenizer.json"):
         run_in_process("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "nanochat", "hidden_act": "gelu", "vocab_size": 521,
-                                                    "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1}))
+                                                    "hidden_size": 64, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 1}))
     with pytest.raises(UserError, match="hidden_act='gelu'"):
         run_in_process("scripts.import_model", f"--path={hf_dir}", "--source=sft", monkeypatch=monkeypatch)
     assert not (isolated_env / "chatsft_checkpoints").exists() or not os.listdir(isolated_env / "chatsft_checkpoints")
@@ -338,7 +357,8 @@ def reference_logit_difference(model, outputs):
 
 def test_import_checkpoint_written_by_reference_code(reference_outputs, reference_dir, monkeypatch):
     from nanochat.checkpoint_manager import load_model
-    assert torch.load(reference_dir / "model_000020.pt", weights_only=True)["lm_head.weight"].size(0) == 448  # padded 400
+    # 400 rows padded to 448
+    assert torch.load(reference_dir / "model_000020.pt", weights_only=True)["lm_head.weight"].size(0) == 448
     run_in_process("scripts.import_model", f"--path={reference_dir}", "--source=base", "--model_tag=ref",
                   monkeypatch=monkeypatch)
     model, tokenizer, meta = load_model("base", "cpu", phase="eval", model_tag="ref")  # fp32 weights, no autocast: fp32
@@ -354,29 +374,35 @@ def test_import_checkpoint_written_by_reference_code(reference_outputs, referenc
     # 7.7e-4 at most on these logits (of size up to 6.5). With our tables rounded the same way: 0.0 measured here
     # (1e-5 leaves room for another CPU's float rounding), so that is the only difference.
     assert reference_logit_difference(model, reference_outputs) <= 1.5e-3
-    model.cos, model.sin = model.cos.bfloat16().float(), model.sin.bfloat16().float()
+    model.cos = model.cos.bfloat16().float()
+    model.sin = model.sin.bfloat16().float()
     assert reference_logit_difference(model, reference_outputs) <= 1e-5
 
 
 def test_reference_token_bytes_rule(reference_dir, monkeypatch):
-    """Its tok_train counts a token's bytes decoded to text (a partial UTF-8 character counts as U+FFFD's 3 bytes),
-    ours the raw bytes: both belong to its tokenizer.pkl; a token_bytes.pt of another tokenizer is still refused."""
+    """
+    Its tok_train counts a token's bytes decoded to text (a partial UTF-8 character counts as U+FFFD's 3 bytes),
+    ours the raw bytes: both belong to its tokenizer.pkl; a token_bytes.pt of another tokenizer is still refused.
+    """
     from nanochat.reference_format import decoded_token_bytes, read_tokenizer_pkl
     tokenizer = read_tokenizer_pkl(reference_dir / "tokenizer.pkl")
     written = torch.load(reference_dir / "token_bytes.pt", weights_only=True)
     assert torch.equal(decoded_token_bytes(tokenizer), written)
     differ = (written != tokenizer.compute_token_bytes()).nonzero().flatten().tolist()
-    assert differ[:128] == list(range(128, 256)) and len(differ) > 128  # every byte >= 0x80, and merges that cut a character
+    # every byte >= 0x80, and merges that cut a character
+    assert differ[:128] == list(range(128, 256)) and len(differ) > 128
     changed = written.clone()
     changed[300] += 1
     for other in (changed, written[:-1]):  # one entry changed; a tokenizer of another vocab
         torch.save(other, reference_dir / "token_bytes.pt")
-        with pytest.raises(UserError, match=r"token_bytes.pt does not match .*/tokenizer.pkl: files of two different tokenizers"):
+        with pytest.raises(UserError, match=r"token_bytes.pt does not match .*/tokenizer.pkl: "
+                                            r"files of two different tokenizers"):
             run_in_process("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
     torch.save({"not": "a tensor"}, reference_dir / "token_bytes.pt")
     with pytest.raises(UserError, match=r"token_bytes.pt holds dict, not a tensor of bytes per token"):
         run_in_process("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
-    torch.save(tokenizer.compute_token_bytes(), reference_dir / "token_bytes.pt")  # ours, as our tests' checkpoints have it
+    # ours, as our tests' checkpoints have it
+    torch.save(tokenizer.compute_token_bytes(), reference_dir / "token_bytes.pt")
     run_in_process("scripts.import_model", f"--path={reference_dir}", "--source=base", monkeypatch=monkeypatch)
 
 
@@ -385,14 +411,18 @@ def test_reference_token_bytes_rule(reference_dir, monkeypatch):
 
 
 def test_finetune_an_imported_model_then_export(exported, chat_base, tmp_path, monkeypatch):
-    """An imported model with no tokenizer in the base dir: SFT trains it with its own tokenizer, the SFT checkpoint
-    carries it, and the export of the result matches the SFT model."""
+    """
+    An imported model with no tokenizer in the base dir: SFT trains it with its own tokenizer, the SFT checkpoint
+    carries it, and the export of the result matches the SFT model.
+    """
     shutil.rmtree(chat_base / "tokenizer")
-    run_in_process("scripts.import_model", f"--path={exported}", "--source=mid", "--model_tag=imported", monkeypatch=monkeypatch)
-    for args in (["scripts.chat_sft", "--model_tag=imported", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2",
-                  "--examples_per_step=4", "--num_iterations=2", "--eval_every=-1", "--eval_tokens=512",
-                  "--eval_metrics_max_problems=4"],
-                 ["scripts.export_model", "--source=sft", "--model_tag=imported", f"--out={tmp_path / 'out'}", "--dtype=float32"]):
+    run_in_process("scripts.import_model", f"--path={exported}", "--source=mid", "--model_tag=imported",
+                   monkeypatch=monkeypatch)
+    for args in (["scripts.chat_sft", "--model_tag=imported", "--mixture=offline", "--max_seq_len=128",
+                  "--device_batch_size=2", "--examples_per_step=4", "--num_iterations=2", "--eval_every=-1",
+                  "--eval_tokens=512", "--eval_metrics_max_problems=4"],
+                 ["scripts.export_model", "--source=sft", "--model_tag=imported", f"--out={tmp_path / 'out'}",
+                  "--dtype=float32"]):
         result = run(*args, base=chat_base)
         assert result.returncode == 0, f"{args[0]}: {result.stderr[-2000:]}"
     from nanochat.checkpoint_manager import load_model

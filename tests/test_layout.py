@@ -130,12 +130,12 @@ def test_every_module_says_its_job_in_its_first_docstring_line():
 
 
 def readme_layout_rows():
-    """{module file name: the job its row gives} of the README's layout table (| `module.py` | job |)."""
+    """{module file name: the job its row gives} of the README's layout table (| `module.py` | job | names |)."""
     readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
     section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
-        match = re.fullmatch(r"\| `(\w+\.py)` \| (.+) \|", line.strip())
+        match = re.fullmatch(r"\| `(\w+\.py)` \| ([^|]+) \|.*\|", line.strip())
         if match:
             assert match.group(1) not in rows, f"two rows for {match.group(1)} in the README's layout table"
             rows[match.group(1)] = match.group(2)

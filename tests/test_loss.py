@@ -1,8 +1,10 @@
 """
-The losses (nanochat/losses.py). The supervised loss of the conversation stages: normalised by the supervised
-targets of the whole step, so the gradient is the mean over every supervised token whatever the split into
-micro-batches and ranks; hand-computed on a toy model whose per-token losses are known exactly. The training loss
-over the vocabulary on a CPU: against F.cross_entropy of the softcapped logits in float64.
+Tests of the losses (nanochat/losses.py).
+
+The supervised loss of the conversation stages: normalised by the supervised targets of the whole step, so the
+gradient is the mean over every supervised token whatever the split into micro-batches and ranks; hand-computed on a
+toy model whose per-token losses are known exactly. The training loss over the vocabulary on a CPU: against
+F.cross_entropy of the softcapped logits in float64.
 """
 
 import os
@@ -46,7 +48,8 @@ def test_a_fully_masked_micro_batch_changes_nothing():
 def test_three_ranks_equal_one_rank_with_accumulation(tmp_path):
     """1 rank x accumulation 3 == 3 ranks x accumulation 1 (rank r gets micro-batch r, C being fully masked)."""
     grad, _, total, logged = one_process(step_micro_batches())
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.path.join(REPO_ROOT, "tests"),
+                                                       os.environ.get("PYTHONPATH")]))}
     result = run_script("tests/dist_loss_worker.py", tmp_path, nproc=3, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
@@ -58,16 +61,19 @@ def test_three_ranks_equal_one_rank_with_accumulation(tmp_path):
 
 @pytest.mark.parametrize("dtype, loss_tol, grad_tol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 0.05, 0.02)])
 def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol):
-    """nanochat/losses.py (the CPU's training loss) against F.cross_entropy(15 tanh(z / 15)) in float64: the
+    """
+    nanochat/losses.py (the CPU's training loss) against F.cross_entropy(15 tanh(z / 15)) in float64: the
     per-row losses, 0 at ignored rows, and the gradients of x and the head for an uneven upstream gradient. Under
-    bf16 autocast the head's matmul is bf16 (errors of ~1% allowed), the rest fp32."""
+    bf16 autocast the head's matmul is bf16 (errors of ~1% allowed), the rest fp32.
+    """
     torch.manual_seed(0)
     x = torch.randn(48, 32, requires_grad=True)
     head = (torch.randn(300, 32) * 0.6).requires_grad_()  # logits of up to ~15: the softcap bends them
     targets = torch.randint(0, 300, (48,))
     targets[5:11] = -1
     upstream = torch.linspace(0.1, 2.0, 48)
-    x64, head64 = x.detach().double().requires_grad_(), head.detach().double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    head64 = head.detach().double().requires_grad_()
     z = x64 @ head64.t()
     expected = F.cross_entropy(SOFTCAP * torch.tanh(z / SOFTCAP), targets, ignore_index=-1, reduction="none")
     (expected * upstream.double()).sum().backward()
@@ -88,9 +94,11 @@ def test_cpu_loss_equals_the_softcapped_cross_entropy(dtype, loss_tol, grad_tol)
 
 
 def test_cpu_loss_applies_the_head_to_the_rows_with_a_target_only():
-    """The rows with a target give the same losses and gradients whether the ignored rows are there or not; the
+    """
+    The rows with a target give the same losses and gradients whether the ignored rows are there or not; the
     ignored rows hold NaN, which the head run on every row would spread to their losses (NaN * 0 is NaN) and to the
-    head's gradient. With every row ignored, the loss and the gradients are zeros."""
+    head's gradient. With every row ignored, the loss and the gradients are zeros.
+    """
     torch.manual_seed(0)
     kept = torch.arange(40) % 3 != 0
     x = torch.randn(40, 32).masked_fill(~kept[:, None], float("nan")).requires_grad_()
@@ -106,7 +114,8 @@ def test_cpu_loss_applies_the_head_to_the_rows_with_a_target_only():
     assert torch.all(loss[~kept] == 0) and torch.all(x.grad[~kept] == 0)
     torch.testing.assert_close(x.grad[kept], x_alone.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(head.grad, head_alone.grad, rtol=1e-5, atol=1e-6)
-    x.grad, head.grad = None, None
+    x.grad = None
+    head.grad = None
     nothing = softcapped_cross_entropy(x, head, torch.full((40,), -1), SOFTCAP)  # NaN rows too: none is read
     nothing.sum().backward()
     assert torch.all(nothing == 0) and torch.all(x.grad == 0) and torch.all(head.grad == 0)

@@ -1,7 +1,8 @@
 """
-scripts/mid_train end to end on CPU from the session's tiny base model: the offline mixture, per-rank batches,
-disjoint conversations across ranks, ranks with unequal data stopping together, the held-out loss going down,
-SIGTERM and an exact resume (on the same number of processes only). Also the reduced CPU speedrun, end to end.
+Midtraining (scripts/mid_train) end to end on CPU from the session's tiny base model; the reduced CPU speedrun.
+
+The offline mixture, per-rank batches, disjoint conversations across ranks, ranks with unequal data stopping
+together, the held-out loss going down, SIGTERM and an exact resume (on the same number of processes only).
 """
 
 import json
@@ -39,12 +40,14 @@ def test_mid_train_writes_a_checkpoint_and_lowers_the_held_out_loss(base_model):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "Tokens / micro-batch / rank: 2 x 64 = 128" in out and "gradient accumulation steps: 2" in out
-    m = re.search(r"\[rank 0\] x, y = next\(train_loader\): x \(2, 64\) torch.int32, y \(2, 64\) torch.int64, (\d+)% of targets -1", out)
+    m = re.search(r"\[rank 0\] x, y = next\(train_loader\): x \(2, 64\) torch.int32, y \(2, 64\) torch.int64, "
+                  r"(\d+)% of targets -1", out)
     assert m and int(m.group(1)) > 0, out  # masked targets are -1 (this first batch may even be all prompt)
     ckpt = base_model / "mid_checkpoints" / "d1"
     assert {"model_000030.pt", "optim_000030_rank0.pt", "meta_000030.json"} <= set(os.listdir(ckpt))
     m = re.search(r"Validation bpb: ([\d.]+) \(base model\) -> ([\d.]+) \(after 30 steps", out)
-    before, after = float(m.group(1)), float(m.group(2))
+    before = float(m.group(1))
+    after = float(m.group(2))
     assert after < before, (before, after)  # held-out offline-task conversations: better after midtraining
     section = (base_model / "report" / "midtraining.md").read_text()
     assert "- Validation bpb of the base model: " in section and "- Final validation bpb: " in section
@@ -58,12 +61,14 @@ def test_two_ranks_read_disjoint_conversations_and_stop_together(base_model):
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
     for r in range(2):
-        assert re.search(rf"\[rank {r}\] x, y = next\(train_loader\): x \(2, 64\) torch.int32, y \(2, 64\) torch.int64", out)
+        assert re.search(rf"\[rank {r}\] x, y = next\(train_loader\): x \(2, 64\) torch.int32, "
+                         r"y \(2, 64\) torch.int64", out)
     meta_path = next((base_model / "mid_checkpoints" / "d1").glob("meta_*.json"))
     meta = json.loads(meta_path.read_text())
     # what each rank read, as the end of the run reports it (gathered on rank 0)
     data = {int(m.group(1)): {"read": int(m.group(2)), "first": json.loads(m.group(3))}
-            for m in re.finditer(r"rank (\d): read (\d+) training conversations \(first: (\[[\d, ]*\])\)", result.stdout)}
+            for m in re.finditer(r"rank (\d): read (\d+) training conversations \(first: (\[[\d, ]*\])\)",
+                                 result.stdout)}
     assert sorted(data) == [0, 1], result.stdout
     for r, share in ((0, [0, 2, 4, 6]), (1, [1, 3, 5])):
         expected = share + [c - 7 for c in (8, 10, 12)] if r == 0 else share + [0, 2, 4, 6]  # after the wrap-around
@@ -102,10 +107,12 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(base_model):
 
 
 def test_cpu_speedrun_smoke(pydocs_corpus, isolated_env, tmp_path):
-    """The cpu profile of speedrun.sh end to end, shrunk to seconds (NANOCHAT_SMOKE=1), run from another directory,
+    """
+    The cpu profile of speedrun.sh end to end, shrunk to seconds (NANOCHAT_SMOKE=1), run from another directory,
     pretraining on a corpus of your own (NANOCHAT_DATASET=tutor: the Vim tutors, tests/fixtures/own_text), which
     `python -m nanochat.dataset` checks against its files. The same profile on pydocs, the corpus the tests use
-    everywhere else, differs only in that name; the gpu profile's smoke runs on pydocs (test_gpu_smoke)."""
+    everywhere else, differs only in that name; the gpu profile's smoke runs on pydocs (test_gpu_smoke).
+    """
     built = run_script("-m", "nanochat.dataset", f"--from={os.path.join(REPO_ROOT, 'tests', 'fixtures', 'own_text')}",
                        "--name=tutor", "--split=paragraph")
     assert built.returncode == 0, built.stderr[-2000:]
@@ -119,11 +126,13 @@ def test_cpu_speedrun_smoke(pydocs_corpus, isolated_env, tmp_path):
     for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss",
                     "## Base model evaluation", "## Midtraining", "## Chat evaluation mid", "## Chat SFT",
                     "## Chat evaluation sft", "## Chat RL", "## Chat evaluation rl", "### Report card",
-                    "| Tokenizer bytes/token (val) |", "| Chat val bpb, base model |", "| Chat val bpb, after midtraining |",
-                    "| pydocs-CORE |", "| Offline ChatCORE |"):
+                    "| Tokenizer bytes/token (val) |", "| Chat val bpb, base model |",
+                    "| Chat val bpb, after midtraining |", "| pydocs-CORE |", "| Offline ChatCORE |"):
         assert section in report, section
-    assert "python -m scripts.chat_cli --source=rl" in result.stdout and "python -m scripts.chat_web --source=rl" in result.stdout
+    assert "python -m scripts.chat_cli --source=rl" in result.stdout
+    assert "python -m scripts.chat_web --source=rl" in result.stdout
     # this run's report, copied into the directory speedrun.sh was run from (a fresh one), with its curves
     assert (tmp_path / "report.md").read_text() == report and f"report: {tmp_path}/report.md" in result.stdout
     assert (tmp_path / "report_base-model-training_loss.png").exists()
-    assert (os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None) == repo_report_before  # checkout untouched
+    # the checkout untouched
+    assert (os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None) == repo_report_before

@@ -1,9 +1,11 @@
 """
-Optimizers: Newton-Schulz orthogonalisation, Muon against a hand-written step, and DistMuon / DistAdamW
-on 2 and 3 gloo processes against Muon / torch.optim.AdamW in one process (the worker script
-tests/dist_optim_worker.py does the distributed part; these tests assert on what it saved). Newton-Schulz runs
-in the dtype its caller gives (GPT.setup_optimizers: the compute dtype); the tests that hold in fp32 and bf16 run
-in both, with the tolerance each allows (bf16 keeps 8 bits of mantissa: ~3 significant digits).
+Tests of the optimizers: Newton-Schulz, Muon, and DistMuon / DistAdamW against one process.
+
+Newton-Schulz orthogonalisation, Muon against a hand-written step, and DistMuon / DistAdamW on 2 and 3 gloo
+processes against Muon / AdamW (nanochat.adamw) in one process (the worker script tests/dist_optim_worker.py does the
+distributed part; these tests assert on what it saved). Newton-Schulz runs in the dtype its caller gives
+(GPT.setup_optimizers: the compute dtype); the tests that hold in fp32 and bf16 run in both, with the tolerance each
+allows (bf16 keeps 8 bits of mantissa: ~3 significant digits).
 """
 
 import math
@@ -18,7 +20,9 @@ from nanochat.optim import clip_grad_norm_, lr_multiplier, scale_initial_lrs, se
 
 # The band stated in zeropower_via_newtonschulz5's docstring: singular values s >= 0.0016 * ||G||_F
 # come out in [0.68, 1.21] (bf16: [0.67, 1.21]); none comes out above 1.21.
-BAND_LO, BAND_HI, BAND_THRESHOLD = {"float32": 0.68, "bfloat16": 0.67}, 1.21, 0.0016
+BAND_LO = {"float32": 0.68, "bfloat16": 0.67}
+BAND_HI = 1.21
+BAND_THRESHOLD = 0.0016
 # U^T X V off its diagonal, relative (X = U S' V^T up to rounding): fp32 ~1e-6, bf16 ~1e-2
 OFF_DIAGONAL = {"float32": 1e-4, "bfloat16": 3e-2}
 DTYPES = ["float32", "bfloat16"]
@@ -82,11 +86,14 @@ def muon_steps(initial, grads, threads, dtype, steps=2):
 
 
 def test_muon_with_several_threads_stacks_each_shape_with_the_same_result(dtype):
-    """With several threads Muon orthogonalises the matrices of one shape in one batched call (nanochat.muon._batches),
-    with one thread one at a time: the same steps either way."""
+    """
+    With several threads Muon orthogonalises the matrices of one shape in one batched call (nanochat.muon._batches),
+    with one thread one at a time: the same steps either way.
+    """
     gen = torch.Generator().manual_seed(3)
     shapes = [(16, 8), (8, 32), (16, 8), (24, 8), (16, 8), (8, 32)]
-    initial, grads = [torch.randn(s, generator=gen) for s in shapes], [torch.randn(s, generator=gen) for s in shapes]
+    initial = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
     one, one_batches = muon_steps(initial, grads, threads=1, dtype=dtype)
     several, several_batches = muon_steps(initial, grads, threads=2, dtype=dtype)
     assert one_batches == [1] * 6 and several_batches == [3, 2, 1]
@@ -129,7 +136,8 @@ def test_muon_matches_hand_written_steps(nesterov, weight_decay):
             buffers[i] = momentum * buffers[i] + (1 - momentum) * g
             direction = (1 - momentum) * g + momentum * buffers[i] if nesterov else buffers[i]
             rows, cols = g.shape
-            update, scaled_lr = reference_newton_schulz(direction), lr * math.sqrt(max(1.0, rows / cols))
+            update = reference_newton_schulz(direction)
+            scaled_lr = lr * math.sqrt(max(1.0, rows / cols))
             # cautious weight decay: only where the update moves the weight toward zero (same signs)
             decay = weight_decay * expected[i] * (update * expected[i] >= 0)
             expected[i] = expected[i] - scaled_lr * (update + decay)
@@ -163,8 +171,10 @@ DIST_TOLERANCE = {"float32": (1e-6, 1e-6), "bfloat16": (1e-3, 1e-3)}
 @pytest.fixture(scope="module", params=[(2, "float32"), (3, "float32"), (2, "bfloat16"), (3, "bfloat16")],
                 ids=["2ranks-fp32", "3ranks-fp32", "2ranks-bf16", "3ranks-bf16"])
 def dist_results(request, tmp_path_factory):
-    """Run the worker once per world size, compute dtype and test session (conftest.build_once); every test below
-    checks a different part of its output."""
+    """
+    Run the worker once per world size, compute dtype and test session (conftest.build_once); every test below
+    checks a different part of its output.
+    """
     world_size, dtype = request.param
 
     def build(out_dir):
@@ -191,18 +201,22 @@ def test_dist_matches_single_process(dist_results):
 
 
 def test_dist_state_is_sharded(dist_results):
-    """Each rank holds momentum only for the matrices it owns, and AdamW state for its slice only; that
+    """
+    Each rank holds momentum only for the matrices it owns, and AdamW state for its slice only; that
     state equals the corresponding part of the single-process optimizer's state (in either dtype: the state
-    follows the gradients, which the worker makes up, not the weights)."""
+    follows the gradients, which the worker makes up, not the weights).
+    """
     world_size, _, ranks = dist_results
     owners_per_matrix = [0] * len(ranks[0]["muon_position"])
     for rank, res in enumerate(ranks):
-        for i, (pos, buf, ref_buf) in enumerate(zip(res["muon_position"], res["muon_buffers"], res["ref_muon_buffers"])):
+        for i, (pos, buf, ref_buf) in enumerate(zip(res["muon_position"], res["muon_buffers"],
+                                                    res["ref_muon_buffers"])):
             owned = pos % world_size == rank
             assert (buf is not None) == owned, f"rank {rank}, matrix {i} (position {pos} in its shape group)"
             if owned:
                 owners_per_matrix[i] += 1
-                torch.testing.assert_close(buf, ref_buf, rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {rank} matrix {i}: {m}")
+                torch.testing.assert_close(buf, ref_buf, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"rank {rank} matrix {i}: {m}")
         for i, (state, ref_state) in enumerate(zip(res["adamw_state"], res["ref_adamw_state"])):
             assert set(state) == {"exp_avg", "exp_avg_sq"}, f"rank {rank}, AdamW param {i}: {set(state)}"
             for key, ref in ref_state.items():
@@ -224,7 +238,8 @@ def test_optimizer_checkpoint_resumes_on_any_world_size(dist_results):
             torch.testing.assert_close(resumed, ref, rtol=0, atol=0, msg=lambda m: f"rank {rank} param {i}: {m}")
         for key in ("resumed_in_one_process", "resumed_from_one_process"):  # W ranks -> 1 process, 1 -> W ranks
             for i, (resumed, ref) in enumerate(zip(res[key], straight)):
-                torch.testing.assert_close(resumed, ref, rtol=rtol, atol=atol, msg=lambda m: f"{key}, rank {rank} param {i}: {m}")
+                torch.testing.assert_close(resumed, ref, rtol=rtol, atol=atol,
+                                           msg=lambda m: f"{key}, rank {rank} param {i}: {m}")
         assert res["missing_shard_error"] is not None and "incomplete" in res["missing_shard_error"]
 
 
@@ -249,9 +264,11 @@ def test_one_schedule_with_each_stages_defaults():
 
 @pytest.mark.parametrize("shape, fused", [((37, 64), True), ((37, 192), True), ((37, 100), False), ((37,), False)])
 def test_adamw_update_of_a_slice_of_rows_is_the_whole_tensors(shape, fused):
-    """adamw_update_ on each rank's rows (DistAdamW) gives bit for bit what it gives on the whole tensor (AdamW), with
+    """
+    adamw_update_ on each rank's rows (DistAdamW) gives bit for bit what it gives on the whole tensor (AdamW), with
     torch's fused kernel where nanochat.adamw.fused_exactly says so and op by op elsewhere; either agrees with
-    torch.optim.AdamW to fp32 rounding."""
+    torch.optim.AdamW to fp32 rounding.
+    """
     from nanochat.adamw import adamw_update_, fused_exactly
     gen = torch.Generator().manual_seed(0)
     p, g, m = (torch.randn(shape, generator=gen) for _ in range(3))
@@ -277,11 +294,14 @@ def test_adamw_update_of_a_slice_of_rows_is_the_whole_tensors(shape, fused):
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clipped", "within max_norm: untouched, bit for bit"])
 def test_clip_grad_norm_is_torchs_in_one_process(max_norm):
-    """clip_grad_norm_ (one process) returns torch's norm and leaves torch's gradients: scaled by max_norm / (norm +
-    1e-6) above max_norm, bit for bit as they were within it (the CPU skips the multiplication by 1)."""
+    """
+    clip_grad_norm_ (one process) returns torch's norm and leaves torch's gradients: scaled by max_norm / (norm +
+    1e-6) above max_norm, bit for bit as they were within it (the CPU skips the multiplication by 1).
+    """
     g = torch.Generator().manual_seed(0)
     matrices = [torch.nn.Parameter(torch.randn(rows, 16, generator=g)) for rows in (16, 32)]
-    table, vector = torch.nn.Parameter(torch.randn(64, 16, generator=g)), torch.nn.Parameter(torch.randn(16, generator=g))
+    table = torch.nn.Parameter(torch.randn(64, 16, generator=g))
+    vector = torch.nn.Parameter(torch.randn(16, generator=g))
     params = matrices + [table, vector]
     for p in params:
         p.grad = torch.randn(p.shape, generator=g)

@@ -1,8 +1,9 @@
 """
-Conversations of your own (--conversations=FILE of mid_train and chat_sft, a CustomJSON file): --mixture=custom
-midtrains and finetunes on the file alone, validating on its first max(1, n // 20) conversations; with real or
-offline the file is one more task of that mixture; a custom mixture without a file, a missing file or a file of
-fewer than 2 conversations is one line at start-up.
+Conversations of your own (--conversations=FILE of mid_train and chat_sft, a CustomJSON file).
+
+--mixture=custom midtrains and finetunes on the file alone, validating on its first max(1, n // 20) conversations;
+with real or offline the file is one more task of that mixture; a custom mixture without a file, a missing file or
+a file of fewer than 2 conversations is one line at start-up.
 """
 
 import json
@@ -68,7 +69,8 @@ def test_each_refusal_is_one_line_at_start_up(tmp_path):
 
 def test_the_held_out_part_is_the_first_twentieth_of_the_file(tmp_path):
     path = write_conversations(tmp_path / "mine.jsonl", 45)
-    val, train = stage_mixture("mid", "custom", "val", conversations=path), stage_mixture("sft", "custom", "train", conversations=path)
+    val = stage_mixture("mid", "custom", "val", conversations=path)
+    train = stage_mixture("sft", "custom", "train", conversations=path)
     questions = lambda task: [task[i]["messages"][0]["content"] for i in range(len(task))]
     assert questions(val) == ["question 0", "question 1"]  # max(1, 45 // 20) = 2
     assert questions(train) == [f"question {i}" for i in range(2, 45)]
@@ -82,4 +84,5 @@ def test_offline_mixture_plus_the_file(pydocs_corpus):
             offline = stage_tasks(stage, "offline", part)
             both = stage_tasks(stage, "offline", part, conversations=path)
             assert [name for name, _ in both] == [name for name, _ in offline] + ["Conversations"], (stage, part)
-            assert len(stage_mixture(stage, "offline", part, conversations=path)) == sum(len(t) for _, t in offline) + own
+            mixed = stage_mixture(stage, "offline", part, conversations=path)
+            assert len(mixed) == sum(len(t) for _, t in offline) + own

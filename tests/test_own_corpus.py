@@ -1,6 +1,7 @@
 """
-A corpus of your own (`python -m nanochat.dataset --from=PATH --name=NAME`: nanochat/corpus_build.py), from real
-text none of this project's code wrote: the Vim tutor in English and Chinese as Debian ships it
+A corpus of your own (`python -m nanochat.dataset --from=PATH --name=NAME`: nanochat/corpus_build.py).
+
+Built from real text none of this project's code wrote: the Vim tutor in English and Chinese as Debian ships it
 (tests/fixtures/own_text/SOURCE). Built, read back and selected like the other corpora; every bad input of issue 38
 is one line and loses nothing; running the command again changes nothing; changed files rebuild it.
 """
@@ -80,7 +81,8 @@ def test_one_document_per_file_line_or_row(tmp_path):
     pq.write_table(pa.table({"body": rows}), tmp_path / "src" / "rows.parquet")
     with open(tmp_path / "src" / "lines.jsonl", "w", encoding="utf-8") as f:
         for i in range(40):
-            f.write(json.dumps({"body": f"第{i}行：" + "今天天气很好，我们去公园散步。" * 20, "id": i}, ensure_ascii=False) + "\n")
+            record = {"body": f"第{i}行：" + "今天天气很好，我们去公园散步。" * 20, "id": i}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
     (tmp_path / "src" / "notes.md").write_text("# Notes\n\n" + "Markdown text. " * 40)
     manifest = build(f"--from={tmp_path / 'src'}", "--name=mixed", "--field=body")
     assert manifest["documents"] == 40 + 40 + 1 and manifest["field"] == "body"
@@ -88,7 +90,8 @@ def test_one_document_per_file_line_or_row(tmp_path):
 
 def test_running_it_again_changes_nothing_and_changed_files_rebuild(texts, monkeypatch):
     first = build(f"--from={texts}", "--name=tutor", "--split=paragraph")
-    before, stamps = shard_bytes("tutor"), written_at("tutor")
+    before = shard_bytes("tutor")
+    stamps = written_at("tutor")
     again = build(f"--from={texts}", "--name=tutor", "--split=paragraph")
     assert again == first and written_at("tutor") == stamps
     # a damaged shard: the same command repairs it
@@ -114,13 +117,15 @@ def test_running_it_again_changes_nothing_and_changed_files_rebuild(texts, monke
     assert written_at("tutor") == stamps
 
 
-@pytest.mark.parametrize("case", ["empty", "binary", "gb18030", "no-text-files", "missing", "broken-link", "jsonl-field",
-                                  "parquet-column", "too-little", "built-in-name", "bad-name", "name-alone"])
+@pytest.mark.parametrize("case", ["empty", "binary", "gb18030", "no-text-files", "missing", "broken-link",
+                                  "jsonl-field", "parquet-column", "too-little", "built-in-name", "bad-name",
+                                  "name-alone"])
 def test_bad_input_is_one_line_and_loses_nothing(case, texts, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     zh = (texts / "zh" / "vimtutor.txt").read_text(encoding="utf-8")
-    args, fragments = [f"--from={bad}", "--name=mine"], []
+    args = [f"--from={bad}", "--name=mine"]
+    fragments = []
     if case == "empty":
         (bad / "empty.txt").write_text("\n \n")
         fragments = ["empty.txt is empty", "--skip_bad"]
@@ -173,7 +178,8 @@ def test_a_home_relative_path(texts, monkeypatch):
 
 
 def test_skip_bad_builds_from_the_rest(texts):
-    (texts / "zh" / "gbk.txt").write_bytes((texts / "zh" / "vimtutor.txt").read_text(encoding="utf-8").encode("gb18030"))
+    zh = (texts / "zh" / "vimtutor.txt").read_text(encoding="utf-8")
+    (texts / "zh" / "gbk.txt").write_bytes(zh.encode("gb18030"))
     (texts / "empty.md").write_text("")
     manifest = build(f"--from={texts}", "--name=tutor", "--split=paragraph", "--skip_bad")
     with_utf8_only = build(f"--from={OWN_TEXT}", "--name=clean", "--split=paragraph")
@@ -236,7 +242,8 @@ def test_the_readme_from_your_files_to_chat(tmp_path):
         if isinstance(command, tuple):
             env[command[0]] = command[1]
             continue
-        module, args = command[1], command[2:]
+        module = command[1]
+        args = command[2:]
         args = with_defaults(args, SMALLER.get(module, []))
         result = run_script("-m", module, *args, env=env, timeout=300)
         assert result.returncode == 0, (module, result.stdout[-3000:], result.stderr[-3000:])
@@ -247,9 +254,11 @@ def test_the_readme_from_your_files_to_chat(tmp_path):
     assert re.search(r"\| tutor val +\| [\d,]+ +\| [\d,]+ +\| \d", outputs["scripts.tok_eval"])
     assert re.search(r"val bpb: \d", outputs["scripts.base_loss"])
     assert "Mixture custom: " in outputs["scripts.mid_train"]
-    assert re.search(r"step 00001 \(100.00%\) .*\| lrm: 1.00 \|", outputs["scripts.mid_train"]), outputs["scripts.mid_train"][-3000:]
+    mid = outputs["scripts.mid_train"]
+    assert re.search(r"step 00001 \(100.00%\) .*\| lrm: 1.00 \|", mid), mid[-3000:]
     assert "step 00002" not in outputs["scripts.mid_train"]
-    assert "Your conversations (docs/examples/conversations.jsonl): 11 training, 1 validation" in outputs["scripts.chat_sft"]
+    own_line = "Your conversations (docs/examples/conversations.jsonl): 11 training, 1 validation"
+    assert own_line in outputs["scripts.chat_sft"]
     answer = run_script("-m", "scripts.chat_cli", "-p", "怎样移动光标？", *SMALLER["scripts.chat_cli"], env=env)
     assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr[-2000:]
     answer.stdout.encode("utf-8")  # printable text (a lone surrogate would raise here)
@@ -257,13 +266,15 @@ def test_the_readme_from_your_files_to_chat(tmp_path):
 
 @pytest.mark.slow
 def test_pretraining_on_it_resumes_exactly(texts, monkeypatch):
-    """The loader's position in a corpus of your own is saved and restored like any other: resumed at step 3 of 6,
-    the run ends with the uninterrupted run's weights (fp32: exact up to its rounding)."""
+    """
+    The loader's position in a corpus of your own is saved and restored like any other: resumed at step 3 of 6,
+    the run ends with the uninterrupted run's weights (fp32: exact up to its rounding).
+    """
     build(f"--from={texts}", "--name=tutor", "--split=paragraph")
     env = {"NANOCHAT_DATASET": "tutor", "NANOCHAT_DTYPE": "float32"}
     assert run_script("-m", "scripts.tok_train", "--vocab_size=512", env=env).returncode == 0
-    args = with_defaults(SMALLER["scripts.base_train"], ["--eval_every=-1", "--sample_every=-1", "--core_metric_every=-1",
-                                                          "--save_every=3"])
+    args = with_defaults(SMALLER["scripts.base_train"],
+                         ["--eval_every=-1", "--sample_every=-1", "--core_metric_every=-1", "--save_every=3"])
     full = run_script("-m", "scripts.base_train", *args, "--model_tag=full", env=env)
     assert full.returncode == 0, full.stderr[-2000:]
     checkpoints = os.path.join(os.environ["NANOCHAT_BASE_DIR"], "base_checkpoints")
@@ -280,7 +291,8 @@ def test_pretraining_on_it_resumes_exactly(texts, monkeypatch):
 def test_tok_train_says_how_much_of_long_documents_it_did_not_see(texts):
     # one document per file (the default): each tutor is one document, longer than doc_cap
     build(f"--from={texts}", "--name=whole")
-    result = run_script("-m", "scripts.tok_train", "--vocab_size=512", "--doc_cap=5000", env={"NANOCHAT_DATASET": "whole"})
+    result = run_script("-m", "scripts.tok_train", "--vocab_size=512", "--doc_cap=5000",
+                        env={"NANOCHAT_DATASET": "whole"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"1 documents were longer than doc_cap=5,000: [\d,]+ chars \(\d+% of the text read\) not trained "
                      r"on; for a corpus of long files, build it with --split=paragraph", result.stdout), result.stdout

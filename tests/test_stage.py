@@ -1,7 +1,9 @@
 """
-What nanochat/stage.py does, in-process and fast: a resume's loop state, one set of metric names, when a stop made
-the stage end early, a non-finite loss or weights, a resumed run's settings. The end-to-end resumes of each stage
-run the scripts (test_base_train, test_training_core, test_chat_finetune).
+What nanochat/stage.py does, in-process and fast.
+
+A resume's loop state, one set of metric names, when a stop made the stage end early, a non-finite loss or
+weights, a resumed run's settings. The end-to-end resumes of each stage run the scripts (test_base_train,
+test_training_core, test_chat_finetune).
 """
 
 import json
@@ -48,7 +50,8 @@ def test_a_resume_gets_the_loop_state_back_and_the_end_knows_whether_a_stop_cut_
     optimizers = model.setup_optimizers()
     loop = stage.resume(optimizers, None, {"corpus": "x"}, smooth_train_loss=0.0, rewards=[])
     assert vars(loop) == {"smooth_train_loss": 0.0, "rewards": []}  # a fresh run: the values given
-    loop.smooth_train_loss, loop.rewards = 1.5, [0.25]
+    loop.smooth_train_loss = 1.5
+    loop.rewards = [0.25]
     stage.log(0, val_bpb=2.0)
     stage.log(1, loss=1.5, step_loss=1.25)
     stage.save(1, optimizers, loop)
@@ -63,7 +66,8 @@ def test_a_resume_gets_the_loop_state_back_and_the_end_knows_whether_a_stop_cut_
         resumed.resume(model.setup_optimizers(), None, {"corpus": "y"}, smooth_train_loss=0.0)
     loop = resumed.resume(model.setup_optimizers(), None, {"corpus": "x"}, smooth_train_loss=0.0, rewards=[],
                           min_val_bpb=float("inf"))
-    assert vars(loop) == {"smooth_train_loss": 1.5, "rewards": [0.25], "min_val_bpb": float("inf")}  # not saved: as given
+    # min_val_bpb was not saved: as given
+    assert vars(loop) == {"smooth_train_loss": 1.5, "rewards": [0.25], "min_val_bpb": float("inf")}
     rows = [json.loads(line) for line in open(resumed.metrics_path)]
     assert rows == [{"step": 0, "val_bpb": 2.0}, {"step": 1, "loss": 1.5, "step_loss": 1.25}]  # one set of names
     resumed.stop.requested = True
@@ -92,7 +96,8 @@ def test_a_diverged_run_is_stopped_and_never_saved(isolated_env, tok, signal_han
     optimizers = model.setup_optimizers()
     loop = stage.resume(optimizers, None, {"corpus": "x"}, smooth_train_loss=0.0)
     stage.save(1, optimizers, loop)
-    with pytest.raises(UserError, match=r"step 2: step loss nan is not finite.*the last checkpoint is step 1.*--matrix_lr"):
+    with pytest.raises(UserError,
+                       match=r"step 2: step loss nan is not finite.*the last checkpoint is step 1.*--matrix_lr"):
         stage.log(2, step_loss=float("nan"), grad_norm=1.0)
     with pytest.raises(UserError, match=r"step 2: grad norm inf is not finite"):
         stage.log(2, step_loss=1.0, grad_norm=float("inf"))

@@ -1,9 +1,11 @@
 """
-Tests of tasks/common.py (Task slicing, TaskMixture, render_mc) and of the offline tasks
-(SpellingBee, SimpleSpelling, Arithmetic, PydocsChat, PydocsMC, Identity, offline_mixture): deterministic,
-train and test disjoint, every example renders through the real tokenizer with the mask on exactly the
-assistant's text and tool calls (tool outputs masked), evaluate() accepts the reference and rejects a wrong
-answer, calculator outputs are what Python computes, and the identity JSONL round-trips through CustomJSON.
+Tests of the offline chat tasks, their mixtures, and what every task shares (tasks/common.py).
+
+Task slicing, TaskMixture, render_mc; the offline tasks (SpellingBee, SimpleSpelling, Arithmetic, PydocsChat,
+PydocsMC, Identity) and the offline mixtures of tasks/registry.py: deterministic, train and test disjoint, every
+example renders through the real tokenizer with the mask on exactly the assistant's text and tool calls (tool outputs
+masked), evaluate() accepts the reference and rejects a wrong answer, calculator outputs are what Python computes,
+and the identity JSONL round-trips through CustomJSON.
 """
 
 import json
@@ -20,10 +22,9 @@ from tasks.arithmetic import Arithmetic, assistant_text, extract_answer
 from tasks.common import Task, TaskMixture, render_mc
 from tasks.customjson import CustomJSON
 from tasks.identity import Identity, identity_conversations, write_identity_jsonl
-from tasks.offline import offline_mixture, offline_rl_mixture, offline_tasks
 from tasks.pydocs_chat import PydocsChat, PydocsMC, entries, masked_documentation, summary, trim_doc
+from tasks.registry import build_tasks, stage_mixture, stage_tasks
 from tasks.spellingbee import SimpleSpelling, SpellingBee, _code_use, spell, words
-
 
 
 # -----------------------------------------------------------------------------
@@ -33,7 +34,8 @@ class Numbers(Task):
     """A toy task: example i is a one-exchange conversation about the number i."""
 
     def __init__(self, n, tag="n", **kwargs):
-        self.n, self.tag = n, tag
+        self.n = n
+        self.tag = tag
         super().__init__(**kwargs)
 
     def num_examples(self):
@@ -67,7 +69,8 @@ def test_task_slicing():
 
 
 def test_task_mixture():
-    a, b = Numbers(30, tag="a"), Numbers(10, tag="b")
+    a = Numbers(30, tag="a")
+    b = Numbers(10, tag="b")
     order = ids_of(TaskMixture([a, b], seed=7))
     assert order == ids_of(TaskMixture([a, b], seed=7))  # deterministic
     assert order != ids_of(TaskMixture([a, b], seed=8))  # the seed matters
@@ -82,7 +85,8 @@ def test_task_mixture():
         with pytest.raises(IndexError):
             mixture[bad]
     # task_of: which task scores example i (chat_rl rewards a mixture's answers with it); a Task scores its own
-    assert all(mixture.task_of(i) is (a if mixture[i]["messages"][0]["content"].startswith("a") else b) for i in range(40))
+    for i in range(40):
+        assert mixture.task_of(i) is (a if mixture[i]["messages"][0]["content"].startswith("a") else b)
     assert a.task_of(3) is a
 
 
@@ -110,9 +114,12 @@ def dump(example):
 
 
 def expected_render(conversation):
-    """(trained text, untrained text) that decoding the masked / unmasked tokens must give, built from the
-    conversation by the chat format's rules, independently of the tokenizer's code."""
-    trained, untrained = "", "<|bos|>"
+    """
+    (trained text, untrained text) that decoding the masked / unmasked tokens must give, built from the
+    conversation by the chat format's rules, independently of the tokenizer's code.
+    """
+    trained = ""
+    untrained = "<|bos|>"
     for message in conversation["messages"]:
         if message["role"] == "user":
             untrained += f"<|user_start|>{message['content']}<|user_end|>"
@@ -148,7 +155,8 @@ def wrong_response(name, conversation):
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_offline_task(name, trained_tokenizer):
     make = SMALL[name]
-    train, test = make("train"), make("test")
+    train = make("train")
+    test = make("test")
     assert len(train) > 20 and len(test) > 20
     assert train.eval_type == ("categorical" if name == "PydocsMC" else "generative")
     # deterministic: a second instance gives the same examples; a different seed other ones (seeded tasks)
@@ -174,7 +182,9 @@ def test_tool_output_is_masked_on_a_concrete_example(trained_tokenizer):
     tokenizer = get_tokenizer()
     example = next(x for x in SpellingBee("train", size=200) if x["answer"] >= 2)
     ids, mask = tokenizer.render_conversation(example)
-    word, letter, count = example["word"], example["letter"], example["answer"]
+    word = example["word"]
+    letter = example["letter"]
+    count = example["answer"]
     masked_out = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
     masked_in = tokenizer.decode([i for i, m in zip(ids, mask) if m])
     assert f"<|output_start|>{count}<|output_end|>" in masked_out
@@ -185,7 +195,8 @@ def test_tool_output_is_masked_on_a_concrete_example(trained_tokenizer):
 
 
 def test_spelling_words_and_answers():
-    train_words, test_words = words("train"), words("test")
+    train_words = words("train")
+    test_words = words("test")
     assert len(train_words) > 1000 and len(test_words) > 100
     assert not set(train_words) & set(test_words)
     for w in train_words + test_words:
@@ -209,7 +220,8 @@ def test_spelling_words_and_answers():
 
 
 def test_arithmetic_calculations_and_split():
-    train, test = Arithmetic("train", size=1500), Arithmetic("test", size=300)
+    train = Arithmetic("train", size=1500)
+    test = Arithmetic("test", size=300)
 
     def calculations(x):
         return tuple(p["text"] for p in x["messages"][1]["content"] if p["type"] == "python")
@@ -257,7 +269,8 @@ def test_pydocs_split_and_mc():
     assert set(answers) == {"A", "B", "C", "D"}
     record = {"name": "json.dumps", "kind": "function", "module": "json", "signature": "(obj, *, indent=None)",
               "docstring": "Serialize obj. json.dumps is like dumps with a string.\n\nMore details here."}
-    assert masked_documentation(record) == "____(obj, *, indent=None)\n\nSerialize obj. ____ is like ____ with a string.\n\nMore details here."
+    assert masked_documentation(record) == ("____(obj, *, indent=None)\n\nSerialize obj. ____ is like ____ with a "
+                                            "string.\n\nMore details here.")
     long_paragraph = "First sentence here. " + "word " * 200
     assert trim_doc(long_paragraph, 50) == "First sentence here."
     assert trim_doc("word " * 30, 22) == "word word word word ..."
@@ -281,59 +294,79 @@ def test_identity_jsonl_roundtrip(tmp_path):
     assert os.listdir(path.parent) == ["identity.jsonl"]  # the temporary file was renamed away
     task = CustomJSON(str(path))
     assert [task[i]["messages"] for i in range(len(task))] == conversations
-    train, test = Identity("train", size=300), Identity("test", size=40)
+    train = Identity("train", size=300)
+    test = Identity("test", size=40)
     assert not {dump(x["messages"]) for x in train} & {dump(x["messages"]) for x in test}
     assert {x["intent"] for x in train} >= {"who", "maker", "internet", "limits", "chatgpt", "greeting"}
 
 
-def test_offline_mixture():
-    train, test = offline_mixture("train"), offline_mixture("test")
-    assert 2000 <= len(train) <= 8000 and 1000 <= len(test) <= 1500
-    assert len(offline_tasks("test")[4]) == len(PydocsMC("test"))  # every multiple-choice test question
-    assert len(train) == sum(len(t) for t in offline_tasks("train"))
-    assert [dump(test[i]) for i in range(0, len(test), 37)] == [dump(offline_mixture("test")[i]) for i in range(0, len(test), 37)]
-    kinds = {type(t).__name__ for t in offline_tasks("test")}
-    assert kinds == {"SpellingBee", "SimpleSpelling", "Arithmetic", "PydocsChat", "PydocsMC", "Identity"}
-    with pytest.raises(UserError):
-        offline_mixture("val")
+def messages_key(conversation):
+    """A conversation's messages as one comparable string."""
+    return json.dumps(conversation["messages"], sort_keys=True)
+
+
+def test_offline_mixtures():
+    """
+    The offline mixtures of tasks/registry.py as the stages read them: midtraining's sizes, every multiple-choice
+    test question, six tasks, deterministic; a part no stage has is a UserError.
+    """
+    train = stage_mixture("mid", "offline", "train")
+    test = dict(build_tasks("offline/test"))
+    assert 2000 <= len(train) <= 8000 and 1000 <= sum(map(len, test.values())) <= 1500
+    assert len(test["PydocsMC"]) == len(PydocsMC("test"))  # every multiple-choice test question
+    assert len(train) == sum(len(t) for t in train.tasks)
+    again = stage_mixture("mid", "offline", "train")
+    assert [dump(train[i]) for i in range(0, len(train), 37)] == [dump(again[i]) for i in range(0, len(train), 37)]
+    assert set(test) == {"SpellingBee", "SimpleSpelling", "Arithmetic", "PydocsChat", "PydocsMC", "Identity"}
+    with pytest.raises(UserError, match="unknown mixture 'mid/offline/metrics'"):
+        stage_mixture("mid", "offline", "metrics")
 
 
 def test_offline_rl_mixture():
-    """RL's offline problems: the checkable tasks a small model solves at times; train problems that midtraining,
-    SFT and the test split do not hold (a few generated ones repeat); each scored by its own task, which accepts the
-    reference answer and rejects another."""
-    key = lambda conversation: json.dumps(conversation["messages"], sort_keys=True)
-    train, test = offline_rl_mixture("train"), offline_rl_mixture("test")
-    assert {type(t).__name__ for t in train.tasks} == {type(t).__name__ for t in test.tasks} == {"SpellingBee", "Arithmetic", "Identity"}
-    assert [(type(t).__name__, len(t)) for t in test.tasks] == [(type(t).__name__, len(t)) for t in offline_tasks("test")
-                                                                  if type(t).__name__ in ("SpellingBee", "Arithmetic", "Identity")]
-    earlier = {key(task[i]) for draw in (0, 1) for task in offline_tasks("train", draw) for i in range(len(task))}
-    tested = {key(task[i]) for task in offline_tasks("test") for i in range(len(task))}
-    drawn = [key(train[i]) for i in range(len(train))]
+    """
+    RL's offline problems: the checkable tasks a small model solves at times; train problems that midtraining, SFT
+    and the test split do not hold (a few generated ones repeat); each scored by its own task, which accepts the
+    reference answer and rejects another.
+    """
+    train = stage_mixture("rl", "offline", "train")
+    test = stage_mixture("rl", "offline", "val")
+    rl_tasks = {"SpellingBee", "Arithmetic", "Identity"}
+    assert {type(t).__name__ for t in train.tasks} == {type(t).__name__ for t in test.tasks} == rl_tasks
+    offline_test = [task for _, task in build_tasks("offline/test")]
+    assert ([(type(t).__name__, len(t)) for t in test.tasks]
+            == [(type(t).__name__, len(t)) for t in offline_test if type(t).__name__ in rl_tasks])
+    earlier = {messages_key(task[i]) for stage in ("mid", "sft") for _, task in stage_tasks(stage, "offline", "train")
+               for i in range(len(task))}
+    tested = {messages_key(task[i]) for task in offline_test for i in range(len(task))}
+    drawn = [messages_key(train[i]) for i in range(len(train))]
     assert sum(d in earlier for d in drawn) <= 0.1 * len(drawn) and not set(drawn) & tested
     for mixture in (train, test):
         for i in range(0, len(mixture), 17):
-            conversation, task = mixture[i], mixture.task_of(i)
+            conversation = mixture[i]
+            task = mixture.task_of(i)
             reference = assistant_text(conversation["messages"][-1])
             assert task.reward(conversation, reference) == 1.0, (type(task).__name__, reference)
             assert task.reward(conversation, "I do not know.") == 0.0
-    with pytest.raises(UserError):
-        offline_rl_mixture("val")
+    with pytest.raises(UserError, match="unknown mixture 'rl/offline/metrics'"):
+        stage_mixture("rl", "offline", "metrics")
 
 
-def test_sft_draw_reads_other_training_examples():
-    """draw=1 (chat_sft's offline mixture): the same tasks and sizes as midtraining's draw 0, mostly other examples
-    (the generators' template space is finite, so a few repeat), none of the test split's."""
-    key = lambda conversation: json.dumps(conversation["messages"], sort_keys=True)
-    mid, sft, test = offline_tasks("train"), offline_tasks("train", draw=1), offline_tasks("test")
+def test_sft_reads_other_training_examples():
+    """
+    chat_sft's offline mixture: the same tasks and sizes as midtraining's, mostly other examples (the generators'
+    template space is finite, so a few repeat), none of the test split's; both validate on the same test examples.
+    """
+    mid = [task for _, task in stage_tasks("mid", "offline", "train")]
+    sft = [task for _, task in stage_tasks("sft", "offline", "train")]
+    test = [task for _, task in build_tasks("offline/test")]
     assert [(type(t).__name__, len(t)) for t in sft] == [(type(t).__name__, len(t)) for t in mid]
     for a, b, t in zip(mid, sft, test):
-        seen, drawn, tested = ({key(task[i]) for i in range(len(task))} for task in (a, b, t))
+        seen, drawn, tested = ({messages_key(task[i]) for i in range(len(task))} for task in (a, b, t))
         assert len(seen & drawn) <= 0.1 * len(drawn), type(a).__name__
         assert not drawn & tested, type(a).__name__
-    assert [key(offline_mixture("test", draw=1)[i]) for i in range(5)] == [key(offline_mixture("test")[i]) for i in range(5)]
-    with pytest.raises(UserError, match="draw must be 0"):
-        offline_tasks("train", draw=2)
+    mid_val = stage_mixture("mid", "offline", "val")
+    sft_val = stage_mixture("sft", "offline", "val")
+    assert [dump(sft_val[i]) for i in range(len(sft_val))] == [dump(mid_val[i]) for i in range(len(mid_val))]
 
 
 def test_generation_is_the_same_in_another_process():
@@ -342,15 +375,6 @@ def test_generation_is_the_same_in_another_process():
             "print(json.dumps([Arithmetic('test', size=5)[4], Identity('train', size=5)[4]], sort_keys=True))")
     out = run_script("-c", code, timeout=60, env={"PYTHONHASHSEED": "123"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == json.dumps([Arithmetic("test", size=5)[4], Identity("train", size=5)[4]], sort_keys=True)
+    here = [Arithmetic("test", size=5)[4], Identity("train", size=5)[4]]
+    assert out.stdout.strip() == json.dumps(here, sort_keys=True)
 
-
-def test_print_examples(trained_tokenizer, capsys):
-    from tasks import arithmetic, identity
-    arithmetic.main(["--split", "test", "-n", "1"])
-    out = capsys.readouterr().out
-    assert "<|python_start|>" in out and "[[" in out  # rendered with the tokenizer, mask shown
-    os.remove(trained_tokenizer / "tokenizer.json")  # no tokenizer: the JSON is printed
-    identity.main(["-n", "1"])
-    out = capsys.readouterr().out
-    assert "no trained tokenizer" in out and '"role": "assistant"' in out

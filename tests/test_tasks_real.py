@@ -1,10 +1,12 @@
 """
-Tests of the real-data tasks (SmolTalk, MMLU, GSM8K, ARC, CustomJSON) without the internet: tiny parquet files
-in the published schemas (tests/fixtures/tasks/<repo>/<path>, written by make_fixtures.py there) are served
-by the local `file_server` at the hub's URL layout, with NANOCHAT_HF_URL pointing at it. Checked: each file is
-downloaded once, every example renders through the real tokenizer with the mask on assistant tokens only,
-GSM8K's calculator annotations become exactly the expected tool-call parts, evaluate() of MMLU/ARC/GSM8K,
-slicing, and the errors (bad names, corrupt or missing files, malformed CustomJSON lines).
+Tests of the real-data tasks (SmolTalk, MMLU, GSM8K, ARC, CustomJSON) without the internet.
+
+Tiny parquet files in the published schemas (tests/fixtures/tasks/<repo>/<path>, written by make_fixtures.py there)
+are served by the local `file_server` at the hub's URL layout, with NANOCHAT_HF_URL pointing at it. Checked: each
+file is downloaded once, every example renders through the real tokenizer with the mask on assistant tokens only,
+GSM8K's calculator annotations become exactly the expected tool-call parts, evaluate() of MMLU/ARC/GSM8K, slicing,
+the errors (bad names, corrupt or missing files, malformed CustomJSON lines), and `python -m tasks.registry show` of
+the real tasks.
 """
 
 import json
@@ -27,7 +29,8 @@ from tasks.gsm8k import GSM8K, extract_answer, parse_answer
 from tasks.mmlu import MMLU
 from tasks.smoltalk import SmolTalk
 
-FIXTURES, REPOS = TASK_FIXTURES, (smoltalk.REPO, mmlu.REPO, gsm8k.REPO, arc.REPO)
+FIXTURES = TASK_FIXTURES
+REPOS = (smoltalk.REPO, mmlu.REPO, gsm8k.REPO, arc.REPO)
 IDENTITY = os.path.join(FIXTURES, "identity_conversations.jsonl")
 
 
@@ -74,14 +77,18 @@ LOADERS = [
     ("smoltalk-train", lambda: SmolTalk(split="train"), REPOS[0], "data/train-00000-of-00001.parquet"),
     ("smoltalk-test", lambda: SmolTalk(split="test"), REPOS[0], "data/test-00000-of-00001.parquet"),
     ("mmlu-all-test", lambda: MMLU(subset="all", split="test"), REPOS[1], "all/test-00000-of-00001.parquet"),
-    ("mmlu-all-validation", lambda: MMLU(subset="all", split="validation"), REPOS[1], "all/validation-00000-of-00001.parquet"),
+    ("mmlu-all-validation", lambda: MMLU(subset="all", split="validation"), REPOS[1],
+     "all/validation-00000-of-00001.parquet"),
     ("mmlu-all-dev", lambda: MMLU(subset="all", split="dev"), REPOS[1], "all/dev-00000-of-00001.parquet"),
-    ("mmlu-aux-train", lambda: MMLU(subset="auxiliary_train", split="train"), REPOS[1], "auxiliary_train/train-00000-of-00001.parquet"),
+    ("mmlu-aux-train", lambda: MMLU(subset="auxiliary_train", split="train"), REPOS[1],
+     "auxiliary_train/train-00000-of-00001.parquet"),
     ("gsm8k-train", lambda: GSM8K(subset="main", split="train"), REPOS[2], "main/train-00000-of-00001.parquet"),
     ("gsm8k-test", lambda: GSM8K(subset="main", split="test"), REPOS[2], "main/test-00000-of-00001.parquet"),
-    ("arc-easy-train", lambda: ARC(subset="ARC-Easy", split="train"), REPOS[3], "ARC-Easy/train-00000-of-00001.parquet"),
+    ("arc-easy-train", lambda: ARC(subset="ARC-Easy", split="train"), REPOS[3],
+     "ARC-Easy/train-00000-of-00001.parquet"),
     ("arc-easy-test", lambda: ARC(subset="ARC-Easy", split="test"), REPOS[3], "ARC-Easy/test-00000-of-00001.parquet"),
-    ("arc-challenge-validation", lambda: ARC(subset="ARC-Challenge", split="validation"), REPOS[3], "ARC-Challenge/validation-00000-of-00001.parquet"),
+    ("arc-challenge-validation", lambda: ARC(subset="ARC-Challenge", split="validation"), REPOS[3],
+     "ARC-Challenge/validation-00000-of-00001.parquet"),
 ]
 
 
@@ -132,7 +139,8 @@ def test_gsm8k_parse_answer_tricky_cases():
     assert parse_answer("It is 5.\n#### 5") == [{"type": "text", "text": "It is 5.\n#### 5"}]
     assert parse_answer("a <<note>>b\n#### 1") == [{"type": "text", "text": "a b\n#### 1"}]
     # the result is what follows the LAST "=" (an expression holding "==" keeps it)
-    assert parse_answer("<<1==1=True>>") == [{"type": "python", "text": "1==1"}, {"type": "python_output", "text": "True"}]
+    assert parse_answer("<<1==1=True>>") == [{"type": "python", "text": "1==1"},
+                                             {"type": "python_output", "text": "True"}]
 
 
 def test_gsm8k_extract_answer():
@@ -147,7 +155,8 @@ def test_gsm8k_extract_answer():
 def test_gsm8k_example_parts_mask_and_evaluate(hub, trained_tokenizer):
     tok = Tokenizer.from_directory(str(trained_tokenizer))
     task = GSM8K(subset="main", split="train")
-    answer_text = pq.read_table(os.path.join(FIXTURES, "openai/gsm8k/main/train-00000-of-00001.parquet")).column("answer")[1].as_py()
+    published = pq.read_table(os.path.join(FIXTURES, "openai/gsm8k/main/train-00000-of-00001.parquet"))
+    answer_text = published.column("answer")[1].as_py()
     conversation = task[1]
     assert conversation["messages"][0]["role"] == "user"
     assert conversation["messages"][1]["content"] == parse_answer(answer_text)
@@ -157,7 +166,8 @@ def test_gsm8k_example_parts_mask_and_evaluate(hub, trained_tokenizer):
     ids, mask = check_rendering(tok, conversation)
     special = tok.get_special_tokens()
     # every tool call is trained, every tool output is not, and the outputs hold exactly the results
-    outputs, calls = [], []
+    outputs = []
+    calls = []
     for k, token in enumerate(ids):
         if token == special["<|output_start|>"]:
             end = ids.index(special["<|output_end|>"], k)
@@ -200,14 +210,16 @@ def test_mmlu_examples_and_evaluate(hub):
     assert [task[i]["messages"][1]["content"] for i in range(len(task))] == ["B", "C", "D"]
     # auxiliary_train's struct layout is flattened into the same examples
     aux = MMLU(subset="auxiliary_train", split="train")
-    assert aux[1]["messages"][0]["content"] == render_mc("The capital of France is", "ABCD", ["Paris", "Lyon", "Nice", "Lille"])
+    question = render_mc("The capital of France is", "ABCD", ["Paris", "Lyon", "Nice", "Lille"])
+    assert aux[1]["messages"][0]["content"] == question
     assert [aux[i]["messages"][1]["content"] for i in range(len(aux))] == ["B", "A", "C"]
 
 
 def test_mmlu_accepts_the_struct_layout_for_any_file(hub):
     # serve the struct-layout auxiliary_train file at all/dev: it must load like a flat file
     root = os.path.join(hub.root, "datasets", "cais/mmlu", "resolve", "main")
-    shutil.copy(os.path.join(root, "auxiliary_train/train-00000-of-00001.parquet"), os.path.join(root, "all/dev-00000-of-00001.parquet"))
+    shutil.copy(os.path.join(root, "auxiliary_train/train-00000-of-00001.parquet"),
+                os.path.join(root, "all/dev-00000-of-00001.parquet"))
     dev = MMLU(subset="all", split="dev")
     aux = MMLU(subset="auxiliary_train", split="train")
     assert [dev[i] for i in range(len(dev))] == [aux[i] for i in range(len(aux))]
@@ -234,9 +246,10 @@ def test_arc_labels_as_published(hub):
 
 def test_smoltalk_conversations_as_published(hub):
     task = SmolTalk(split="train")
-    published = pq.read_table(os.path.join(FIXTURES, REPOS[0], "data/train-00000-of-00001.parquet")).column("messages").to_pylist()
-    assert [task[i]["messages"] for i in range(len(task))] == [[{"role": m["role"], "content": m["content"]} for m in conv]
-                                                                for conv in published]
+    table = pq.read_table(os.path.join(FIXTURES, REPOS[0], "data/train-00000-of-00001.parquet"))
+    published = table.column("messages").to_pylist()
+    assert ([task[i]["messages"] for i in range(len(task))]
+            == [[{"role": m["role"], "content": m["content"]} for m in conv] for conv in published])
     assert task[0]["messages"][0]["role"] == "system"  # kept: the tokenizer merges it into the first user turn
     assert task.eval_type == "generative"
     with pytest.raises(NotImplementedError):
@@ -263,8 +276,10 @@ GOOD = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
     ('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}', "not valid JSON"),
     ('{"role": "user", "content": "hi"}', "non-empty JSON array"),
     ("[]", "non-empty JSON array"),
-    (json.dumps([{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]), "message 0 has role 'assistant', expected 'user'"),
-    (json.dumps([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]), "message 1 has role 'user', expected 'assistant'"),
+    (json.dumps([{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]),
+     "message 0 has role 'assistant', expected 'user'"),
+    (json.dumps([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]),
+     "message 1 has role 'user', expected 'assistant'"),
     (json.dumps(GOOD + [{"role": "user", "content": "bye"}]), "last message must be the assistant's"),
     (json.dumps(GOOD + [{"role": "system", "content": "late"}, GOOD[1]]), "message 2 has role 'system'"),
     (json.dumps([{"role": "user"}, GOOD[1]]), "message 0 must be an object with 'role' and 'content'"),
@@ -282,8 +297,10 @@ def test_customjson_bad_line_names_file_and_line(tmp_path, bad_line, expected):
 
 def test_customjson_accepts_system_and_parts_and_rejects_empty_or_missing(tmp_path):
     path = tmp_path / "ok.jsonl"
-    parts = [{"type": "text", "text": "It is "}, {"type": "python", "text": "2+2"}, {"type": "python_output", "text": "4"}]
-    path.write_text(json.dumps([{"role": "system", "content": "s"}, GOOD[0], {"role": "assistant", "content": parts}]) + "\n")
+    parts = [{"type": "text", "text": "It is "}, {"type": "python", "text": "2+2"},
+             {"type": "python_output", "text": "4"}]
+    conversation = [{"role": "system", "content": "s"}, GOOD[0], {"role": "assistant", "content": parts}]
+    path.write_text(json.dumps(conversation) + "\n")
     assert len(CustomJSON(str(path))) == 1
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(UserError, match="no conversations"):
@@ -310,7 +327,8 @@ def test_slicing(hub):
 
 def test_bad_names_fail_before_any_download(hub):
     for make, message in [
-        (lambda: MMLU(subset="physics", split="test"), "MMLU subset must be one of all, auxiliary_train, got 'physics'"),
+        (lambda: MMLU(subset="physics", split="test"),
+         "MMLU subset must be one of all, auxiliary_train, got 'physics'"),
         (lambda: MMLU(subset="auxiliary_train", split="test"), "has split(s) train, got 'test'"),
         (lambda: GSM8K(subset="main", split="validation"), "GSM8K split must be one of train, test"),
         (lambda: ARC(subset="ARC-Hard", split="test"), "ARC subset must be one of ARC-Easy, ARC-Challenge"),
@@ -332,42 +350,49 @@ def test_missing_corrupt_or_foreign_files_are_errors(hub):
     with pytest.raises(UserError, match="not a readable parquet file"):
         GSM8K(subset="main", split="train")
     # a parquet file of another dataset at the right path: the columns say so
-    shutil.copy(os.path.join(FIXTURES, REPOS[0], "data/test-00000-of-00001.parquet"), os.path.join(root, "main/test-00000-of-00001.parquet"))
+    shutil.copy(os.path.join(FIXTURES, REPOS[0], "data/test-00000-of-00001.parquet"),
+                os.path.join(root, "main/test-00000-of-00001.parquet"))
     with pytest.raises(UserError, match="lacks column"):
         GSM8K(subset="main", split="test")
 
 
 # -----------------------------------------------------------------------------
-# `python -m tasks.<name>` prints a few rendered examples
+# `python -m tasks.registry show NAME` prints a few rendered examples
 
 @pytest.fixture
 def restore_logging(monkeypatch):
     """main() calls setup_default_logging(), which configures the "nanochat" logger and sys.excepthook."""
     nano = logging.getLogger("nanochat")
-    saved = (list(nano.handlers), nano.propagate, nano.level)
+    handlers = list(nano.handlers)
+    propagate = nano.propagate
+    level = nano.level
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     yield
-    nano.handlers[:], nano.propagate = saved[0], saved[1]
-    nano.setLevel(saved[2])
+    nano.handlers[:] = handlers
+    nano.propagate = propagate
+    nano.setLevel(level)
 
 
-def test_main_prints_rendered_examples(hub, trained_tokenizer, restore_logging, capsys):
-    import importlib
-    for module, argv, marker in [
-        ("tasks.gsm8k", ["-n", "2"], "<|python_start|>"),
-        ("tasks.mmlu", ["--subset", "all", "--split", "test"], "[[B|<|assistant_end|>]]"),
-        ("tasks.arc", ["--subset", "ARC-Challenge"], "[[C|<|assistant_end|>]]"),
-        ("tasks.smoltalk", [], "<|user_start|>"),
-        ("tasks.customjson", [IDENTITY], "2 conversations, all valid"),
+def test_show_prints_rendered_examples(hub, trained_tokenizer, restore_logging, capsys):
+    from tasks.registry import main
+    for argv, marker in [
+        (["show", "GSM8K", "-n", "2"], "<|python_start|>"),
+        (["show", "MMLU"], "[[B|<|assistant_end|>]]"),
+        (["show", "ARC-Challenge", "--split=train"], "[[C|<|assistant_end|>]]"),
+        (["show", "SmolTalk"], "<|user_start|>"),
+        (["show", "sft/custom/train", f"--conversations={IDENTITY}"], "  Conversations train: 1 examples"),
     ]:
-        importlib.import_module(module).main(argv)
+        main(argv)
         out = capsys.readouterr().out
-        assert marker in out and "<|assistant_end|>" in out, module
-        assert "[[" in out, module  # the trained tokens are marked (no colours: not a terminal)
+        assert marker in out and "<|assistant_end|>" in out, argv
+        assert "[[" in out, argv  # the trained tokens are marked (no colours: not a terminal)
+    assert out.startswith("sft/custom/train - scripts/chat_sft.py --mixture=custom --conversations=FILE")
 
 
-def test_python_m_gsm8k_without_tokenizer_prints_json(hub):
+def test_show_without_tokenizer_prints_json(hub):
     # (hub sets NANOCHAT_HF_URL; the isolated base dir has no tokenizer)
-    result = run_script("-m", "tasks.gsm8k", "--split", "test", "-n", "1", timeout=60)
+    result = run_script("-m", "tasks.registry", "show", "GSM8K", "-n", "1", timeout=60)
     assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("GSM8K: downloads openai/gsm8k; in ChatCORE (guessing scores 0.0); on the report "
+                                    "card as GSM8K\n  mid/real/train: GSM8K train\n")
     assert "no trained tokenizer" in result.stdout and '"type": "python_output"' in result.stdout

@@ -1,7 +1,9 @@
 """
-Tokenizer tests: exact round trips, the 2-digit split, special tokens never coming from text, token_bytes,
-the chat rendering and its mask, save/load. Tiny vocabularies trained on the Python docs shipped with
-CPython (pydoc_data), so no dataset is needed.
+Tokenizer tests: round trips, the 2-digit split, special tokens, token_bytes, the chat rendering, save/load.
+
+Exact round trips, the 2-digit split, special tokens never coming from text, token_bytes, the chat rendering and its
+mask, save/load. Tiny vocabularies trained on the Python docs shipped with CPython (pydoc_data), so no dataset is
+needed.
 """
 
 import logging
@@ -74,7 +76,8 @@ def test_chinese_merges_learned_and_round_trip():
     tokenizer = Tokenizer.train_from_iterator(iter(text.split("\n\n")), 1024)
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
-    han = [t for t in (tokenizer.decode([i]) for i in set(ids)) if len(t) >= 2 and all("\u4e00" <= c <= "\u9fff" for c in t)]
+    han = [t for t in (tokenizer.decode([i]) for i in set(ids))
+           if len(t) >= 2 and all("\u4e00" <= c <= "\u9fff" for c in t)]
     assert len(han) >= 50, han  # words such as 光标, 命令, 插入
     assert len(text.encode()) / len(ids) > 2.0  # bytes per token: 1.0 would be no merge at all
 
@@ -111,8 +114,8 @@ def test_special_tokens_never_come_from_text(tok):
     assert tok.encode_special("<|output_end|>") == n_bpe + 8
     with pytest.raises(ValueError, match="not a special token"):
         tok.encode_special("<|endoftext|>")
-    assert tok.encode("hi", prepend="<|bos|>", append="<|assistant_end|>") == \
-        [n_bpe] + tok.encode("hi") + [specials["<|assistant_end|>"]]
+    assert (tok.encode("hi", prepend="<|bos|>", append="<|assistant_end|>")
+            == [n_bpe] + tok.encode("hi") + [specials["<|assistant_end|>"]])
     assert tok.encode("hi", prepend=tok.get_bos_token_id()) == [n_bpe] + tok.encode("hi")
     assert tok.id_to_token(n_bpe) == "<|bos|>"
 
@@ -208,14 +211,22 @@ def expected_rendering(tok):
         mask.extend([m] * len(x))
 
     add(s("<|bos|>"), 0)
-    add(s("<|user_start|>"), 0); add(tok.encode("You are terse.\n\nWhat is 12*34?"), 0); add(s("<|user_end|>"), 0)
+    add(s("<|user_start|>"), 0)
+    add(tok.encode("You are terse.\n\nWhat is 12*34?"), 0)
+    add(s("<|user_end|>"), 0)
     add(s("<|assistant_start|>"), 0)
     add(tok.encode("Let me compute."), 1)
-    add(s("<|python_start|>"), 1); add(tok.encode("print(12*34)"), 1); add(s("<|python_end|>"), 1)
-    add(s("<|output_start|>"), 0); add(tok.encode("408"), 0); add(s("<|output_end|>"), 0)
+    add(s("<|python_start|>"), 1)
+    add(tok.encode("print(12*34)"), 1)
+    add(s("<|python_end|>"), 1)
+    add(s("<|output_start|>"), 0)
+    add(tok.encode("408"), 0)
+    add(s("<|output_end|>"), 0)
     add(tok.encode("It is 408."), 1)
     add(s("<|assistant_end|>"), 1)
-    add(s("<|user_start|>"), 0); add(tok.encode("Thanks <|assistant_end|>"), 0); add(s("<|user_end|>"), 0)
+    add(s("<|user_start|>"), 0)
+    add(tok.encode("Thanks <|assistant_end|>"), 0)
+    add(s("<|user_end|>"), 0)
     add(s("<|assistant_start|>"), 0)
     add(tok.encode("You're welcome."), 1)
     add(s("<|assistant_end|>"), 1)

@@ -1,8 +1,9 @@
 """
-The training core the way a careless user meets it: two runs on one checkpoint directory, a fresh run into a
-used tag, a swapped tokenizer, changed data settings on resume, kills, NaNs, a full disk, resumes on another
-number of processes (N ranks equal one rank with accumulation), and bad values of every kind. Each test makes the failure happen for real and checks
-the one-line answer and that nothing was lost.
+The training core the way a careless user meets it: each failure made to happen for real, its one-line answer.
+
+Two runs on one checkpoint directory, a fresh run into a used tag, a swapped tokenizer, changed data settings on
+resume, kills, NaNs, a full disk, resumes on another number of processes (N ranks equal one rank with
+accumulation), and bad values of every kind. Each test checks the one-line answer and that nothing was lost.
 """
 
 import errno
@@ -17,14 +18,17 @@ import time
 import pytest
 import torch
 
-from helpers import REPO_ROOT, TINY, one_line_error, TINY_SIZES, base_train, metrics, refusal_in_process, run_script, speedrun_env, start_script, train_losses, wait_for_steps, weights, with_defaults
+from helpers import (REPO_ROOT, TINY, TINY_SIZES, base_train, metrics, one_line_error, refusal_in_process, run_script,
+                     speedrun_env, start_script, train_losses, wait_for_steps, weights, with_defaults)
 
 from nanochat.common import UserError
 
 
 def refused_in_process(module, args, *fragments):
-    """`python -m <module> <args>` refuses its arguments before any work with a one-line UserError containing every
-    fragment (checked inside this process: see conftest.refusal_in_process)."""
+    """
+    `python -m <module> <args>` refuses its arguments before any work with a one-line UserError containing every
+    fragment (checked inside this process: see conftest.refusal_in_process).
+    """
     message = str(refusal_in_process(module, *args))
     assert "\n" not in message, message
     for fragment in fragments:
@@ -38,8 +42,8 @@ def refused_in_process(module, args, *fragments):
 
 @pytest.mark.slow
 def test_second_run_on_the_same_tag_is_refused_and_the_first_keeps_its_checkpoints(trained_tokenizer, isolated_env):
-    first = start_script("-m", "scripts.base_train", *with_defaults(TINY, ["--num_iterations=100000", "--eval_every=-1", "--save_every=2"]),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = with_defaults(TINY, ["--num_iterations=100000", "--eval_every=-1", "--save_every=2"])
+    first = start_script("-m", "scripts.base_train", *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ckpt = isolated_env / "base_checkpoints" / "d1"
     wait_for_steps(ckpt / "metrics.jsonl", 3, first)
     second = base_train("--num_iterations=4", "--overwrite")  # not even --overwrite may touch a directory in use
@@ -60,9 +64,11 @@ def test_fresh_run_into_a_used_tag_is_refused_unless_overwrite(tiny_model):
     ckpt = isolated_env / "base_checkpoints" / "d1"
     assert sorted(int(p.name[5:11]) for p in ckpt.glob("meta_*.json")) == [5, 10]
     again = base_train(*TINY_SIZES, "--num_iterations=10")
-    one_line_error(again, "already holds checkpoints of an earlier run (steps 5, 10)", "--resume_from_step=10", "--overwrite")
+    one_line_error(again, "already holds checkpoints of an earlier run (steps 5, 10)", "--resume_from_step=10",
+                   "--overwrite")
     # resuming from step 5 would mix in the earlier run's step 10 later: refused too
-    one_line_error(base_train(*TINY_SIZES, "--num_iterations=12", "--resume_from_step=5"), "holds checkpoints after step 5 (steps 10)")
+    one_line_error(base_train(*TINY_SIZES, "--num_iterations=12", "--resume_from_step=5"),
+                   "holds checkpoints after step 5 (steps 10)")
     (ckpt / "model_000010.pt.tmp123").write_bytes(b"half a save")  # a save that was killed
     result = base_train("--num_iterations=3", "--overwrite")
     assert result.returncode == 0, result.stderr
@@ -86,12 +92,14 @@ def test_tokenizer_swap_and_data_setting_changes_are_refused(tiny_model):
     # a data setting that changes what every following step reads
     one_line_error(base_train(*TINY_SIZES, "--num_iterations=12", "--resume_from_step=10", "--data_seed=7"),
                    "was trained with data_seed=0, this run has data_seed=7", "--data_seed=0")
-    one_line_error(base_train(*with_defaults(TINY_SIZES, ["--device_batch_size=2"]), "--num_iterations=12", "--resume_from_step=10"),
+    one_line_error(base_train(*with_defaults(TINY_SIZES, ["--device_batch_size=2"]), "--num_iterations=12",
+                              "--resume_from_step=10"),
                    "was trained with device_batch_size=4")
     # another tokenizer of the same vocabulary size: other merges, other ids
     from nanochat import dataset
     from nanochat.tokenizer import Tokenizer
-    other_texts = [doc[::-1] for docs in dataset.parquets_iter_batched("val") for doc in docs]  # other text, other merges
+    # other text, other merges
+    other_texts = [doc[::-1] for docs in dataset.parquets_iter_batched("val") for doc in docs]
     other = Tokenizer.train_from_iterator(iter(other_texts), 512)
     shutil.rmtree(trained_tokenizer)
     other.save(str(trained_tokenizer))
@@ -156,7 +164,8 @@ def test_non_finite_loss_stops_without_saving_anything_newer(trained_tokenizer, 
 def test_report_figures_have_sensible_precision_and_never_show_inf():
     from nanochat.common import format_value
     assert format_value(87.6195) == "87.6" and format_value(1.741234) == "1.7412" and format_value(12345.6) == "12,346"
-    assert format_value(float("inf")) == "n/a" and format_value(float("-inf")) == "n/a" and format_value(float("nan")) == "n/a"
+    assert format_value(float("inf")) == "n/a" and format_value(float("-inf")) == "n/a"
+    assert format_value(float("nan")) == "n/a"
     assert format_value(None) == "n/a" and format_value(3) == 3 and format_value("d4") == "d4"  # None: no grad norm
 
 
@@ -188,14 +197,16 @@ def assert_same_training(a, b):
 
 
 @pytest.mark.slow
-def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(trained_tokenizer, isolated_env, monkeypatch):
+def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(trained_tokenizer, isolated_env,
+                                                                                 monkeypatch):
     # fp32: 6 micro-steps on one rank, 3 on each of 2 or 2 on each of 3 add the same gradients up in other orders,
     # equal to fp32 rounding; bf16 would grow those last bits (the bit-exact split in bf16: test_base_train)
     monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
     # Without Muon's cautious weight decay: it decays an entry only where update and weight agree in sign, a step
     # function, so a rounding-level difference of an update near 0 flips it for that entry (lr x decay x weight,
     # ~1e-3, not 1e-7). With it, equal placements are still exact (test_base_train, recipe2026 and defaults).
-    args = ["--total_batch_size=384", "--num_iterations=6", "--save_every=3", "--matrix_weight_decay=0"]  # 6 data slots: 1, 2 or 3 ranks
+    # 6 data slots: 1, 2 or 3 ranks
+    args = ["--total_batch_size=384", "--num_iterations=6", "--save_every=3", "--matrix_weight_decay=0"]
     full = base_train(*args, "--model_tag=full")
     assert full.returncode == 0, full.stderr
     assert "gradient accumulation steps: 6" in full.stdout
@@ -226,8 +237,8 @@ def test_resume_on_another_number_of_processes_reproduces_the_uninterrupted_run(
 
     # 1 rank for 3 steps (the full run's step-3 checkpoint), then 3 ranks
     shutil.copytree(ckpts / "full", ckpts / "one_then_three", ignore=shutil.ignore_patterns("*000006*", ".lock"))
-    three = run_script("-m", "scripts.base_train", *with_defaults(TINY, args + ["--model_tag=one_then_three", "--resume_from_step=3"]),
-                       nproc=3)
+    three = run_script("-m", "scripts.base_train",
+                       *with_defaults(TINY, args + ["--model_tag=one_then_three", "--resume_from_step=3"]), nproc=3)
     assert three.returncode == 0, three.stderr
     assert "Resuming a run of 1 process(es) on 3" in three.stdout
     assert train_losses(isolated_env, "one_then_three") == pytest.approx(full_losses, rel=1e-5)
@@ -264,7 +275,8 @@ def test_bad_mid_train_values_are_refused_with_one_line(trained_tokenizer, isola
                            (["--num_iterations=0"], "--num_iterations must be > 0, or -1")):
         refused_in_process("scripts.mid_train", args, fragment)
     # and as the user sees it: one line on stderr, exit status 1
-    one_line_error(run_script("-m", "scripts.mid_train", "--mixture=fineweb", timeout=120), "--mixture must be one of real, offline")
+    one_line_error(run_script("-m", "scripts.mid_train", "--mixture=fineweb", timeout=120),
+                   "--mixture must be one of real, offline")
     assert not (isolated_env / "mid_checkpoints").exists()
 
 
@@ -315,7 +327,8 @@ def test_unreachable_host_fails_fast_with_the_command_to_retry(isolated_env):
     from nanochat.common import download_file_with_lock
     t0 = time.time()
     with pytest.raises(UserError) as e:
-        download_file_with_lock("http://127.0.0.1:9/shard.parquet", "x/shard.parquet", retry_command="python -m nanochat.dataset -n 8")
+        download_file_with_lock("http://127.0.0.1:9/shard.parquet", "x/shard.parquet",
+                                retry_command="python -m nanochat.dataset -n 8")
     assert time.time() - t0 < 5
     assert "cannot reach 127.0.0.1:9" in str(e.value) and "`python -m nanochat.dataset -n 8`" in str(e.value)
 

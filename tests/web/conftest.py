@@ -1,8 +1,9 @@
 """
-The web tests' fixtures: the session's web server (nanochat/serving.py's app on a tiny trained model, in this
-process). The fixtures of every test (a fresh base dir, the tiny models) are tests/conftest.py's, what the tests
-share that is not a fixture tests/helpers.py's. This directory is a package (its __init__.py), so that its
-conftest does not take the name `conftest` of the one above.
+The web tests' fixtures: the session's web server (nanochat/serving.py's app on a tiny trained model).
+
+The server runs in this process. The fixtures of every test (a fresh base dir, the tiny models) are
+tests/conftest.py's, what the tests share that is not a fixture tests/helpers.py's. This directory is a package
+(its __init__.py), so that its conftest does not take the name `conftest` of the one above.
 """
 
 import threading
@@ -15,8 +16,10 @@ from web.served import HELLO, engine_reply, free_port
 
 @pytest.fixture(scope="session")
 def chat_web_base(tiny_models):
-    """The session's tiny base model of context 512 tokens (so that a reply can be long enough to be cut short by a
-    client that leaves): its base dir, read-only."""
+    """
+    The session's tiny base model of context 512 tokens (so that a reply can be long enough to be cut short by a
+    client that leaves): its base dir, read-only.
+    """
     return tiny_models("base512")
 
 
@@ -30,8 +33,11 @@ class ChatWebServer:
 
     def __init__(self, url, app, pool):
         import httpx
-        self.url, self.app, self.pool = url, app, pool
-        self.engine, self.tokenizer = pool.workers[0].engine, pool.tokenizer
+        self.url = url
+        self.app = app
+        self.pool = pool
+        self.engine = pool.workers[0].engine
+        self.tokenizer = pool.tokenizer
         self.http = httpx.Client(timeout=60, verify=False)
 
     def stats(self):
@@ -40,9 +46,11 @@ class ChatWebServer:
 
 @pytest.fixture(scope="session")
 def chat_web_server(chat_web_base):
-    """The app of nanochat.serving with one CPU worker and chat_web's default settings, served by uvicorn in a thread
+    """
+    The app of nanochat.serving with one CPU worker and chat_web's default settings, served by uvicorn in a thread
     on a free port: started once per session, for every test module that talks to the web server (one model build,
-    one server)."""
+    one server).
+    """
     import uvicorn
 
     from nanochat.checkpoint_manager import load_model
@@ -54,7 +62,8 @@ def chat_web_server(chat_web_base):
         model, tokenizer, _ = load_model("base", "cpu", phase="eval")
     pool = WorkerPool([Worker(0, Engine(model, tokenizer))])
     app = create_app(pool, Settings(temperature=0.8, top_k=50, max_tokens=512, max_tokens_limit=4096, max_messages=500,
-                                    max_message_chars=8000, max_conversation_chars=32000, model_name="nanochat", api_key=""))
+                                    max_message_chars=8000, max_conversation_chars=32000, model_name="nanochat",
+                                    api_key=""))
     mount(app)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -73,8 +82,10 @@ def chat_web_server(chat_web_base):
 
 @pytest.fixture(scope="session")
 def long_seed(chat_web_server):
-    """A seed whose reply to HELLO (temperature 2, whole vocabulary) runs at least 300 of its 500 tokens, and that
-    length: most replies of this tiny model end much sooner, and a client that leaves must have something to cut."""
+    """
+    A seed whose reply to HELLO (temperature 2, whole vocabulary) runs at least 300 of its 500 tokens, and that
+    length: most replies of this tiny model end much sooner, and a client that leaves must have something to cut.
+    """
     for seed in range(200):
         _, n = engine_reply(chat_web_server, HELLO, 500, 2.0, 0, seed)
         if n >= 300:

@@ -1,6 +1,8 @@
 """
-What the web server's tests share (tests/web): a free port, waiting for a started chat_web, the engine's own reply to
-compare a served one with, texts after which a model ends its document. Not a test module: they import from here.
+What the web server's tests share (tests/web); not a test module: they import from here.
+
+A free port, waiting for a started chat_web, the engine's own reply to compare a served one with, texts after which
+a model ends its document.
 """
 
 import os
@@ -21,8 +23,10 @@ def free_port():
 
 
 def wait_serving(process, url, timeout=60):
-    """Wait until the chat_web started as `process` (start_script, its output piped) answers {url}/health; fail if it
-    ends first or takes longer than `timeout` seconds."""
+    """
+    Wait until the chat_web started as `process` (start_script, its output piped) answers {url}/health; fail if it
+    ends first or takes longer than `timeout` seconds.
+    """
     import httpx
     deadline = time.time() + timeout
     while True:
@@ -61,12 +65,15 @@ def document_ends(model, tokenizer, pydocs_dir, count, max_tokens=120):
 
 
 def engine_reply(served, messages, max_tokens, temperature, top_k, seed):
-    """What the engine itself generates for this request, computed as the worker computes it (in its compute dtype,
-    in this process: the same threads): (text, number of tokens)."""
+    """
+    What the engine itself generates for this request, computed as the worker computes it (in its compute dtype,
+    in this process: the same threads): (text, number of tokens).
+    """
     prompt = served.tokenizer.render_for_completion({"messages": messages})
     budget = min(max_tokens, served.engine.context_len - len(prompt))
     with served.pool.workers[0].autocast():
-        results, _ = served.engine.generate_batch(prompt, max_tokens=budget, temperature=temperature, top_k=top_k, seed=seed)
+        results, _ = served.engine.generate_batch(prompt, max_tokens=budget, temperature=temperature, top_k=top_k,
+                                                  seed=seed)
     return served.tokenizer.decode(results[0][len(prompt):]), len(results[0]) - len(prompt)
 
 

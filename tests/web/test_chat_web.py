@@ -1,9 +1,10 @@
 """
-Tests of the chat web server (scripts/chat_web.py, nanochat/serving.py) and its page (nanochat/ui.html), against
-a real uvicorn server on 127.0.0.1 serving a tiny trained checkpoint: validation (400 naming the field), streaming
-(the text is exactly what the engine generates for the same seed, then the done event), 16 concurrent requests on
-one worker, a client that leaves frees its worker and stops its generation, a failing generation leaves the server
-serving, the command line, and the page in a real browser (headless Chromium driven by Playwright).
+Tests of the chat web server (scripts/chat_web.py, nanochat/serving.py) and its page (nanochat/ui.html).
+
+Against a real uvicorn server on 127.0.0.1 serving a tiny trained checkpoint: validation (400 naming the field),
+streaming (the text is exactly what the engine generates for the same seed, then the done event), 16 concurrent
+requests on one worker, a client that leaves frees its worker and stops its generation, a failing generation leaves
+the server serving, the command line, and the page in a real browser (headless Chromium driven by Playwright).
 """
 
 import json
@@ -70,7 +71,8 @@ BAD_REQUESTS = {
     "message too long": ({"messages": [{"role": "user", "content": "x" * 8001}]}, "messages[0].content:"),
     "conversation too long": ({"messages": alternating(5, "y" * 7000)}, "messages:"),
     "too many messages": ({"messages": alternating(501)}, "messages:"),
-    "too many tokens for the context": ({"messages": alternating(41, "one two three four five six seven eight nine ten " * 3)}, "messages:"),
+    "too many tokens for the context": (
+        {"messages": alternating(41, "one two three four five six seven eight nine ten " * 3)}, "messages:"),
     "temperature too high": ({"messages": HELLO, "temperature": 2.5}, "temperature:"),
     "temperature negative": ({"messages": HELLO, "temperature": -0.1}, "temperature:"),
     "temperature not a number": ({"messages": HELLO, "temperature": "hot"}, "temperature:"),
@@ -96,20 +98,24 @@ def test_a_bad_request_gets_400_naming_the_field(server, name):
     assert server.stats()["requests_served"] == served_before  # refused before any generation
 
 
-@pytest.mark.parametrize("raw", [b'{"messages": [', b"", b"not json", b'{"messages": [{"role": "user", "content": "hi"}],}'])
+@pytest.mark.parametrize("raw", [b'{"messages": [', b"", b"not json",
+                                 b'{"messages": [{"role": "user", "content": "hi"}],}'])
 def test_malformed_json_gets_400(server, raw):
-    response = server.http.post(server.url + "/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=10)
+    response = server.http.post(server.url + "/chat/completions", content=raw,
+                                headers={"Content-Type": "application/json"}, timeout=10)
     assert response.status_code == 400, response.text
     assert response.json()["detail"].startswith("body:")
 
 
 def test_the_reply_streams_what_the_engine_generates_then_done(server):
-    conversation = [HELLO[0], {"role": "assistant", "content": "A short way to build a list."}, {"role": "user", "content": "Show me one ✨"}]
+    conversation = [HELLO[0], {"role": "assistant", "content": "A short way to build a list."},
+                    {"role": "user", "content": "Show me one ✨"}]
     for messages in (HELLO, conversation):
         # a seed whose reply has a few tokens (the tiny model often ends its turn at once)
         seed = next(s for s in range(200) if engine_reply(server, messages, 40, 1.0, 50, s)[1] >= 5)
         expected, n_tokens = engine_reply(server, messages, max_tokens=40, temperature=1.0, top_k=50, seed=seed)
-        status, events = post_chat(server.url, {"messages": messages, "temperature": 1.0, "top_k": 50, "max_tokens": 40, "seed": seed})
+        status, events = post_chat(server.url, {"messages": messages, "temperature": 1.0, "top_k": 50, "max_tokens": 40,
+                                                "seed": seed})
         assert status == 200
         assert reply_text(events) == expected  # exactly the engine's tokens, streamed in order, end token left out
         assert 1 <= len(events) - 1 <= n_tokens  # streamed piece by piece (pieces may hold several tokens, never more)
@@ -145,7 +151,8 @@ def test_sixteen_concurrent_requests_on_one_worker_all_complete(server):
     def watch():  # /stats stays responsive while the worker generates, and shows the queue
         while not done.is_set():
             stats = server.stats()
-            peak["queue"], peak["busy"] = max(peak["queue"], stats["queue"]), max(peak["busy"], stats["busy"])
+            peak["queue"] = max(peak["queue"], stats["queue"])
+            peak["busy"] = max(peak["busy"], stats["busy"])
             time.sleep(0.005)
 
     def client(i):
@@ -191,7 +198,8 @@ def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, 
 
 def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatch):
     # the worker is held by a first request, paced: after its first token it waits for `gate`
-    real_generate, gate = server.engine.generate, threading.Event()
+    real_generate = server.engine.generate
+    gate = threading.Event()
 
     def paced_generate(*args, **kwargs):
         steps = real_generate(*args, **kwargs)
@@ -204,7 +212,8 @@ def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatc
         return run()
 
     before = wait_idle(server)
-    seed = next(s for s in range(200) if engine_reply(server, HELLO, 8, 1.0, 0, s)[1] >= 3)  # a reply that needs the gate
+    # a reply that needs the gate
+    seed = next(s for s in range(200) if engine_reply(server, HELLO, 8, 1.0, 0, s)[1] >= 3)
     body = {"messages": HELLO, "temperature": 1.0, "top_k": 0, "max_tokens": 8, "seed": seed}
     monkeypatch.setattr(server.engine, "generate", paced_generate)
     with httpx.Client(timeout=30, verify=False) as first, httpx.Client(timeout=30, verify=False) as second:
@@ -247,7 +256,8 @@ def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server
     before = wait_idle(server)
     seed, _ = long_seed
     monkeypatch.setattr(engine, "generate", failing_generate)
-    status, events = post_chat(server.url, {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 50, "seed": seed})
+    status, events = post_chat(server.url, {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 50,
+                                            "seed": seed})
     assert status == 200
     assert events[-1] == {"done": True}
     assert "injected failure" in events[-2]["error"], events[-2:]
@@ -267,19 +277,21 @@ def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server
 def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_web_base):
     env = {"NANOCHAT_BASE_DIR": chat_web_base}
     port = free_port()
-    process = start_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0", f"--port={port}",
-                           "--api_key=s3cret", "--model_name=tiny", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = start_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0",
+                           f"--port={port}", "--api_key=s3cret", "--model_name=tiny", env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_serving(process, f"http://127.0.0.1:{port}")
         status, events = post_chat(f"http://127.0.0.1:{port}", {"messages": HELLO, "max_tokens": 5})
         assert status == 200 and events[-1] == {"done": True}
         # --api_key and --model_name reach the OpenAI-compatible API
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer s3cret"}, timeout=10, verify=False)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer s3cret"},
+                           timeout=10, verify=False)
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10, verify=False).status_code == 401
         # the same port again: refused at once, in one line
-        again = run_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0", f"--port={port}",
-                           env=env, timeout=60)
+        again = run_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", "--host=0.0.0.0",
+                           f"--port={port}", env=env, timeout=60)
         assert again.returncode == 1
         assert again.stderr.strip().startswith("error: cannot listen on 0.0.0.0:") and "--port" in again.stderr
     finally:
@@ -297,7 +309,8 @@ def test_a_missing_checkpoint_is_one_line_naming_the_stage(tmp_path):
                         env={"NANOCHAT_BASE_DIR": tmp_path / "empty"}, timeout=60)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "python -m scripts.chat_sft" in lines[0], result.stderr
+    assert (len(lines) == 1 and lines[0].startswith("error: ")
+            and "python -m scripts.chat_sft" in lines[0]), result.stderr
 
 
 # -----------------------------------------------------------------------------
@@ -308,7 +321,8 @@ def events_of(response_body):
 
 
 def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright pip package: pip install playwright")
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="needs the playwright pip package: pip install playwright")
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"needs Chromium at {CHROMIUM}: apt-get install chromium (the Debian package; Playwright's own "
                     f"browser download is not used) and pip install playwright")
@@ -341,7 +355,8 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             # 5th token it waits for `gate`, so the page can be looked at mid-reply. (The seed makes the reply long.)
             hello = [{"role": "user", "content": "Hello there"}]
             seed = next(s for s in range(200) if engine_reply(server, hello, 300, 0.8, 50, s)[1] >= 10)
-            real_generate, gate = server.engine.generate, threading.Event()
+            real_generate = server.engine.generate
+            gate = threading.Event()
 
             def paced_generate(*args, **kwargs):
                 steps = real_generate(*args, **dict(kwargs, seed=seed))
@@ -356,7 +371,8 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             with page.expect_response(lambda r: r.url.endswith("/chat/completions")) as response:
                 page.fill("#input", "Hello there")
                 page.press("#input", "Enter")
-            page.wait_for_function("document.querySelector('.message.assistant.streaming .bubble')?.textContent.length > 0")
+            page.wait_for_function("document.querySelector('.message.assistant.streaming .bubble')"
+                                   "?.textContent.length > 0")
             partial = replies()[0]
             assert page.text_content("#send") == "Stop"  # still generating, and the first pieces are on the page
             gate.set()
@@ -370,7 +386,8 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
 
             # 2. the conversation is kept: the second request carries the first exchange
             events = ask("Tell me more")
-            assert sent[-1]["messages"] == [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first_reply},
+            assert sent[-1]["messages"] == [{"role": "user", "content": "Hello there"},
+                                            {"role": "assistant", "content": first_reply},
                                             {"role": "user", "content": "Tell me more"}]
             assert replies() == [first_reply, reply_text(events)]
 

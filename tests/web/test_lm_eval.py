@@ -1,10 +1,12 @@
 """
-EleutherAI's lm-evaluation-harness (the real one: `python -m lm_eval`, a dev dependency) scores the session's tiny
-base model as nanochat does, through both paths the README shows: the OpenAI-compatible server (scripts.chat_web,
-the README's `--model local-completions` command) and `--model hf` on the exported directory (with the README's
-setting for each kind of task). Every log-likelihood the harness logs (--log_samples) must equal our own scoring of
-the same text within 1e-3: the tokenizer's ids after one <|bos|>, the model's fp32 forward pass, the sum of the
-log-probabilities of the continuation's tokens (of the whole document, for rolling perplexity).
+EleutherAI's lm-evaluation-harness scores the tiny base model as nanochat does, on both of the README's paths.
+
+The real harness (`python -m lm_eval`, a dev dependency) scores the session's tiny base model through both paths the
+README shows: the OpenAI-compatible server (scripts.chat_web, the README's `--model local-completions` command) and
+`--model hf` on the exported directory (with the README's setting for each kind of task). Every log-likelihood
+the harness logs (--log_samples) must equal our own scoring of the same text within 1e-3: the tokenizer's ids after
+one <|bos|>, the model's fp32 forward pass, the sum of the log-probabilities of the continuation's tokens (of the
+whole document, for rolling perplexity).
 
 The tasks are local (tests/fixtures/lm_eval: a multiple-choice task and a rolling-perplexity task, read with
 --include_path; no Hub, HF_*_OFFLINE=1), with rows added here where the model's greedy next token is <|bos|>: a
@@ -30,16 +32,22 @@ pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install 
 TASKS = os.path.join(REPO_ROOT, "tests", "fixtures", "lm_eval")
 TOLERANCE = 1e-3  # nats, per request
 # The README's commands, as written there (a model of context 2048; the tiny model's is 512)
-SERVER_ARGS = "model=nanochat,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,max_length=2047,num_concurrent=1"
-SERVER_COMMAND = f"lm_eval --model local-completions --tasks arc_easy,hellaswag,wikitext --model_args \\\n  {SERVER_ARGS}"
-HF_CHOICE_COMMAND = "lm_eval --model hf --model_args pretrained=nanochat-d20-base,dtype=float32 --tasks arc_easy,hellaswag"
-HF_ROLLING_COMMAND = "lm_eval --model hf --model_args pretrained=nanochat-d20-base,dtype=float32,add_bos_token=False --tasks wikitext"
+SERVER_ARGS = ("model=nanochat,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,"
+               "max_length=2047,num_concurrent=1")
+SERVER_COMMAND = (f"lm_eval --model local-completions --tasks arc_easy,hellaswag,wikitext --model_args \\\n"
+                  f"  {SERVER_ARGS}")
+HF_CHOICE_COMMAND = ("lm_eval --model hf --model_args pretrained=nanochat-d20-base,dtype=float32 "
+                     "--tasks arc_easy,hellaswag")
+HF_ROLLING_COMMAND = ("lm_eval --model hf --model_args pretrained=nanochat-d20-base,dtype=float32,add_bos_token=False "
+                      "--tasks wikitext")
 
 
 @pytest.fixture(scope="module")
 def ours(chat_web_base):
-    """(model, tokenizer) of the tiny base model the server serves, as our code loads it: fp32 weights, and no
-    autocast here, so an fp32 forward pass."""
+    """
+    (model, tokenizer) of the tiny base model the server serves, as our code loads it: fp32 weights, and no
+    autocast here, so an fp32 forward pass.
+    """
     from nanochat.checkpoint_manager import load_model
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(chat_web_base))
@@ -48,11 +56,14 @@ def ours(chat_web_base):
 
 
 def our_loglikelihood(ours, context, continuation):
-    """log P(continuation | <|bos|> context), as nanochat scores text. The continuation's tokens are those of context +
+    """
+    log P(continuation | <|bos|> context), as nanochat scores text. The continuation's tokens are those of context +
     continuation after the context's, which is how the harness splits them when the context ends in no whitespace
-    (it moves that to the continuation) and its tokens start those of the whole: both checked."""
+    (it moves that to the continuation) and its tokens start those of the whole: both checked.
+    """
     model, tokenizer = ours
-    context_ids, ids = tokenizer.encode(context), tokenizer.encode(context + continuation, prepend="<|bos|>")
+    context_ids = tokenizer.encode(context)
+    ids = tokenizer.encode(context + continuation, prepend="<|bos|>")
     assert context == context.rstrip() and ids[1:len(context_ids) + 1] == context_ids, (context, continuation)
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids]))[0], dim=-1)
@@ -61,9 +72,11 @@ def our_loglikelihood(ours, context, continuation):
 
 @pytest.fixture(scope="module")
 def tasks(ours, chat_web_base, tmp_path_factory):
-    """The fixture tasks, copied, with rows that end where the model expects <|bos|> next: two documents, and a
+    """
+    The fixture tasks, copied, with rows that end where the model expects <|bos|> next: two documents, and a
     question whose first choice is the last tokens of a third. Returns the directory (lm_eval's working directory:
-    the tasks' data_files are relative)."""
+    the tasks' data_files are relative).
+    """
     model, tokenizer = ours
     out = tmp_path_factory.mktemp("lm_eval") / "tasks"
     shutil.copytree(TASKS, out)
@@ -81,8 +94,10 @@ def tasks(ours, chat_web_base, tmp_path_factory):
 
 
 def run_lm_eval(command, tasks, out, **env):
-    """Run a README command of lm_eval (its text, with `python -m lm_eval` for `lm_eval`) on the fixture tasks, offline,
-    with per-sample logs in `out`. Returns {task: [(context, continuation, the harness's log-likelihood)]}."""
+    """
+    Run a README command of lm_eval (its text, with `python -m lm_eval` for `lm_eval`) on the fixture tasks, offline,
+    with per-sample logs in `out`. Returns {task: [(context, continuation, the harness's log-likelihood)]}.
+    """
     args = command.replace("\\\n", " ").split()[1:]
     args += ["--include_path", str(tasks), "--log_samples", "--output_path", str(out)]
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": out / "hf_home", **env}
@@ -104,7 +119,8 @@ def run_lm_eval(command, tasks, out, **env):
 
 def differences(ours, logged):
     """{task: the largest |harness - ours| over its requests}"""
-    return {task: max(abs(value - our_loglikelihood(ours, context, continuation)) for context, continuation, value in rows)
+    return {task: max(abs(value - our_loglikelihood(ours, context, continuation))
+                      for context, continuation, value in rows)
             for task, rows in logged.items()}
 
 
@@ -150,10 +166,12 @@ def exported(chat_web_base, tmp_path_factory):
     # without it, the rolling window's prefix token is the one <|bos|>, and the contexts have none
     (HF_ROLLING_COMMAND, "nanochat_docs", "nanochat_choice"),
 ], ids=["multiple choice", "rolling perplexity"])
-def test_lm_eval_on_the_export_scores_as_nanochat_with_the_readmes_setting(ours, tasks, exported, tmp_path, command, right, wrong):
+def test_lm_eval_on_the_export_scores_as_nanochat_with_the_readmes_setting(ours, tasks, exported, tmp_path, command,
+                                                                            right, wrong):
     readme = open(os.path.join(REPO_ROOT, "README.md")).read()
     assert command in readme
     command = command.replace("pretrained=nanochat-d20-base", f"pretrained={exported}")
-    command = command.replace("arc_easy,hellaswag", "nanochat_choice,nanochat_docs").replace("wikitext", "nanochat_choice,nanochat_docs")
+    command = command.replace("arc_easy,hellaswag", "nanochat_choice,nanochat_docs")
+    command = command.replace("wikitext", "nanochat_choice,nanochat_docs")
     worst = differences(ours, run_lm_eval(command + " --device cpu", tasks, tmp_path / "out"))
     assert worst[right] <= TOLERANCE and worst[wrong] > TOLERANCE, worst

@@ -1,10 +1,12 @@
 """
-Tests of the OpenAI-compatible API (nanochat/openai_api.py) with OpenAI's own Python client, against the session's
-real uvicorn server on 127.0.0.1 (web/conftest.py's chat_web_server: a tiny trained model, one CPU worker): the
-model list, a whole reply and a streamed one (the engine's tokens, usage counts, stop strings, whole characters only), bad
-requests (400 naming the field), an unknown model (404), the API key (401), a client that leaves, a failing
-generation, and /v1/completions as lm-evaluation-harness's `local-completions` calls it (token-id prompts, echo,
-logprobs equal to the model's own forward pass after one <|bos|>, the token that ends a document reported).
+Tests of the OpenAI-compatible API (nanochat/openai_api.py) with OpenAI's own Python client.
+
+Against the session's real uvicorn server on 127.0.0.1 (web/conftest.py's chat_web_server: a tiny trained model,
+one CPU worker): the model list, a whole reply and a streamed one (the engine's tokens, usage counts, stop strings,
+whole characters only), bad requests (400 naming the field), an unknown model (404), the API key (401), a client
+that leaves, a failing generation, and /v1/completions as lm-evaluation-harness's `local-completions` calls it
+(token-id prompts, echo, logprobs equal to the model's own forward pass after one <|bos|>, the token that ends a
+document reported).
 """
 
 import pytest
@@ -22,8 +24,10 @@ def client(chat_web_server):
 
 
 def reply_seed(server, messages, min_tokens):
-    """A seed whose reply (temperature 1, top_k 50) has at least `min_tokens` tokens: the tiny model often ends
-    its turn at once."""
+    """
+    A seed whose reply (temperature 1, top_k 50) has at least `min_tokens` tokens: the tiny model often ends
+    its turn at once.
+    """
     return next(s for s in range(300) if engine_reply(server, messages, 60, 1.0, 50, s)[1] >= min_tokens)
 
 
@@ -78,7 +82,9 @@ def streamed(client, **kwargs):
 
 def test_the_streamed_reply_is_the_whole_reply(chat_web_server, client):
     # a question whose greedy reply is not empty (the tiny model's greedy reply often is)
-    messages = next(m for i in range(100) if engine_reply(chat_web_server, m := [{"role": "user", "content": f"Question {i}?"}], 40, 0, 0, 0)[1] >= 5)
+    messages = next(m for i in range(100)
+                    if engine_reply(chat_web_server, m := [{"role": "user", "content": f"Question {i}?"}],
+                                    40, 0, 0, 0)[1] >= 5)
     kwargs = dict(messages=messages, temperature=0, max_tokens=40, seed=7)
     whole = chat(client, **kwargs)
     chunks, pieces = streamed(client, stream_options={"include_usage": True}, **kwargs)
@@ -91,7 +97,8 @@ def test_the_streamed_reply_is_the_whole_reply(chat_web_server, client):
     # pieces hold whole characters: a reply whose tokens split multi-byte characters streams the same text as
     # the engine decodes at once (a split character would show as U+FFFD)
     messages = [{"role": "user", "content": "Écris « ✨ » et 中文, s'il te plaît"}]
-    seed = next(s for s in range(300) if any(ord(ch) > 127 for ch in engine_reply(chat_web_server, messages, 60, 2.0, 0, s)[0]))
+    seed = next(s for s in range(300)
+                if any(ord(ch) > 127 for ch in engine_reply(chat_web_server, messages, 60, 2.0, 0, s)[0]))
     expected = engine_reply(chat_web_server, messages, 60, 2.0, 0, seed)[0]
     _, pieces = streamed(client, messages=messages, temperature=2.0, max_tokens=60, seed=seed, extra_body={"top_k": 0})
     assert "".join(pieces) == expected
@@ -114,10 +121,12 @@ BAD_CHATS = {  # the openai client's arguments, and the field the 400 names
     "system after the first message": (dict(messages=[*HELLO, {"role": "system", "content": "x"}]), "messages[1].role"),
     "two users in a row": (dict(messages=[HELLO[0], HELLO[0]]), "messages[1].role"),
     "ends with the assistant": (dict(messages=[HELLO[0], {"role": "assistant", "content": "x"}]), "messages[1].role"),
-    "an image": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]), "messages[0].content[0]"),
+    "an image": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]),
+                 "messages[0].content[0]"),
     "content not text": (dict(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     "a message too long": (dict(messages=[{"role": "user", "content": "x" * 8001}]), "messages[0].content"),
-    "longer than the context": (dict(messages=[{"role": "user", "content": "one two three four five " * 300}]), "messages"),
+    "longer than the context": (dict(messages=[{"role": "user", "content": "one two three four five " * 300}]),
+                                "messages"),
     "temperature too high": (dict(temperature=2.5), "temperature"),
     "temperature a string": (dict(extra_body={"temperature": "hot"}), "temperature"),
     "top_p below 1": (dict(top_p=0.9), "top_p"),
@@ -209,8 +218,10 @@ def test_a_failing_generation_is_an_error_and_the_server_goes_on(chat_web_server
 # Completions, as lm-evaluation-harness's local-completions calls them
 
 def model_logprobs(server, ids):
-    """The model's log-probabilities of each token of ids after the ones before it, from its own forward pass in the
-    worker's compute dtype."""
+    """
+    The model's log-probabilities of each token of ids after the ones before it, from its own forward pass in the
+    worker's compute dtype.
+    """
     model = server.engine.model
     with torch.no_grad(), server.pool.workers[0].autocast():
         logprobs = torch.log_softmax(model(torch.tensor([ids]))[0], dim=-1)
@@ -223,7 +234,8 @@ def test_loglikelihood_requests_get_the_models_own_logprobs(chat_web_server):
     continuation = tokenizer.encode(" a + b")
     ids = context + continuation
     # the request lm-eval sends for a loglikelihood (tokenized_requests=True: a batch of token-id prompts)
-    payload = {"model": "nanochat", "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    payload = {"model": "nanochat", "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+               "echo": True}
     response = chat_web_server.http.post(chat_web_server.url + "/v1/completions", json=payload)
     assert response.status_code == 200, response.text
     answer = response.json()
@@ -238,7 +250,8 @@ def test_loglikelihood_requests_get_the_models_own_logprobs(chat_web_server):
     # what lm-eval reads (parse_logprobs): the continuation's log-likelihood, and whether it is the greedy one
     ctxlen = len(context)
     assert sum(report["token_logprobs"][ctxlen:-1]) == pytest.approx(sum(expected[ctxlen - 1:]), abs=1e-4)
-    greedy = all(lp == max(top.values()) for lp, top in zip(report["token_logprobs"][ctxlen:-1], report["top_logprobs"][ctxlen:-1]))
+    greedy = all(lp == max(top.values())
+                 for lp, top in zip(report["token_logprobs"][ctxlen:-1], report["top_logprobs"][ctxlen:-1]))
     assert greedy == all(logprobs[j - 1].argmax().item() == ids[j] for j in range(ctxlen, len(ids)))
     for j in range(1, len(ids)):  # top_logprobs[j] holds the top-1 and the token itself
         top = report["top_logprobs"][j]
@@ -261,10 +274,14 @@ def test_loglikelihood_requests_get_the_models_own_logprobs(chat_web_server):
 
 
 def test_a_completion_that_ends_the_document_reports_its_end_token(chat_web_server, chat_web_base):
-    """Where the model's greedy next token is <|bos|> (the end of the document), the one token lm-eval asks for is
+    """
+    Where the model's greedy next token is <|bos|> (the end of the document), the one token lm-eval asks for is
     that <|bos|>: token_logprobs has one entry per prompt token and one more, as the harness reads it
-    (token_logprobs[ctxlen:-1]), and the text stays without it."""
-    tokenizer, http, url = chat_web_server.tokenizer, chat_web_server.http, chat_web_server.url
+    (token_logprobs[ctxlen:-1]), and the text stays without it.
+    """
+    tokenizer = chat_web_server.tokenizer
+    http = chat_web_server.http
+    url = chat_web_server.url
     ends = document_ends(chat_web_server.engine.model, tokenizer, chat_web_base / "base_data" / "pydocs", 3)
     ended = 0
     for text, ids in ends:
@@ -288,21 +305,25 @@ def test_a_completion_that_ends_the_document_reports_its_end_token(chat_web_serv
 
 
 def test_text_prompts_are_read_after_bos_and_continued(chat_web_server, client):
-    tokenizer, engine = chat_web_server.tokenizer, chat_web_server.engine
+    tokenizer = chat_web_server.tokenizer
+    engine = chat_web_server.engine
     texts = ["import os\n", "The quick brown"]
-    answer = client.completions.create(model="nanochat", prompt=texts, max_tokens=8, temperature=0, echo=True, logprobs=2)
+    answer = client.completions.create(model="nanochat", prompt=texts, max_tokens=8, temperature=0, echo=True,
+                                       logprobs=2)
     assert [c.index for c in answer.choices] == [0, 1]
     generated = 0
     for text, choice in zip(texts, answer.choices):
         prompt = tokenizer.encode(text, prepend="<|bos|>")
         with chat_web_server.pool.workers[0].autocast():  # as the worker computes it
-            reply = [column[0] for column, _ in engine.generate(prompt, max_tokens=8, temperature=0)]  # with its end token
+            # with its end token
+            reply = [column[0] for column, _ in engine.generate(prompt, max_tokens=8, temperature=0)]
         generated += len(reply)
         text_tokens = [t for t in reply if t not in engine.end_tokens]
         assert choice.text == text + tokenizer.decode(text_tokens)  # the echo is what was sent: no <|bos|>
         assert choice.finish_reason == ("stop" if len(text_tokens) < len(reply) else "length")
         assert choice.logprobs.tokens == [tokenizer.id_to_token(t) for t in prompt[1:] + reply]
-        assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs)  # the first token sent too: <|bos|> is before it
+        # the first token sent too: <|bos|> is before it
+        assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs)
     prompt_tokens = sum(len(tokenizer.encode(t)) for t in texts)
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, generated)
     # without echo: the continuation only; max_tokens 0 with echo: scoring only
@@ -337,7 +358,9 @@ def test_a_bad_completions_request_is_a_400_naming_the_field(client, name):
 
 
 def test_the_tokenizer_endpoints_serve_lm_evals_remote_tokenizer(chat_web_server):
-    url, tokenizer, http = chat_web_server.url, chat_web_server.tokenizer, chat_web_server.http
+    url = chat_web_server.url
+    tokenizer = chat_web_server.tokenizer
+    http = chat_web_server.http
     info = http.get(url + "/tokenizer_info").json()
     assert info["bos_token"] == "<|bos|>" and "eos_token" in info and info["model_max_length"] == 512
     # the harness finds the BOS id by tokenizing the BOS string (RemoteTokenizer.bos_token_id), without special tokens

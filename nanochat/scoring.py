@@ -1,9 +1,9 @@
 """
-Scoring a chat model on a task's problems (categorical or generative), and the progress line of a long scoring.
+Scoring a chat model on a task's problems: categorical, generative, and the progress line of a long scoring.
 
 Used by scripts/chat_eval.py, chat_sft.py (multiple-choice accuracy) and chat_rl.py (pass@k); how each kind of task is
-scored, and why: scripts/chat_eval.py's docstring (and docs/evaluation.md). It lives beside the tasks because it is
-their other half: a task says what a right answer is (evaluate, reward), this runs the model on its problems.
+scored, and why: scripts/chat_eval.py's docstring (and docs/evaluation.md). A task says what a right answer is
+(evaluate, reward); this runs the model (GPT.last_logits, the Engine) on its problems.
 """
 
 import time
@@ -100,9 +100,11 @@ def score_generative(engine, tokenizer, task, indices, num_samples, max_new_toke
 
 
 def _score_greedy_batches(engine, tokenizer, task, indices, num_samples, max_new_tokens, batch_size, progress, stop):
-    """score_generative at temperature 0, `batch_size` problems decoded together. A prompt with less room than
+    """
+    score_generative at temperature 0, `batch_size` problems decoded together. A prompt with less room than
     max_new_tokens left in the context is decoded alone, so every problem gets min(max_new_tokens, its room) tokens,
-    as one at a time; every greedy sample is the same answer, so one is decoded and counted num_samples times."""
+    as one at a time; every greedy sample is the same answer, so one is decoded and counted num_samples times.
+    """
     outcomes = []
     for start in range(0, len(indices), batch_size):
         conversations = [task[i] for i in indices[start:start + batch_size]]
@@ -141,7 +143,11 @@ class Progress:
     clock = time.time  # seconds; a test replaces it
 
     def __init__(self, name, total, every, enabled=True, share=""):
-        self.name, self.total, self.every, self.enabled, self.share = name, total, every, enabled, share
+        self.name = name
+        self.total = total
+        self.every = every
+        self.enabled = enabled
+        self.share = share
         self.done = self.passed = 0
         self.start = self.last = self.clock()
 
@@ -155,5 +161,6 @@ class Progress:
             return
         self.last = now
         rate = self.done / max(now - self.start, 1e-9)
-        print0(f"{self.name} {self.done}/{self.total}{self.share} ({self.done / self.total:.0%}) | {rate:.1f} problems/s | "
-               f"~{duration((self.total - self.done) / rate)} left | acc so far {self.passed / self.done:.1%}")
+        print0(f"{self.name} {self.done}/{self.total}{self.share} ({self.done / self.total:.0%}) | "
+               f"{rate:.1f} problems/s | ~{duration((self.total - self.done) / rate)} left | "
+               f"acc so far {self.passed / self.done:.1%}")
