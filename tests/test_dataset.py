@@ -64,7 +64,8 @@ def _local(s):
 def test_pydocs_builds_offline_to_identical_bytes(pydocs_dir, tmp_path):
     # Second build in a fresh process: other hash seed, no network (proxies to a dead port), other base dir.
     env = dict(NANOCHAT_BASE_DIR=tmp_path / "other_base", NANOCHAT_DATASET="pydocs", PYTHONHASHSEED="12345",
-               HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", NANOCHAT_DATA_URL="http://127.0.0.1:9")
+               HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9",
+               NANOCHAT_DATA_URL="http://127.0.0.1:9")
     proc = run_script("-m", "nanochat.dataset", env=env)
     assert proc.returncode == 0, proc.stderr
     other = tmp_path / "other_base" / "base_data" / "pydocs"
