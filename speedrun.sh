@@ -20,8 +20,9 @@
 # ends the run with one line per stage: its time and headline number.
 #
 # Every stage must finish: `set -e` stops the pipeline at the first stage that exits non-zero, including a
-# training stage stopped early by Ctrl-C / SIGTERM (it saves a checkpoint and exits 75; resume it with the
-# command it prints, then run the remaining stages by hand).
+# training stage stopped early by Ctrl-C / SIGTERM (it saves a checkpoint and exits 75), or one killed (kill -9, an
+# out-of-memory kill, a preemption: training stages also save every 10 minutes of wall time). Run the same command
+# again: it picks up where it stopped (below, "A rerun"). FRESH=1 bash speedrun.sh starts over.
 set -euo pipefail
 RUN_DIR="$(pwd)"  # where the finished report is copied
 cd "$(dirname "$0")"
@@ -54,7 +55,20 @@ if [ -z "${NANOCHAT_SKIP_SETUP:-}" ]; then
     .venv/bin/pip install -e .
     source .venv/bin/activate
 fi
-python -m nanochat.report reset
+# A rerun picks up where the last run stopped: every stage gets --rerun=auto, so a stage done from the same settings
+# and inputs is skipped (one line says when it was made), an interrupted training stage resumes from its last
+# checkpoint, and a stage whose settings or inputs changed runs again, and so do the ones after it
+# (nanochat/rerun.py). FRESH=1 starts over: the report, tokenizer and checkpoints are deleted (each named).
+RERUN="--rerun=auto"
+# Training stages also save every SAVE_MINUTES of wall time (each save replacing the one before): a kill -9 loses at
+# most that much of a stage's work
+SAVES="--save_every_minutes=${SAVE_MINUTES:-10}"
+if [ -n "${FRESH:-}" ]; then
+    python -m nanochat.rerun forget
+    python -m nanochat.report reset
+else
+    python -m nanochat.report start
+fi
 
 SECONDS=0
 stage() { echo "speedrun: $1 (at $((SECONDS / 60))m $((SECONDS % 60))s)"; }
@@ -102,8 +116,8 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
             --max_new_tokens=$MAX_NEW_TOKENS --eval_every=-1 --save_every=-1 --eval_examples=$CHAT_PROBLEMS"
         stage "corpus and tokenizer"
         python -m nanochat.dataset
-        python -m scripts.tok_train --vocab_size=$VOCAB
-        python -m scripts.tok_eval --download_reference=false  # offline: no wait for GPT-2's and GPT-4's files
+        python -m scripts.tok_train $RERUN --vocab_size=$VOCAB
+        python -m scripts.tok_eval $RERUN --download_reference=false  # offline: no wait for GPT-2's and GPT-4's files
     else
         # ClimbMix rather than FineWeb-Edu: the largest single gain karpathy/nanochat measured (GPT-2 grade 27% sooner,
         # its LEADERBOARD.md); its shards are FineWeb-Edu's size (~250M chars). NANOCHAT_DATASET=fineweb-edu still works.
@@ -129,27 +143,27 @@ if [ "$NANOCHAT_PROFILE" = gpu ]; then
         DATASET_DOWNLOAD_PID=$!
         python -m tasks.prefetch
         stage "tokenizer"
-        python -m scripts.tok_train --max_chars=2000000000 --vocab_size=65536
-        python -m scripts.tok_eval
+        python -m scripts.tok_train $RERUN --max_chars=2000000000 --vocab_size=65536
+        python -m scripts.tok_eval $RERUN
         echo "waiting for the dataset download to finish..."
         wait $DATASET_DOWNLOAD_PID
     fi
     # Pretraining: depth 20 (~1.4B parameters, of which ~560M compute and the rest are value-embedding lookup tables;
     # base_train prints both), 20 tokens per computing parameter (the smoke: its sizes above); then its loss and CORE
     stage "base model"
-    $RUN -m scripts.base_train -- --depth=$DEPTH $SEEDS --run="$WANDB_RUN" $BASE_SIZES
-    $RUN -m scripts.base_loss -- $LOSS_SIZES
-    $RUN -m scripts.base_eval -- --bundle=$BUNDLE $CORE_SIZES
+    $RUN -m scripts.base_train -- $RERUN $SAVES --depth=$DEPTH $SEEDS --run="$WANDB_RUN" $BASE_SIZES
+    $RUN -m scripts.base_loss -- $RERUN $LOSS_SIZES
+    $RUN -m scripts.base_eval -- $RERUN --bundle=$BUNDLE $CORE_SIZES
     # Midtraining (SmolTalk, MMLU, GSM8K, spelling, identity), SFT, RL on GSM8K; each chat stage evaluated
     stage "midtraining"
-    $RUN -m scripts.mid_train -- --mixture=$MIXTURE --run="$WANDB_RUN" $MID_SIZES
-    $RUN -m scripts.chat_eval -- -i mid -a $TASKS $CHAT_EVAL_SIZES
+    $RUN -m scripts.mid_train -- $RERUN $SAVES --mixture=$MIXTURE --run="$WANDB_RUN" $MID_SIZES
+    $RUN -m scripts.chat_eval -- $RERUN -i mid -a $TASKS $CHAT_EVAL_SIZES
     stage "SFT"
-    $RUN -m scripts.chat_sft -- --mixture=$MIXTURE --run="$WANDB_RUN" $SFT_SIZES
-    $RUN -m scripts.chat_eval -- -i sft -a $TASKS $CHAT_EVAL_SIZES
+    $RUN -m scripts.chat_sft -- $RERUN $SAVES --mixture=$MIXTURE --run="$WANDB_RUN" $SFT_SIZES
+    $RUN -m scripts.chat_eval -- $RERUN -i sft -a $TASKS $CHAT_EVAL_SIZES
     stage "RL"
-    $RUN -m scripts.chat_rl -- --mixture=$MIXTURE --seed=$SEED --run="$WANDB_RUN" $RL_SIZES
-    $RUN -m scripts.chat_eval -- -i rl -a $RL_TASKS $CHAT_EVAL_SIZES
+    $RUN -m scripts.chat_rl -- $RERUN $SAVES --mixture=$MIXTURE --seed=$SEED --run="$WANDB_RUN" $RL_SIZES
+    $RUN -m scripts.chat_eval -- $RERUN -i rl -a $RL_TASKS $CHAT_EVAL_SIZES
     CHAT_SOURCE=rl
 else
     export NANOCHAT_DATASET="${NANOCHAT_DATASET:-pydocs}"  # or a corpus of your own, by its name
@@ -170,27 +184,27 @@ else
     fi
     BATCH="--max_seq_len=$SEQ --device_batch_size=8 --total_batch_size=$((8 * SEQ)) --eval_tokens=$EVAL_TOKENS"
     # Every test problem of the offline tasks (CHAT_PROBLEMS=-1: ~590), greedy answers of 32 problems decoded together
-    CHAT_EVAL="python -m scripts.chat_eval --max_problems=$CHAT_PROBLEMS --max_new_tokens=$MAX_NEW_TOKENS --batch_size=32"
+    CHAT_EVAL="python -m scripts.chat_eval $RERUN --max_problems=$CHAT_PROBLEMS --max_new_tokens=$MAX_NEW_TOKENS --batch_size=32"
     stage "corpus and tokenizer"
     python -m nanochat.dataset
-    python -m scripts.tok_train --vocab_size=$VOCAB
-    python -m scripts.tok_eval
+    python -m scripts.tok_train $RERUN --vocab_size=$VOCAB
+    python -m scripts.tok_eval $RERUN
     stage "base model"
     # --weight_decay=0: at this batch (4,096 tokens) a table's rows decay 4x as often per epoch as at the 16,384 the
     # depth default was measured at; 0.2 and 0.05 both scored lower here (bench/RESULTS.md, "AdamW's weight decay")
-    python -m scripts.base_train --depth=$DEPTH $SEEDS $BATCH --num_iterations=$BASE_STEPS --weight_decay=0 \
+    python -m scripts.base_train $RERUN $SAVES --depth=$DEPTH $SEEDS $BATCH --num_iterations=$BASE_STEPS --weight_decay=0 \
         --eval_every=$(( BASE_STEPS / 3 > 0 ? BASE_STEPS / 3 : 1 )) --sample_every=$((BASE_STEPS / 2)) \
         --core_metric_every=-1 --run="$WANDB_RUN"
-    python -m scripts.base_loss --device_batch_size=8 --split_tokens=$EVAL_TOKENS
-    python -m scripts.base_eval --bundle=offline --max_per_task=$CORE_EXAMPLES
+    python -m scripts.base_loss $RERUN --device_batch_size=8 --split_tokens=$EVAL_TOKENS
+    python -m scripts.base_eval $RERUN --bundle=offline --max_per_task=$CORE_EXAMPLES
     stage "midtraining"
-    python -m scripts.mid_train --mixture=offline $BATCH --num_iterations=$MID_STEPS \
+    python -m scripts.mid_train $RERUN $SAVES --mixture=offline $BATCH --num_iterations=$MID_STEPS \
         --eval_every=$(( MID_STEPS / 2 > 0 ? MID_STEPS / 2 : 1 )) --run="$WANDB_RUN"
     $CHAT_EVAL -i mid -a offline
     stage "SFT"
     # SFT reads other examples of the offline tasks than midtraining did, at 0.3 of the lrs (chat_sft's 0.02 is for a
     # d20 model on the real mixture; here it moved nothing: measured in bench/RESULTS.md)
-    python -m scripts.chat_sft --mixture=offline --max_seq_len=$SEQ --device_batch_size=8 --examples_per_step=16 --init_lr_frac=0.3 \
+    python -m scripts.chat_sft $RERUN $SAVES --mixture=offline --max_seq_len=$SEQ --device_batch_size=8 --examples_per_step=16 --init_lr_frac=0.3 \
         --num_iterations=$SFT_STEPS --eval_every=$(( SFT_STEPS / 2 > 0 ? SFT_STEPS / 2 : 1 )) --eval_tokens=$EVAL_TOKENS \
         --eval_metrics_every=-1 --eval_metrics_max_problems=$EVAL_PROBLEMS --run="$WANDB_RUN"
     $CHAT_EVAL -i sft -a offline
@@ -198,7 +212,7 @@ else
     # RL on the offline spelling, arithmetic and identity problems, 16 a step, at 0.2 of the lrs: with 4 a step (or
     # arithmetic alone) its updates were mostly noise and its score fell below SFT's; 10 steps of 16 gained as much
     # as 20 (bench/RESULTS.md, "The CPU speedrun on an Intel AMX VM")
-    python -m scripts.chat_rl --mixture=offline --seed=$SEED --num_iterations=$RL_STEPS --prompts_per_step=16 --num_samples=$RL_SAMPLES --init_lr_frac=0.2 \
+    python -m scripts.chat_rl $RERUN $SAVES --mixture=offline --seed=$SEED --num_iterations=$RL_STEPS --prompts_per_step=16 --num_samples=$RL_SAMPLES --init_lr_frac=0.2 \
         --max_new_tokens=$MAX_NEW_TOKENS --eval_every=-1 --save_every=-1 --eval_examples=$EVAL_PROBLEMS --run="$WANDB_RUN"
     $CHAT_EVAL -i rl -a offline
     CHAT_SOURCE=rl

@@ -11,7 +11,9 @@ A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d
                               file is incomplete and ignored.
 Every file is written through common.atomic_write (a temporary name, then a rename), so a crash never leaves
 a half-written file under a real name, and a crash before the meta file never leaves a checkpoint that looks
-complete. The directory also holds the run's `metrics.jsonl` (one line per step, for the report's curves;
+complete. A write that fails (a full disk) fails the save on every rank, in one line, and removes its files; the
+earlier checkpoints stay as they were, and the next run removes what a save cut off by a kill left. The directory
+also holds the run's `metrics.jsonl` (one line per step, for the report's curves;
 nanochat/stage.py writes it), `.lock` (see claim_checkpoint_dir), and an imported model's own `tokenizer/`
 (nanochat/tokenizer.py: checkpoint_tokenizer).
 
@@ -29,7 +31,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, atomic_write, get_base_dir, is_distributed, print0
+from nanochat.common import (DiskFull, UserError, atomic_write, format_bytes, gather_from_ranks, get_base_dir,
+                             is_distributed, out_of_space, print0)
 
 SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints",
            "rl": "chatrl_checkpoints"}
@@ -78,8 +81,9 @@ def claim_checkpoint_dir(checkpoint_dir, resume_from_step=-1, overwrite=False):
       - a fresh run (resume_from_step < 0) refuses a directory that already holds checkpoints;
       - a resume from step N refuses a directory that holds steps after N (they would be the earlier run's
         future, and "the latest step" would later pick one of them as if it were this run's);
-    `overwrite` deletes those checkpoints instead of refusing. Leftover temporary files of saves that were
-    killed are removed. Every rank raises the same UserError if rank 0 refuses.
+    `overwrite` deletes those checkpoints instead of refusing. What saves that were cut off left (killed, or failed
+    where a rank could not clean up) is removed: temporary files, and the files of a step without its meta file
+    (never loadable). Every rank raises the same UserError if rank 0 refuses.
     """
     error = None
     rank = dist.get_rank() if is_distributed() else 0
@@ -124,7 +128,13 @@ def _claim(checkpoint_dir, resume_from_step, overwrite):
             os.remove(os.path.join(checkpoint_dir, name))
     steps = sorted({int(next(g for g in m.groups() if g)) for name in files if (m := CHECKPOINT_FILE.match(name))})
     complete = complete_steps(checkpoint_dir)
-    stale = [s for s in steps if s > resume_from_step]
+    cut_off = [s for s in steps if s not in complete]
+    for step in cut_off:
+        delete_checkpoint(checkpoint_dir, step)
+    if cut_off:
+        print0(f"Removed the files of step(s) {', '.join(map(str, cut_off))} in {checkpoint_dir}: a save cut off "
+               f"before its meta file, never loadable")
+    stale = [s for s in complete if s > resume_from_step]
     if not stale:
         return
     if overwrite:
@@ -136,14 +146,11 @@ def _claim(checkpoint_dir, resume_from_step, overwrite):
             os.remove(os.path.join(checkpoint_dir, "metrics.jsonl"))
         print0(f"--overwrite: deleted the checkpoints of step(s) {', '.join(map(str, stale))} in {checkpoint_dir}")
         return
-    shown = ", ".join(map(str, complete[-5:])) or "none complete"
+    shown = ", ".join(map(str, complete[-5:]))
     if resume_from_step < 0:
-        resume = f"resume with --resume_from_step={complete[-1]}, " if complete else ""
-        raise UserError(f"{checkpoint_dir} already holds checkpoints of an earlier run (steps {shown}): {resume}"
-                        f"pick another --model_tag, or add --overwrite to delete them first")
-    if not complete:
-        raise UserError(f"{checkpoint_dir} holds incomplete checkpoints after step {resume_from_step}: add --overwrite "
-                        f"to delete them")
+        raise UserError(f"{checkpoint_dir} already holds checkpoints of an earlier run (steps {shown}): resume with "
+                        f"--resume_from_step={complete[-1]}, pick another --model_tag, or add --overwrite to delete "
+                        f"them first")
     raise UserError(f"{checkpoint_dir} holds checkpoints after step {resume_from_step} (steps "
                     f"{', '.join(map(str, stale))}) that this resumed run would mix with its own: resume from the "
                     f"latest (--resume_from_step={complete[-1]}) or add --overwrite to delete the later ones")
@@ -158,33 +165,104 @@ def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, ra
     Save step `step`. Under torchrun EVERY rank must call this (each writes its own optimizer file, and
     the completion marker waits for all of them). `optimizer_shard`: this rank's optimizer state (what
     optimizer_shard() returns), or None to save none. `model_state` and `meta` are used on rank 0.
-    If a write fails (a full disk: "no space left on <dir>"), the files this call wrote are removed.
+    A write that fails on any rank fails the save on every rank, so none is left waiting for another: each removes
+    the files it wrote of this step, and all raise the same error; a full disk (or quota) is one line (DiskFull)
+    saying where, how much the checkpoint needs and how much is free, and how to resume. Earlier steps are untouched.
     """
     os.makedirs(checkpoint_dir, exist_ok=True)
     world_size = dist.get_world_size() if is_distributed() else 1
+    files = []  # (name, what is saved in it): this rank's files
+    if optimizer_shard is not None:
+        files.append((f"optim_{step:06d}_rank{rank}.pt", optimizer_shard))
+    if rank == 0:
+        files.append((f"model_{step:06d}.pt", model_state))
     written = []
-    try:
-        if optimizer_shard is not None:
-            written.append(os.path.join(checkpoint_dir, f"optim_{step:06d}_rank{rank}.pt"))
+
+    def write_files():
+        for name, obj in files:
+            written.append(os.path.join(checkpoint_dir, name))
             with atomic_write(written[-1]) as f:
-                torch.save(optimizer_shard, f)
+                torch.save(obj, f)
+
+    def write_marker():
         if rank == 0:
-            written.append(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
-            with atomic_write(written[-1]) as f:
-                torch.save(model_state, f)
-        if is_distributed():
-            dist.barrier()  # every rank's files are in place before the marker says "complete"
-        if rank == 0:
-            meta = dict(meta, step=step, world_size=world_size, has_optimizer=optimizer_shard is not None)
+            full_meta = dict(meta, step=step, world_size=world_size, has_optimizer=optimizer_shard is not None)
             written.append(os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
             with atomic_write(written[-1], "w") as f:
-                json.dump(meta, f, indent=2)
+                json.dump(full_meta, f, indent=2)
+
+    try:
+        # the agreement after the files is also the barrier: every rank's files are in place before the marker
+        # says "complete"
+        needed = _save_on_every_rank(write_files, written, checkpoint_dir, step,
+                                     sum(saved_bytes(obj) for _, obj in files))
+        _save_on_every_rank(write_marker, written, checkpoint_dir, step, needed)
     except BaseException:
         for path in written:
             if os.path.exists(path):
                 os.remove(path)
         raise
     print0(f"Saved checkpoint of step {step} to {checkpoint_dir}")
+
+
+def saved_bytes(obj):
+    """About the bytes torch.save writes for `obj`: the storages of its tensors, each once (a view saves all of its)."""
+    storages = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(obj)
+    return sum(storages.values())
+
+
+def _save_on_every_rank(write, written, checkpoint_dir, step, needed):
+    """
+    One phase of a save: write() on every rank, then one all_gather of what happened (and of each rank's bytes,
+    `needed`); returns the checkpoint's bytes on all ranks. If write() failed on any rank, every rank removes the
+    files of this step it wrote (`written`), waits for the others to have done so (the free space reported is then
+    the next attempt's), and raises: a full disk anywhere a DiskFull, the same line on every rank; another error its
+    own exception on the rank it happened on, a UserError naming that rank on the others.
+    """
+    error = None
+    try:
+        write()
+    except BaseException as e:  # held until every rank knows: raising now would leave the others in the gather
+        error = e
+    outcome = None if error is None else (out_of_space(error), f"{type(error).__name__}: {error}")
+    outcomes = gather_from_ranks((needed, outcome))
+    needed = sum(n for n, _ in outcomes)
+    failed = [(r, o) for r, (_, o) in enumerate(outcomes) if o is not None]
+    if not failed:
+        return needed
+    for path in written:
+        if os.path.exists(path):
+            os.remove(path)
+    if is_distributed():
+        dist.barrier()
+    full = next((reason for _, (reason, _) in failed if reason is not None), None)
+    if full is not None:
+        earlier = [s for s in complete_steps(checkpoint_dir) if s < step]
+        if earlier:
+            again = (f"free space, then resume from step {earlier[-1]}, which is intact: --resume_from_step="
+                     f"{earlier[-1]} (with --rerun=auto, as speedrun.sh runs the stages, the same command resumes by "
+                     f"itself)")
+        else:
+            again = "free space, then run the same command again"
+        raise DiskFull(full, f"the checkpoint of step {step}", checkpoint_dir, f"about {format_bytes(needed)}",
+                       again) from None
+    if error is not None:
+        raise error
+    rank, (_, text) = failed[0]
+    raise UserError(f"the checkpoint of step {step} was not saved: rank {rank} failed to write its part ({text}); "
+                    f"nothing of step {step} was kept")
 
 
 def _torch_load(path, device):
@@ -233,6 +311,15 @@ def complete_steps(checkpoint_dir):
     """The steps with a complete checkpoint (their meta file exists), in increasing order."""
     return sorted(int(m.group(1)) for f in glob.glob(os.path.join(checkpoint_dir, "meta_*.json"))
                   if (m := re.fullmatch(r"meta_(\d+)\.json", os.path.basename(f))))
+
+
+def delete_checkpoint(checkpoint_dir, step):
+    """Delete the checkpoint of `step`: its meta file first, so that it is never taken for a complete one midway."""
+    names = sorted(os.listdir(checkpoint_dir), key=lambda name: not name.startswith("meta_"))
+    for name in names:
+        m = CHECKPOINT_FILE.match(name)
+        if m and int(next(g for g in m.groups() if g)) == step:
+            os.remove(os.path.join(checkpoint_dir, name))
 
 
 def find_checkpoint_dir(source, model_tag=None):

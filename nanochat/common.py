@@ -1,8 +1,9 @@
 """
 What every script needs first: output, files, downloads, processes and devices, ranks agreeing, stopping.
 
-Output (UserError, logging, print0, format_value); the base directory and files written all or nothing; the locked
-download; compute_init for plain and torchrun launches; the collectives by which ranks agree; Interrupted phases.
+Output (UserError, logging, print0, format_value); the base directory and files written all or nothing (a full disk:
+DiskFull, one line); the locked download; compute_init for plain and torchrun launches; the collectives by which
+ranks agree; Interrupted phases.
 Importing this module touches no RNG, no process group and no handler of the importing program's loggers: it only
 adds a NullHandler to the "nanochat" logger. configure() and compute_init() (scripts) run setup_default_logging():
 then "nanochat" prints to stderr, not via the root logger, and a UserError ends the program in one line.
@@ -15,6 +16,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -177,12 +179,60 @@ def get_base_dir():
     return base_dir
 
 
+SPACE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}
+
+
+def format_bytes(n):
+    """A size for people: 512 B, 3.4 KB, 120.5 MB, 1.8 GB (powers of 1024)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def out_of_space(e):
+    """
+    "no space left" (ENOSPC) or "disk quota exceeded" (EDQUOT) if the exception `e`, or one it was raised from or
+    while handling, is a write refused for lack of space; None for anything else. The chain matters: torch.save
+    reports the OSError of its file's write as a RuntimeError raised while handling it.
+    """
+    for _ in range(10):  # a chain is short; the bound guards against a cycle
+        if e is None:
+            return None
+        if isinstance(e, DiskFull):
+            return e.reason
+        if isinstance(e, OSError) and e.errno in SPACE_ERRNOS:
+            return SPACE_ERRNOS[e.errno]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class DiskFull(UserError):
+    """
+    A write refused for lack of space or quota, in one line: what was being written, in which directory, how much
+    it needs (`needed`: a phrase such as "about 1.2 GB", or None when unknown), how much is free there, and what to
+    do (`again`). Raise it after removing what the failed write left: the free space it reports is then what the
+    next attempt has.
+    """
+
+    def __init__(self, reason, what, directory, needed=None, again="free space, then run the same command again"):
+        self.reason = reason  # SPACE_ERRNOS's words: what out_of_space() of this exception says
+        try:
+            free = format_bytes(shutil.disk_usage(directory).free)
+        except OSError:
+            free = "an unknown amount"
+        need = f"it needs {needed}, " if needed else ""
+        super().__init__(f"{reason} on {directory} while writing {what} ({need}{free} free there; nothing partial "
+                         f"was kept): {again}")
+
+
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
     """
     `with atomic_write(path) as f:` writes `path` all or nothing, via `<path>.tmp<pid>` renamed over it at the end
-    (os.replace is atomic): `path` holds its old or its complete new content, never part. A full disk or a read-only
-    directory is a one-line UserError. Everything another process or a later run reads is written this way.
+    (os.replace is atomic): `path` holds its old or its complete new content, never part. A full disk (or quota) is
+    a one-line DiskFull, a read-only directory a one-line UserError; the temporary file is removed either way.
+    Everything another process or a later run reads is written this way.
     """
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -192,10 +242,9 @@ def atomic_write(path, mode="wb"):
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise UserError(f"no space left on {os.path.dirname(os.path.abspath(path))} while writing "
-                            f"{os.path.basename(path)} (nothing partial was kept): free some space and run "
-                            f"again") from None
+        reason = out_of_space(e)
+        if reason is not None:
+            raise DiskFull(reason, os.path.basename(path), os.path.dirname(os.path.abspath(path))) from None
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise UserError(f"cannot write {path}: {e.strerror}") from None
         raise
@@ -221,8 +270,9 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
     process that waited would download the file again, in turn: N downloads, not one); (4) stream into
     `<path>.tmp<pid>`, check the optional sha256, run the optional postprocess_fn(tmp), os.replace it to the final
     name, which never holds partial bytes. After a kill -9 the OS frees the lock; the next downloader removes the
-    temporary file. An unreachable host: UserError at once (naming `retry_command`); transient failures (5xx, 429, a
-    dropped connection, a read timeout): `retries` attempts in all, exponential backoff; other 4xx: final.
+    temporary file. An unreachable host: UserError at once (naming `retry_command`); a full disk: DiskFull at once
+    (another attempt would only fill it again); transient failures (5xx, 429, a dropped connection, a read timeout):
+    `retries` attempts in all, exponential backoff; other 4xx: final.
     """
     import requests  # imported here: only code paths that download need it
 
@@ -239,9 +289,11 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
             if stale.startswith(prefix):
                 os.remove(os.path.join(os.path.dirname(file_path), stale))
         tmp_path = f"{file_path}.tmp{os.getpid()}"
+        again = f"; then run `{retry_command}` again" if retry_command else "; then run the same command again"
         for attempt in range(1, retries + 1):
+            size = []  # the Content-Length, once the response has one: what a full disk needed
             try:
-                digest = _stream_to_file(url, tmp_path, timeout)
+                digest = _stream_to_file(url, tmp_path, timeout, size)
                 if expected_sha256 is not None and digest != expected_sha256:
                     raise IOError(f"sha256 mismatch for {url}: expected {expected_sha256}, got {digest}")
                 if postprocess_fn is not None:
@@ -249,7 +301,13 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
                 os.replace(tmp_path, file_path)
                 return file_path
             except (requests.RequestException, IOError) as e:
-                again = f"; then run `{retry_command}` again" if retry_command else "; then run the same command again"
+                full = out_of_space(e)
+                if full is not None:
+                    if os.path.exists(tmp_path):  # removed first: the free space reported is the next attempt's
+                        os.remove(tmp_path)
+                    needed = f"about {format_bytes(size[0])}" if size and size[0] else None
+                    raise DiskFull(full, f"{os.path.basename(file_path)} from {url}", os.path.dirname(file_path),
+                                   needed, "free space" + again) from None
                 reason = _unreachable_reason(e)
                 if reason is not None:
                     host = urllib.parse.urlsplit(url).netloc
@@ -268,15 +326,17 @@ def download_file_with_lock(url, filename, postprocess_fn=None, expected_sha256=
                     os.remove(tmp_path)
 
 
-def _stream_to_file(url, path, timeout):
+def _stream_to_file(url, path, timeout, size):
     """
-    GET `url` into `path`, logging the progress of files above 10 MB; the sha256 of the bytes. Raises on HTTP
-    errors and on a connection closed before Content-Length bytes.
+    GET `url` into `path`, logging the progress of files above 10 MB; the sha256 of the bytes. Appends the
+    Content-Length (0: none) to the list `size`. Raises on HTTP errors and on a connection closed before
+    Content-Length bytes.
     """
     import requests
     with requests.get(url, stream=True, timeout=(5, timeout)) as response:  # (connect, read) timeouts
         response.raise_for_status()
         total = int(response.headers.get("Content-Length") or 0)
+        size.append(total)
         done = 0
         next_report = total // 10
         sha = hashlib.sha256()

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.common import UserError, atomic_write, file_sha256, get_base_dir
+from nanochat.common import DiskFull, UserError, atomic_write, file_sha256, format_bytes, get_base_dir, out_of_space
 from nanochat.pydocs import pydocs_documents
 
 logger = logging.getLogger("nanochat.corpus_build")  # not __name__: that is "__main__" under `python -m`
@@ -122,12 +122,14 @@ def _write_pydocs(directory):
     return len(docs), sum(len(d) for d in docs), len(shards)
 
 
-def _build_in_place(final, write, is_done):
+def _build_in_place(final, write, is_done, text_bytes, again):
     """
     Build the corpus directory `final` whole or not at all: under a file lock (torchrun's ranks, two commands at
     once: one builds, the others wait and find it done), write(tmp) into `<final>.tmp<pid>`, then rename it to
     `final`, replacing an older one (moved aside first, then deleted). is_done() is asked again under the lock.
     A killed build leaves a `.tmp<pid>` or `.old<pid>` directory, never a half corpus; the next build deletes it.
+    A full disk removes the `.tmp<pid>` directory, keeps the older corpus, and is one line (DiskFull) saying how much
+    the text takes uncompressed (text_bytes(): the shards take less) and what to do (`again`).
     """
     parent, base = os.path.split(final)
     os.makedirs(parent, exist_ok=True)
@@ -144,6 +146,15 @@ def _build_in_place(final, write, is_done):
             if os.path.isdir(final):
                 os.rename(final, old)
             os.rename(tmp, final)
+        except BaseException as e:
+            if os.path.isdir(old) and not os.path.exists(final):  # the older corpus back where it was
+                os.rename(old, final)
+            full = out_of_space(e)
+            if full is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # first: the free space reported is the next attempt's
+            raise DiskFull(full, f"the corpus {base}", parent, f"up to {format_bytes(text_bytes())} (the text, before "
+                           f"compression)", again) from None
         finally:
             for leftover in (tmp, old):
                 if os.path.exists(leftover):
@@ -161,7 +172,9 @@ def build_pydocs():
         return final
     t0 = time.time()
     logger.info(f"Building the pydocs corpus from the docs of Python {sys.version.split()[0]} in {final}")
-    built = _build_in_place(final, _write_pydocs, lambda: os.path.isdir(final))
+    built = _build_in_place(final, _write_pydocs, lambda: os.path.isdir(final),
+                            lambda: sum(len(d.encode()) for d in pydocs_documents()),
+                            "free space, then run the same command again")
     if built:
         docs, chars, shards = built
         logger.info(f"Built pydocs: {docs:,} docs, {chars / 1e6:.2f}M chars, {shards} shards in "
@@ -229,7 +242,8 @@ def build_own_corpus(final, name, sources, field="text", split="file", skip_bad=
 
     if os.path.isdir(final) and read_manifest(final) is None and os.listdir(final):
         raise UserError(f"{final} exists and was not built by this command: move it away or choose another --name")
-    built = _build_in_place(final, write, unchanged) is not None
+    built = _build_in_place(final, write, unchanged, lambda: utf8_bytes,
+                            f"free space, then run `{command}` again") is not None
     return manifest, built
 
 

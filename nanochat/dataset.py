@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
-from nanochat.common import UserError, download_file_with_lock, file_sha256, get_base_dir, setup_default_logging
+from nanochat.common import (DiskFull, UserError, download_file_with_lock, file_sha256, get_base_dir,
+                             setup_default_logging)
 from nanochat.configurator import closest
 from nanochat.corpus_build import (SHARD_RE, SPLITS, build_own_corpus, build_pydocs, check_shard, read_checksums,
                                    read_manifest, record_checksums, shard_name)
@@ -252,7 +253,8 @@ def download_shards(num_train_shards, workers=4):
     Download training shards 0 .. num_train_shards-1 (-1 = all) and the validation shard of the selected hub corpus
     into <base_dir>/base_data/<corpus>, `workers` at a time; returns the sorted indices this call downloaded. Valid
     shards present are kept, damaged ones replaced; a shard on disk is always complete (checked before its rename).
-    UserError if any download failed (the others are kept).
+    UserError if any download failed (the others are kept); a full disk stops the downloads not yet started and is
+    one line (DiskFull).
     """
     name = dataset_name()
     if corpus_of(name).kind != "hub":
@@ -293,19 +295,29 @@ def download_shards(num_train_shards, workers=4):
 
     done = []
     failed = []
+    full = None  # the first DiskFull: every later download would fail the same way
     # threads suffice: downloads wait on the network, the parquet check runs in C++, neither holds the GIL
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
         futures = {pool.submit(fetch, i): i for i in todo}
         for future in as_completed(futures):
             i = futures[future]
+            if future.cancelled():  # not started: the disk filled up first
+                continue
             try:
                 size = future.result()
+            except DiskFull as e:
+                full = full or e
+                for waiting in futures:
+                    waiting.cancel()  # those not started yet; the running ones end on their own
+                continue
             except UserError as e:
                 failed.append(i)
                 logger.error(f"Shard {i} failed: {e}")
                 continue
             done.append(i)
             logger.info(f"Downloaded Shard {i} ({size / 2**20:.1f} MB), {len(done) + len(failed)}/{len(todo)} done")
+    if full is not None:  # one line, not one per download it stopped; the shards downloaded are kept
+        raise full
     if failed:
         names = ", ".join(shard_name(i) for i in sorted(failed))
         raise UserError(f"{len(failed)} of {len(todo)} shard download(s) failed ({names}); "

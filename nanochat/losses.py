@@ -162,19 +162,37 @@ def supervised_loss(model, x, y, step_targets, ddp_world_size):
     This micro-batch's part of the step loss, ready for .backward(): the sum of its per-token losses (ignored
     targets count 0) times world_size / step_targets (the step's supervised targets over all micro-steps and
     ranks, from count_step_targets). Also returns the detached loss sum, for logging. A step without any
-    supervised target (step_targets == 0) gives zero loss and zero gradient.
+    supervised target (step_targets == 0) gives zero loss and zero gradient; mid_train and chat_sft skip its update.
     """
     loss_sum = model(x, y, loss_reduction="sum")
     return loss_sum * (ddp_world_size / max(step_targets, 1)), loss_sum.detach()
 
 
-def smoothed_loss(ema, loss, step, beta=0.9):
+def smoothed_loss(ema, loss, updates, beta=0.9):
     """
-    (the new EMA of a logged loss, its debiased value) after step `step` (>= 1): ema = beta * ema + (1 - beta) * loss,
-    started at 0; dividing by 1 - beta**step removes the pull toward that 0 of the first steps (Adam's bias correction).
+    (the new EMA of a logged loss, its debiased value) after its `updates`-th update (>= 1): ema = beta * ema +
+    (1 - beta) * loss, started at 0; dividing by 1 - beta**updates removes the pull toward that 0 of the first
+    updates (Adam's bias correction). `updates` counts the losses averaged in, not the steps: a step with no loss to
+    average (a step of mid_train or chat_sft without a supervised target) leaves the EMA and the count as they are.
     """
     ema = beta * ema + (1 - beta) * loss
-    return ema, ema / (1 - beta ** step)
+    return ema, ema / (1 - beta ** updates)
+
+
+def logged_step_loss(loop, train_loss, step_targets, world_size):
+    """
+    What a supervised step of mid_train or chat_sft logs: (its EMA loss debiased, its loss, the step line's loss
+    text). A step without a supervised target on any rank has no loss: it stays out of the EMA (loop.ema_updates
+    counts the losses averaged in), is counted in loop.steps_without_targets, and logs None for both losses.
+    """
+    if step_targets == 0:
+        loop.steps_without_targets += 1
+        return None, None, "no targets: update skipped"
+    loop.ema_updates += 1
+    loop.smooth_train_loss, debiased = smoothed_loss(loop.smooth_train_loss, train_loss, loop.ema_updates)
+    text = (f"loss (EMA): {debiased:.6f} | step loss ({step_targets:,.0f} targets, {world_size} rank(s)): "
+            f"{train_loss:.6f}")
+    return debiased, train_loss, text
 
 
 def step_losses(loss_sum, rank_targets):

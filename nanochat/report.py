@@ -2,12 +2,16 @@
 The run report: one markdown file that says what ran, on what, and what came out.
 
     python -m nanochat.report reset      # start a new report: header with environment facts
+    python -m nanochat.report start      # the same the first time; then a rerun: earlier sections stay
     ... every stage appends its own section (get_report().log(section, data)) ...
     python -m nanochat.report generate   # assemble report.md (+ training curves), copy it to the cwd
 
-Everything lives in $NANOCHAT_BASE_DIR/report/: header.md, one <section>.md per stage, and the generated
-report.md and PNG curves. The per-step metrics of a training run live with its checkpoints
-(<checkpoint dir>/metrics.jsonl); its report section names that file, and `generate` plots it.
+Everything lives in $NANOCHAT_BASE_DIR/report/: header.md, runs.json (when each run of the pipeline started), one
+<section>.md per stage, and the generated report.md and PNG curves. A section is written once per stage and replaced
+when the stage runs again, so a pipeline interrupted and rerun ends with the sections of an uninterrupted one; each
+says which run made it and, where the stage fingerprints its work (nanochat/rerun.py), what it was made from.
+The per-step metrics of a training run live with its checkpoints (<checkpoint dir>/metrics.jsonl); its report section
+names that file, and `generate` plots it.
 """
 
 import datetime
@@ -62,14 +66,40 @@ def report_dir():
     return path
 
 
+def section_path(section):
+    """The file of the section titled `section` (it may not exist yet)."""
+    return os.path.join(report_dir(), f"{_slug(section)}.md")
+
+
+def runs():
+    """When each run of the pipeline started ([] before `start`): the first run, then every rerun."""
+    try:
+        with open(os.path.join(report_dir(), "runs.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return []
+
+
+def run_label():
+    """Which run of the pipeline this is, as a section's "Run" line says it: "1 (first run)", "2 (rerun)", ..."""
+    n = max(1, len(runs()))
+    return f"{n} ({'first run' if n == 1 else 'rerun'})"
+
+
 class Report:
     def __init__(self, directory):
         self.dir = directory
 
-    def log(self, section, data):
-        """Write one section: `data` is a list of dicts (key -> value) or strings, written in order."""
+    def log(self, section, data, made_from=None):
+        """
+        Write one section: `data` is a list of dicts (key -> value) or strings, written in order, after the run of the
+        pipeline that wrote it and `made_from` (the stage's fingerprint, nanochat/rerun.py) when given.
+        """
         path = os.path.join(self.dir, f"{_slug(section)}.md")
         lines = [f"## {section}", f"timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}", ""]
+        lines.append(f"- Run: {run_label()}")
+        if made_from:
+            lines.append(f"- Made from: {made_from}")
         for item in data:
             if isinstance(item, str):
                 lines.append(item)
@@ -298,42 +328,66 @@ HEADLINES = ["ChatCORE", "Offline ChatCORE", "Mean reward, last steps", "Final v
 def stage_lines(directory):
     """
     One line per stage section of `directory`, in the order they were written: its title, its wall time (from the
-    previous section, or the report's start, to its own timestamp: the stage's start-up and imports included, in
-    whole seconds) and its headline number (HEADLINES). What `generate` prints, so that a run ends with a summary.
+    previous section, or the start of the run of the pipeline that wrote it, to its own timestamp: the stage's
+    start-up and imports included, in whole seconds) and its headline number (HEADLINES). What `generate` prints, so
+    that a run ends with a summary.
     """
     header_path = os.path.join(directory, "header.md")
     start = _timestamps([open(header_path, encoding="utf-8").read()]) if os.path.exists(header_path) else []
+    run_starts = [datetime.datetime.strptime(s, "%Y-%m-%d %H:%M:%S") for s in runs()]
     written = sorted((_timestamps([text])[0], text) for text in read_sections(directory).values()
                      if _timestamps([text]))
     lines = []
     previous = start[0] if start else None
     for stamp, text in written:
+        run = re.search(r"^- Run: (\d+)", text, re.MULTILINE)
+        if run and int(run.group(1)) <= len(run_starts):  # a rerun's first stage: timed from the rerun's start
+            previous = max(previous or stamp, run_starts[int(run.group(1)) - 1])
         title = text.split("\n", 1)[0].removeprefix("## ")
         took = f"{(stamp - previous).total_seconds():5.0f} s" if previous else "    ? s"
         parsed = parse_section(text)
         key = next((k for k in HEADLINES if k in parsed), None)
-        lines.append(f"  {title:<24} {took}" + (f"  {key}: {parsed[key]}" if key else ""))
+        rerun = f"  (run {run.group(1)})" if run and run.group(1) != "1" else ""
+        lines.append(f"  {title:<24} {took}" + (f"  {key}: {parsed[key]}" if key else "") + rerun)
         previous = stamp
     return lines
 
 
 def reset():
-    """Start a new report: remove the previous sections and outputs; write the header."""
+    """Start a new report: remove the previous sections and outputs; write the header; this is run 1."""
     directory = report_dir()
     for path in glob.glob(os.path.join(directory, "*")):
         if os.path.isfile(path):
             os.remove(path)
     with atomic_write(os.path.join(directory, "header.md"), "w") as f:
         f.write(header_text().replace("Generated: ", "Started: ", 1))
+    _add_run()
     return directory
 
 
+def start():
+    """A run of the pipeline starts: reset() the first time; after that a rerun, which keeps the earlier sections."""
+    if not os.path.exists(os.path.join(report_dir(), "header.md")):
+        reset()
+        return f"Report started: {report_dir()}/header.md (run 1)"
+    _add_run()
+    return (f"Report: run {len(runs())} of this pipeline (a rerun) in {report_dir()}: the sections of earlier runs "
+            f"stay, a stage that runs again replaces its own")
+
+
+def _add_run():
+    with atomic_write(os.path.join(report_dir(), "runs.json"), "w") as f:
+        json.dump(runs() + [f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}"], f)
+
+
 def main(argv):
-    if len(argv) != 1 or argv[0] not in ("reset", "generate"):
-        print("usage: python -m nanochat.report reset|generate", file=sys.stderr)
+    if len(argv) != 1 or argv[0] not in ("reset", "start", "generate"):
+        print("usage: python -m nanochat.report reset|start|generate", file=sys.stderr)
         return 2
     if argv[0] == "reset":
         print(f"Report reset: {reset()}/header.md")
+    elif argv[0] == "start":
+        print(start())
     else:
         path = generate(copy_to=os.getcwd())
         print(f"Report written to {path} and copied to {os.path.join(os.getcwd(), 'report.md')}")

@@ -5,15 +5,17 @@ Written once for scripts/base_train, mid_train, chat_sft and chat_rl: start (fre
 checkpoint) with the attention its training steps take, log, save, stop, end. The loop itself, with its micro-steps,
 stays written out in each script. The calls a script makes, on every rank, in order:
 
+    if training_done("mid", config, model_tag, inputs):  # --rerun=auto, made already (nanochat/rerun.py)
+        sys.exit(0)
     device_type, ddp, rank, world_size, device = start_compute(device_type)   # after its settings are checked
-    stage = Stage("mid", config, device)             # wandb on rank 0 unless --run=dummy; stage.stop
+    stage = Stage("mid", config, device, model_tag, inputs)   # wandb on rank 0 unless --run=dummy; stage.stop
     model, tokenizer = stage.start(model_tag, source="base", source_step=step)  # resumed: the checkpoint's weights
     optimizers, train_loader = ..., ...
     loop = stage.resume(optimizers, train_loader, data_settings, smooth_train_loss=0.0, epoch_done=False)
     step, stop_now = stage.start_step, False
     while True:
         last_step = ... or stop_now
-        if last_step or ...: stage.save(step, optimizers, loop, data_state=...)
+        if stage.should_save(step, last_step): stage.save(step, optimizers, loop, data_state=...)
         with stage.phase(f"Step {step:05d} | evaluations"):   # evaluate(..., stop=stage.stop): cut short by a stop
             ...; stage.log(step, val_bpb=...)
         if last_step: break
@@ -45,14 +47,18 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import (SOURCES, check_data_settings, check_model_tag, checkpoint_dir_for,
-                                         claim_checkpoint_dir, find_checkpoint_dir, load_for_resume, load_model,
-                                         load_optimizer_shards, optimizer_shard, save_checkpoint)
-from nanochat.common import (Interrupted, UserError, any_rank, atomic_write, autodetect_device_type, compute_cleanup,
-                             compute_init, gather_from_ranks, is_distributed, print0, print_banner)
+                                         claim_checkpoint_dir, complete_steps, delete_checkpoint, find_checkpoint_dir,
+                                         load_for_resume, load_model, load_optimizer_shards, optimizer_shard,
+                                         read_meta, save_checkpoint)
+from nanochat.common import (DiskFull, Interrupted, UserError, any_rank, atomic_write, autodetect_device_type,
+                             compute_cleanup, compute_init, gather_from_ranks, is_distributed, out_of_space, print0,
+                             print_banner)
 from nanochat.cpu_kernels import dense_attention
 from nanochat.gpt import attention
 from nanochat.hardware import autocast_dtype, compute_dtype_line
 from nanochat.probes import dense_attention_pays
+from nanochat.report import get_report
+from nanochat.rerun import RERUN_CHOICES, TRAINING_SECTIONS, fingerprint, training_plan
 from nanochat.tokenizer import carry_tokenizer
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
@@ -193,8 +199,13 @@ def open_metrics(checkpoint_dir, start_step, enabled=True):
 
     def log(**metrics):
         if enabled:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(metrics) + "\n")
+            try:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            except OSError as e:  # a full disk: one line, as for a checkpoint
+                if out_of_space(e) is None:
+                    raise
+                raise DiskFull(out_of_space(e), "metrics.jsonl", checkpoint_dir) from None
     return path, log
 
 
@@ -212,6 +223,11 @@ def check_stage_settings(config):
         raise UserError(f"--warmup_ratio + --warmdown_ratio = {warm:g} > 1: the warmup and the warmdown would overlap")
     if config.get("model_tag"):
         check_model_tag(config["model_tag"])
+    if config.get("rerun", "no") not in RERUN_CHOICES:
+        raise UserError(f"--rerun must be one of {', '.join(RERUN_CHOICES)}, got {config['rerun']!r}")
+    minutes = config.get("save_every_minutes", -1)
+    if not (minutes > 0 or minutes == -1):
+        raise UserError(f"--save_every_minutes must be > 0, or -1 for none, got {config['save_every_minutes']!r}")
 
 
 def start_compute(device_type):
@@ -230,12 +246,16 @@ def start_compute(device_type):
 class Stage:
     """
     One run of a training stage: its checkpoint directory (owned for the whole run), where it started from,
-    its saves, its metrics, its stop request and its end. Attributes after start():
-      model, tokenizer, model_tag, checkpoint_dir, start_step (0, or the step resumed from), resumed (bool),
-      parent (the model a fresh run started from), metrics_path; `stop` (the StopRequest) from the start.
+    its saves, its metrics, its stop request and its end. `inputs`: the identities of what the stage reads
+    (nanochat/rerun.py), which with its settings make its fingerprint, `made_from`, kept with every checkpoint and in
+    its report section. With --rerun=auto (a stage that is done never gets here: rerun.training_done) the stage decides
+    here, on rank 0 for every rank: resume from its last checkpoint made from the same fingerprint, or replace
+    checkpoints made otherwise, or start fresh.
+    Attributes after start(): model, tokenizer, model_tag, checkpoint_dir, start_step (0, or the step resumed from),
+    resumed (bool), parent (the model a fresh run started from), metrics_path; `stop` (the StopRequest) from the start.
     """
 
-    def __init__(self, name, config, device):
+    def __init__(self, name, config, device, model_tag="", inputs=None):
         if name not in SOURCES:
             raise ValueError(f"unknown stage {name!r}")
         self.name = name
@@ -245,12 +265,41 @@ class Stage:
         self.dry_run = config.get("dry_run", False)  # everything runs, nothing is written
         self.resume_from_step = config["resume_from_step"]
         self.resumed = self.resume_from_step >= 0
-        self.wandb = init_wandb(config["run"], self.rank == 0, config, project=WANDB_PROJECTS[name])
+        self.overwrite = config.get("overwrite", False)
+        self.made_from = fingerprint(name, config, inputs) if inputs is not None else None
+        if config.get("rerun", "no") == "auto" and not self.resumed and not self.overwrite and self.made_from:
+            self._plan(model_tag)
         self.stop = StopRequest(self.rank)
         self.last_saved_step = None
         self.data_settings = None
         self.meta = None
         self._stopped_early = None
+        # saves every save_every_minutes of wall time; each replaces the one before it (SAVE_KIND "periodic")
+        self.save_every_minutes = config.get("save_every_minutes", -1)
+        self.save_due = False
+        self._save_kind = "kept"
+        self._last_save_time = time.monotonic()
+        self.wandb = init_wandb(config["run"], self.rank == 0, config, project=WANDB_PROJECTS[name])
+
+    def _plan(self, model_tag):
+        """--rerun=auto: what this run does with what its checkpoint directory holds (rerun.training_plan)."""
+        checkpoint_dir = checkpoint_dir_for(self.name, model_tag)
+        section = TRAINING_SECTIONS[self.name]
+        plan = [training_plan(self.name, section, checkpoint_dir, self.made_from) if self.rank == 0 else None]
+        if is_distributed():  # rank 0's decision for every rank: they must all skip, resume or start alike
+            dist.broadcast_object_list(plan, src=0)
+        what, steps = plan[0]
+        if what in ("done", "resume"):  # done: only its report section was written since the check; written again
+            self.resume_from_step = steps
+            self.resumed = True
+            self.overwrite = True  # the interrupted run's incomplete later files go (claim_checkpoint_dir names them)
+            print0(f"{section}: resuming from step {steps} of {checkpoint_dir}, an interrupted run of the "
+                   f"same settings and inputs (--rerun=auto)")
+        elif what == "replace":
+            self.overwrite = True  # claim_checkpoint_dir names what it deletes
+            shown = ", ".join(map(str, steps)) or "incomplete ones"
+            print0(f"{section}: {checkpoint_dir} holds checkpoints (steps {shown}) made from other "
+                   f"settings or inputs: they are replaced (--rerun=auto)")
 
     def start(self, model_tag, model=None, tokenizer=None, source=None, source_step=-1):
         """
@@ -298,7 +347,7 @@ class Stage:
 
     def _claim(self):
         if not self.dry_run:  # this run owns the directory until it ends (see claim_checkpoint_dir)
-            claim_checkpoint_dir(self.checkpoint_dir, self.resume_from_step, self.config.get("overwrite", False))
+            claim_checkpoint_dir(self.checkpoint_dir, self.resume_from_step, self.overwrite)
 
     def where(self):
         return f"checkpoint of step {self.resume_from_step} in {self.checkpoint_dir}"
@@ -343,15 +392,43 @@ class Stage:
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):
             raise UserError(f"step {step}: the weights are not finite; nothing saved ({self._last_saved()})")
         data_state = gather_from_ranks(data_state) if data_state is not None else None
+        full = None
         if self.rank == 0:
-            carry_tokenizer(self.tokenizer, self.checkpoint_dir)  # an imported model's tokenizer goes where it goes
+            try:
+                carry_tokenizer(self.tokenizer, self.checkpoint_dir)  # an imported model's tokenizer goes where it goes
+            except DiskFull as e:
+                full = e
+        if any_rank(full is not None)[0]:  # every rank ends with the line, none waits for rank 0 in the save
+            raise full or UserError(f"rank 0 could not write the tokenizer into {self.checkpoint_dir} (no space "
+                                    f"left): nothing of step {step} was saved")
         tokenizer = dict(fingerprint=self.tokenizer.fingerprint(), vocab_size=self.tokenizer.get_vocab_size())
         checkpoint_meta = dict(model_config=self.model.config.to_dict(), user_config=self.config, parent=self.parent,
                                tokenizer=tokenizer, data_settings=self.data_settings, data_state=data_state,
-                               loop_state=vars(loop), **meta)
+                               loop_state=vars(loop), made_from=self.made_from, save_kind=self._save_kind, **meta)
         save_checkpoint(self.checkpoint_dir, step, self.model.state_dict(), optimizer_shard(optimizers, self.model),
                         checkpoint_meta, rank=self.rank)
         self.last_saved_step = step
+        self.save_due = False
+        self._last_save_time = time.monotonic()
+        if self.rank == 0:  # a periodic save was only ever a place to resume from: the newer one replaces it
+            for earlier in complete_steps(self.checkpoint_dir):
+                if earlier < step and read_meta(self.checkpoint_dir, earlier).get("save_kind") == "periodic":
+                    delete_checkpoint(self.checkpoint_dir, earlier)
+
+    def should_save(self, step, last_step):
+        """
+        Whether the loop saves at the top of step `step` (the same answer on every rank): at the last step (before
+        the final evaluations, so a crash in them loses nothing), every --save_every steps, and when
+        --save_every_minutes of wall time have passed since the last save (a periodic save, which the next save
+        replaces, as it replaces the save of a run stopped early: at most that much work is lost to a kill -9).
+        """
+        save_every = self.config.get("save_every", -1)
+        every = save_every > 0 and step > self.start_step and step % save_every == 0
+        due = self.save_due and step > self.start_step
+        # the last step of a run stopped early is only a place to resume from, as a periodic save is
+        kept = every or (last_step and not self.stop.requested)
+        self._save_kind = "kept" if kept else "periodic"
+        return last_step or every or due
 
     def _last_saved(self):
         step = self.last_saved_step
@@ -395,7 +472,9 @@ class Stage:
         At the end of a training step, on every rank: (stop, *flags), `stop` True if a stop was requested of any
         rank, each flag True if it is True on any rank (one all_reduce). A stop here ends the training early.
         """
-        stop, *flags = any_rank(self.stop.requested, *flags)
+        minutes = (time.monotonic() - self._last_save_time) / 60
+        due = self.rank == 0 and 0 < self.save_every_minutes <= minutes  # rank 0's clock, for every rank
+        stop, self.save_due, *flags = any_rank(self.stop.requested, due, *flags)
         if stop:
             self.stop.requested = self.stop.seen = True  # every rank's phases now stop at once too
         return (stop, *flags)
@@ -419,8 +498,7 @@ class Stage:
         common = {"Steps run": step, "Stopped early": self.stopped_early(),
                   "World size": dist.get_world_size() if is_distributed() else 1, "Metrics file": self.metrics_path}
         if not self.dry_run:
-            from nanochat.report import get_report
-            get_report().log(section=section, data=[*data, common])
+            get_report().log(section=section, data=[*data, common], made_from=self.made_from)
 
     def finish(self, step, next_steps):
         """
@@ -432,8 +510,10 @@ class Stage:
         self.wandb.finish()
         compute_cleanup()
         if stopped_early:
-            print0(f"Stopped at step {step} on request. Continue with the same command plus --resume_from_step={step} "
-                   f"(exit code {EXIT_STOPPED_EARLY}: not finished)")
+            how = ("Run the same command again to continue from there (--rerun=auto resumes it)"
+                   if self.config.get("rerun") == "auto" else
+                   f"Continue with the same command plus --resume_from_step={step}")
+            print0(f"Stopped at step {step} on request. {how} (exit code {EXIT_STOPPED_EARLY}: not finished)")
             return EXIT_STOPPED_EARLY
         print0(f"Next: {next_steps}")
         return 0

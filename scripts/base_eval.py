@@ -13,12 +13,15 @@ Prints a table per task (accuracy, centered accuracy) and the score, and writes 
 "Base model evaluation" (key "CORE metric" for the dclm bundle, "pydocs-CORE metric" for the offline one).
 """
 
+import sys
+
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0, print_banner
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.report import get_report
+from nanochat.rerun import RERUN_CHOICES, checkpoint_input, done_before, fingerprint
 
 device_type = ""  # cuda | cpu | mps; empty = autodetect
 source = "base"  # which checkpoints: base | mid | sft | rl
@@ -28,10 +31,15 @@ bundle = ""  # dclm | offline; empty = the corpus's own (offline for pydocs, dcl
 max_per_task = -1  # examples per task, the first N of each task's fixed shuffle (-1 = all)
 # device_batch_tokens: rows of similar length go together; their logits take tokens x vocab x 4 bytes
 device_batch_tokens = 8192  # padded tokens per forward per rank
+rerun = "no"  # auto (bash speedrun.sh): skipped if its report section was made from the same settings and inputs
 config = configure(globals())
 check_config(config, positive=["device_batch_tokens"], positive_or_unset=["max_per_task"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "source": ("base", "mid", "sft", "rl"),
-                      "bundle": ("", "dclm", "offline")})
+                      "bundle": ("", "dclm", "offline"), "rerun": RERUN_CHOICES})
+# What the evaluation is made from: these settings and the checkpoint it reads (nanochat/rerun.py)
+made_from = fingerprint("base_eval", config, checkpoint_input(source, model_tag, step))
+if rerun == "auto" and done_before("Base model evaluation", made_from):
+    sys.exit(0)
 
 print_banner()
 device_type = device_type or autodetect_device_type()
@@ -50,7 +58,7 @@ table = ["| task | type | shots | examples | accuracy | centered |", "|---|---|-
 for label, r in results["tasks"].items():
     table.append(f"| {label} | {r['type']} | {r['shots']} | {r['examples']} | {r['accuracy']:.4f} | "
                  f"{r['centered']:.4f} |")
-get_report().log(section="Base model evaluation", data=[
+get_report().log(section="Base model evaluation", made_from=made_from, data=[
     {"model": f"{source} {meta['model_tag']} step {meta['step']}",
      "bundle": bundle,
      "max per task": max_per_task,

@@ -5,6 +5,8 @@ Evaluate a base model checkpoint: bits per byte on the train and val splits, plu
     torchrun --standalone --nproc_per_node=8 -m scripts.base_loss
 """
 
+import sys
+
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
 from nanochat.configurator import check_config, configure
@@ -13,6 +15,7 @@ from nanochat.engine import generate_naive
 from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.losses import evaluate_bpb
 from nanochat.report import get_report
+from nanochat.rerun import RERUN_CHOICES, checkpoint_input, done_before, fingerprint
 from nanochat.tokenizer import get_token_bytes
 
 device_type = ""  # cuda | cpu | mps; empty = autodetect
@@ -20,9 +23,14 @@ model_tag = ""  # which model under base_checkpoints/ (needed only if there are 
 step = -1  # which step (-1 = the last complete checkpoint)
 device_batch_size = 32  # rows per forward per rank
 split_tokens = 20 * 524288  # tokens evaluated per split, all ranks together
+rerun = "no"  # auto (bash speedrun.sh): skipped if its report section was made from the same settings and inputs
 config = configure(globals())
 check_config(config, positive=["device_batch_size", "split_tokens"],
-             choices={"device_type": ("", "cuda", "cpu", "mps")})
+             choices={"device_type": ("", "cuda", "cpu", "mps"), "rerun": RERUN_CHOICES})
+# What the evaluation is made from: these settings and the checkpoint it reads (nanochat/rerun.py)
+made_from = fingerprint("base_loss", config, checkpoint_input("base", model_tag, step))
+if rerun == "auto" and done_before("Base model loss", made_from):
+    sys.exit(0)
 
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)
@@ -57,7 +65,7 @@ if ddp_rank == 0:
         samples.append(prompt + tokenizer.decode(ids))
         print0(f"  {samples[-1]!r}")
 
-get_report().log(section="Base model loss", data=[
+get_report().log(section="Base model loss", made_from=made_from, data=[
     {"model": f"{meta.get('user_config', {}).get('model_tag') or ''} step {meta['step']}".strip(),
      "train bpb": bpb_results["train"], "val bpb": bpb_results["val"], "tokens per split": steps * tokens_per_step},
     "Samples (greedy):", *[f"- {s!r}" for s in samples],

@@ -37,6 +37,7 @@ from nanochat.hardware import autocast_context, compile_model, device_time, get_
 from nanochat.losses import evaluate_bpb, smoothed_loss
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth,
                             lr_multiplier, muon_momentum, step_optimizers)
+from nanochat.rerun import corpus_input, tokenizer_input, training_done
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
@@ -86,9 +87,12 @@ core_metric_max_per_task = 500  # examples per CORE task (-1 = all)
 core_bundle = ""  # CORE tasks: dclm (DCLM's 22, downloaded) | offline (pydocs); empty: offline for pydocs, else dclm
 sample_every = 2000  # steps between printed samples
 save_every = -1  # steps between checkpoints
+save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
 resume_from_step = -1  # resume from this step's checkpoint of model_tag (-1 = start fresh)
 model_tag = ""  # checkpoint directory name under base_checkpoints/ (default d<depth>)
 overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes them (default: refuse)
+rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
+#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 fp8 = False  # the blocks' matmuls in float8 while training (nanochat/fp8.py); not yet measured on a GPU, so off
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
@@ -118,13 +122,18 @@ if not window_pattern or set(window_pattern) - set("SL"):
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 model_tag = check_model_tag(model_tag or f"d{depth}")
 
+# What this run is made from: its settings, the tokenizer and the corpus's shards (nanochat/rerun.py)
+inputs = dict(tokenizer=tokenizer_input(), corpus=corpus_input())
+if training_done("base", config, model_tag, inputs):  # --rerun=auto, and done already: nothing to do
+    sys.exit(0)
+
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
 # start_compute prints the banner and runs compute_init (nanochat/stage.py)
 device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-stage = Stage("base", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
+stage = Stage("base", config, device, model_tag, inputs)  # checkpoints, saves, stop, end; wandb on rank 0
 # The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
 core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_metric_every > 0 else None
 
@@ -235,7 +244,7 @@ while True:
 
     # The final checkpoint comes first, so a crash in the final evaluations loses nothing. Every rank saves its
     # optimizer shard and its data position; rank 0 the weights (nanochat/stage.py)
-    if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
+    if stage.should_save(step, last_step):  # the last step, every save_every steps, every save_every_minutes
         stage.save(step, optimizers, loop, data_state=train_loader.state_dict(), val_bpb=val_bpb,
                    num_iterations=num_iterations)
 

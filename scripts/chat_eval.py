@@ -65,6 +65,7 @@ top_k = 50  # generative tasks: sample from the k most likely tokens (0 = the wh
 max_new_tokens = 512  # generative tasks: longest answer (fewer when the prompt leaves less room in the context)
 seed = 42  # generative tasks: problem i is sampled with seed + i, whatever the number of ranks
 progress_every = 5.0  # seconds between progress lines of a task (0 = after every batch or problem)
+rerun = "no"  # auto (bash speedrun.sh): skipped if its report section was made from the same settings and inputs
 
 SHORT_FLAGS = {"-i": "source", "-a": "task_name"}
 
@@ -158,12 +159,18 @@ def main(argv=None):
     from nanochat.engine import Engine
     from nanochat.hardware import autocast_context, compute_dtype_line
     from nanochat.report import get_report
+    from nanochat.rerun import RERUN_CHOICES, checkpoint_input, done_before, fingerprint
 
     setup_default_logging()  # from here on a UserError prints one line, not a traceback
     config = configure(globals(), expand_short_flags(sys.argv[1:] if argv is None else argv))
     check_config(config, positive=["batch_size", "num_samples", "max_new_tokens"], positive_or_unset=["max_problems"],
                  non_negative=["temperature", "top_k", "progress_every"],
-                 choices={"source": ("mid", "sft", "rl"), "device_type": ("", "cuda", "cpu", "mps")})
+                 choices={"source": ("mid", "sft", "rl"), "device_type": ("", "cuda", "cpu", "mps"),
+                          "rerun": RERUN_CHOICES})
+    # What the evaluation is made from: these settings and the checkpoint it reads (nanochat/rerun.py)
+    made_from = fingerprint("chat_eval", config, checkpoint_input(source, model_tag, step))
+    if rerun == "auto" and done_before(f"Chat evaluation {source}", made_from):
+        return
 
     device_kind = device_type or autodetect_device_type()
     ddp, rank, _, world_size, device = compute_init(device_kind)
@@ -220,7 +227,7 @@ def main(argv=None):
     if not final:
         print0("(ChatCORE needs all of its tasks, -a all; Offline ChatCORE the offline tasks, -a offline)")
 
-    get_report().log(section=f"Chat evaluation {source}", data=[
+    get_report().log(section=f"Chat evaluation {source}", made_from=made_from, data=[
         {"model": f"{source} {meta['model_tag']} step {meta['step']}", "tasks": task_name, "max problems": max_problems,
          "num samples": num_samples, "temperature": temperature, "top k": top_k, "max new tokens": max_new_tokens,
          "world size": world_size},

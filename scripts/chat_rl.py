@@ -32,6 +32,7 @@ from nanochat.hardware import autocast_context, compile_model, device_time
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.scoring import Progress
+from nanochat.rerun import checkpoint_input, training_done
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from tasks.registry import stage_mixture
 
@@ -64,8 +65,11 @@ grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 eval_every = 60  # steps between pass@k evaluations on the test problems (<= 0: only at the start and the end)
 eval_examples = 400  # test problems per evaluation
 save_every = 60  # steps between checkpoints (<= 0: only the final one)
+save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
 resume_from_step = -1  # resume from this step's checkpoint in chatrl_checkpoints/<model_tag> (-1 = from the source)
 overwrite = False  # a fresh run into a model_tag that holds RL checkpoints deletes them (default: refuse)
+rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
+#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 seed = 0  # sampling seeds: step s, problem i use a seed derived from (seed, s, i)
 # compile: the policy-gradient pass sees rows of any length (dynamic shapes)
 compile = "auto"  # torch.compile the policy-gradient pass: auto (= on for CUDA, off for CPU/MPS) | true | false
@@ -81,13 +85,19 @@ check_config(config,
                       "source": ("sft", "mid"), "compile": ("auto", "true", "false")})
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
+# What this run is made from: its settings and the model it starts from (nanochat/rerun.py)
+inputs = dict(source=checkpoint_input(source, model_tag, step))
+if training_done("rl", config, inputs["source"]["model_tag"], inputs):  # --rerun=auto, and done already: nothing to do
+    sys.exit(0)
+
 # -----------------------------------------------------------------------------
 # 2. Compute (CPU, MPS or CUDA; under torchrun gloo or NCCL)
 # the banner and compute_init: nanochat/stage.py
 device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 master_process = ddp_rank == 0  # prints the pass@k progress
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-stage = Stage("rl", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
+# this run's checkpoints, saves, stop and end; wandb on rank 0
+stage = Stage("rl", config, device, inputs["source"]["model_tag"], inputs)
 
 # -----------------------------------------------------------------------------
 # 3. The model: the SFT model for a fresh run, keeping its tag; this stage's own checkpoint for --resume_from_step.
@@ -212,7 +222,7 @@ stop_now = False  # SIGTERM / Ctrl-C: finish the step (cut sampling or pass@k sh
 while True:
     last_step = step >= num_iterations or stop_now
 
-    if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
+    if stage.should_save(step, last_step):  # the last step, every save_every steps, every save_every_minutes
         stage.save(step, optimizers, loop, pass_at_k=pass_at_k, num_iterations=num_iterations)
 
     # pass@k. A stop request cuts it short (Interrupted, on every rank together): not reported, and the stage stops.

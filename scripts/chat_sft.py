@@ -33,9 +33,10 @@ from nanochat.common import UserError, format_value, gather_from_ranks, interrup
 from nanochat.configurator import check_config, configure
 from nanochat.conversation_loader import ConversationLoader, chat_train_loader
 from nanochat.hardware import autocast_context, compile_model, device_time
-from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
+from nanochat.losses import count_step_targets, evaluate_bpb, logged_step_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.scoring import score_categorical
+from nanochat.rerun import checkpoint_input, file_input, training_done
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 from tasks.registry import check_conversations, conversations_split, stage_mixture, stage_tasks
@@ -65,8 +66,11 @@ eval_tokens = -1  # validation rows x tokens per evaluation, all ranks together 
 eval_metrics_every = 200  # steps between multiple-choice evaluations (<= 0: only at the end)
 eval_metrics_max_problems = 256  # problems per multiple-choice task in those evaluations (-1 = all)
 save_every = -1  # steps between checkpoints (<= 0: only the final one)
+save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
 resume_from_step = -1  # resume from this step's checkpoint in chatsft_checkpoints/<model_tag> (-1 = from the source)
 overwrite = False  # a fresh run into a model_tag that holds SFT checkpoints deletes them (default: refuse)
+rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
+#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 compile = "auto"  # torch.compile (rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
 # mixture: which tasks, how much of each: tasks/registry.py. conversations: custom's data; with real or offline one
 # more task of that mixture
@@ -85,12 +89,19 @@ check_config(config, positive=["max_seq_len", "device_batch_size", "examples_per
 check_conversations(mixture, conversations)  # custom without a file, a missing file, under 2 conversations: refused now
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
+# What this run is made from: its settings, the model it starts from, the files it reads (nanochat/rerun.py)
+inputs = dict(source=checkpoint_input(source, model_tag, step), conversations=file_input(conversations),
+              identity_file=file_input(identity_file))
+if training_done("sft", config, inputs["source"]["model_tag"], inputs):  # --rerun=auto, and done already: nothing to do
+    sys.exit(0)
+
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
 # the banner, compute_init: nanochat/stage.py
 device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-stage = Stage("sft", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
+# this run's checkpoints, saves, stop and end; wandb on rank 0
+stage = Stage("sft", config, device, inputs["source"]["model_tag"], inputs)
 
 # -----------------------------------------------------------------------------
 # 3. The model: the midtrained (or base) model for a fresh run, keeping its tag; this stage's own checkpoint for
@@ -149,6 +160,8 @@ optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embeddin
 scale_initial_lrs(optimizers, init_lr_frac)
 loop = stage.resume(optimizers, train_loader, data_settings,
                     smooth_train_loss=0.0,  # EMA of the global train loss
+                    ema_updates=stage.start_step,  # the step losses averaged into it (a checkpoint without: every step)
+                    steps_without_targets=0,  # steps with no supervised target on any rank: no update (the loop)
                     total_training_time=0.0,  # seconds, excluding the first steps
                     first_val_bpb=None,
                     epoch_done=False)  # some rank has read its whole share of the mixture
@@ -191,7 +204,7 @@ while True:
     last_step = (step >= num_iterations if num_iterations > 0 else loop.epoch_done) or stop_now
 
     # The final checkpoint comes first, so a crash in the final evaluations loses nothing.
-    if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
+    if stage.should_save(step, last_step):  # the last step, every save_every steps, every save_every_minutes
         stage.save(step, optimizers, loop, data_state=next_data_state, val_bpb=val_bpb)
 
     # The evaluations. A stop request cuts them short (Interrupted, on every rank together): what they measured so
@@ -236,22 +249,29 @@ while True:
     next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works
     lrm = lr_multiplier(done, total, warmup_ratio, warmdown_ratio, final_lr_frac)
     momentum = muon_momentum(step)  # new optimizers, zero momentum buffers: 0.85 -> 0.95 over 300 steps, as mid_train
-    # clip, update, zero the gradients (see base_train); the mean over every supervised target of the step
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    # clip, update, zero the gradients (see base_train); the mean over every supervised target of the step.
+    # A step without a supervised target on any rank (every row masked: at a short max_seq_len a conversation can be
+    # cut before its first answer) has nothing to learn: no update, for AdamW's and Muon's momentum would move the
+    # weights on its zero gradient; only its gradients are zeroed. The count is of all ranks: every rank skips alike.
+    # The step still counts and the lr schedule moves on: it consumed its data.
+    if step_targets > 0:
+        grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    else:
+        orig_model.zero_grad(set_to_none=True)
+        grad_norm = None
     train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
     dt = device_time(device) - t0
     step += 1
 
     # ---- logging ----
-    loop.smooth_train_loss, debiased_loss = smoothed_loss(loop.smooth_train_loss, train_loss, step)
+    debiased_loss, train_loss, losses = logged_step_loss(loop, train_loss, step_targets, ddp_world_size)
     if step - start_step > 10:
         loop.total_training_time += dt
     progress = step_start[0] / step_start[1]  # after this step
-    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss "
-           f"({step_targets:,.0f} targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon "
-           f"momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | "
-           f"total time: {loop.total_training_time / 60:.2f}m")
+    print0(f"step {step:05d} ({100 * progress:.2f}%) | {losses} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | "
+           f"grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | total time: "
+           f"{loop.total_training_time / 60:.2f}m")
     stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
               muon_momentum=momentum, grad_norm=grad_norm, dt=dt, total_training_time=loop.total_training_time)
 
@@ -262,6 +282,9 @@ read = sum(s["read"] for s in per_rank_stats)
 cut = sum(s["cut"] for s in per_rank_stats)
 print0(f"Read {read:,} training conversations on {ddp_world_size} rank(s); {cut} were longer than max_seq_len + 1 "
        f"tokens and cut")
+if loop.steps_without_targets:
+    print0(f"Steps without targets (skipped): {loop.steps_without_targets} of {step}, every row masked (a longer "
+           f"--max_seq_len keeps more answers)")
 stopped_early = stage.stopped_early()  # a stop cut the training or the final evaluations short
 final_bpb = None if stopped_early else val_bpb  # a final validation cut short measured nothing
 print0(f"Validation bpb: {format_value(loop.first_val_bpb)} (before SFT) -> {format_value(final_bpb)} (after "
@@ -270,6 +293,7 @@ stage.report("Chat SFT", step, [
     config,
     {"Mixture": mixture, "Training conversations": train_loader.size, "Conversations cut at max_seq_len": cut,
      "Gradient accumulation steps": grad_accum_steps, "torch.compile": use_compile,
+     "Steps without targets (skipped)": loop.steps_without_targets,
      "Validation bpb before SFT": loop.first_val_bpb, "Final validation bpb": final_bpb,
      **{f"{name} accuracy": acc for name, acc in ({} if stopped_early else metrics).items()},
      "Total training time (min)": loop.total_training_time / 60},

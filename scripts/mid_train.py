@@ -31,8 +31,9 @@ from nanochat.configurator import check_config, configure
 from nanochat.conversation_loader import ConversationLoader, chat_train_loader
 from nanochat.dataloader import grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
-from nanochat.losses import count_step_targets, evaluate_bpb, smoothed_loss, step_losses, supervised_loss
+from nanochat.losses import count_step_targets, evaluate_bpb, logged_step_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.rerun import checkpoint_input, file_input, training_done
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 from tasks.registry import check_conversations, conversations_split, stage_mixture
@@ -60,8 +61,11 @@ grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 eval_every = 150  # steps between validation evaluations (<= 0: only at the start and the end)
 eval_tokens = -1  # validation tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
 save_every = -1  # steps between checkpoints (<= 0: only the final one)
+save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
 resume_from_step = -1  # resume from this step's checkpoint in mid_checkpoints/<model_tag> (-1 = from the base model)
 overwrite = False  # a fresh run into a model_tag that holds midtraining checkpoints deletes them (default: refuse)
+rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
+#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 # mixture: which tasks, how much of each: tasks/registry.py. conversations: custom's data; with real or offline one
 # more task of that mixture
@@ -81,12 +85,19 @@ check_config(config, positive=["max_seq_len", "device_batch_size", "total_batch_
 check_conversations(mixture, conversations)  # custom without a file, a missing file, under 2 conversations: refused now
 check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
 
+# What this run is made from: its settings, the base model it starts from, the files it reads (nanochat/rerun.py)
+inputs = dict(source=checkpoint_input("base", model_tag, step), conversations=file_input(conversations),
+              identity_file=file_input(identity_file))
+if training_done("mid", config, inputs["source"]["model_tag"], inputs):  # --rerun=auto, and done already: nothing to do
+    sys.exit(0)
+
 # -----------------------------------------------------------------------------
 # 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
 # the banner, compute_init: nanochat/stage.py
 device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-stage = Stage("mid", config, device)  # this run's checkpoints, saves, stop and end; wandb on rank 0
+# this run's checkpoints, saves, stop and end; wandb on rank 0
+stage = Stage("mid", config, device, inputs["source"]["model_tag"], inputs)
 
 # -----------------------------------------------------------------------------
 # 3. The model: every rank loads the full model (the Dist optimizers shard only their own work: the optimizer state,
@@ -140,6 +151,8 @@ optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embeddin
 scale_initial_lrs(optimizers, init_lr_frac)
 loop = stage.resume(optimizers, train_loader, data_settings,
                     smooth_train_loss=0.0,  # EMA of the global train loss
+                    ema_updates=stage.start_step,  # the step losses averaged into it (a checkpoint without: every step)
+                    steps_without_targets=0,  # steps with no supervised target on any rank: no update (the loop)
                     total_training_time=0.0,  # seconds, excluding the first (compile) steps
                     first_val_bpb=None, min_val_bpb=float("inf"),
                     epoch_done=False)  # some rank has read its whole share of the mixture
@@ -169,7 +182,7 @@ while True:
     last_step = (step >= num_iterations if num_iterations > 0 else loop.epoch_done) or stop_now
 
     # The final checkpoint comes first, so a crash in the final evaluation loses nothing.
-    if last_step or (save_every > 0 and step > start_step and step % save_every == 0):
+    if stage.should_save(step, last_step):  # the last step, every save_every steps, every save_every_minutes
         stage.save(step, optimizers, loop, data_state=next_data_state, val_bpb=val_bpb)
 
     # Validation: bits per byte of the assistant tokens of held-out conversations (step 0 = the base model). A stop
@@ -212,8 +225,15 @@ while True:
     # (pretraining's defaults: 0.85 -> 0.97, then to 0.90 over its warmdown)
     momentum = muon_momentum(step)
     # clip, update, then zero the gradients for the next step (never between micro-steps: there they add up); the
-    # ranks' gradients are averaged in there (see base_train)
-    grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    # ranks' gradients are averaged in there (see base_train). A step without a supervised target on any rank (every
+    # row masked: user turns alone) has nothing to learn: no update, for AdamW's and Muon's momentum would move the
+    # weights on its zero gradient; only its gradients are zeroed. The count is of all ranks: every rank skips alike.
+    # The step still counts and the lr schedule moves on: it consumed its data.
+    if step_targets > 0:
+        grad_norm = step_optimizers(optimizers, lrm, momentum, grad_clip)
+    else:
+        orig_model.zero_grad(set_to_none=True)
+        grad_norm = None
     # the mean over every supervised target of the step
     train_loss, rank_losses = step_losses(step_loss_sum, rank_targets)
     stop_now, loop.epoch_done = stage.stop_after_step(loop.epoch_done or train_loader.epoch_done)
@@ -222,15 +242,14 @@ while True:
     step += 1
 
     # ---- logging ----
-    loop.smooth_train_loss, debiased_loss = smoothed_loss(loop.smooth_train_loss, train_loss, step)
+    debiased_loss, train_loss, losses = logged_step_loss(loop, train_loss, step_targets, ddp_world_size)
     mfu = 100 * flops_per_token * tok_per_sec / (peak_flops * ddp_world_size)
     if step - start_step > 10:  # the first steps include compilation and warm-up: keep them out of the time
         loop.total_training_time += dt
         mfus.append(mfu)
     progress = step_start[0] / step_start[1]  # after this step
-    print0(f"step {step:05d} ({100 * progress:.2f}%) | loss (EMA): {debiased_loss:.6f} | step loss "
-           f"({step_targets:,.0f} targets, {ddp_world_size} rank(s)): {train_loss:.6f} | lrm: {lrm:.2f} | muon "
-           f"momentum: {momentum:.3f} | grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | "
+    print0(f"step {step:05d} ({100 * progress:.2f}%) | {losses} | lrm: {lrm:.2f} | muon momentum: {momentum:.3f} | "
+           f"grad norm (before clip): {format_value(grad_norm)} | dt: {dt * 1000:.2f}ms | "
            f"tok/sec: {tok_per_sec:,.0f} | mfu %: {mfu:.1f} | total time: {loop.total_training_time / 60:.2f}m")
     stage.log(step, loss=debiased_loss, step_loss=train_loss, rank_losses=rank_losses, targets=step_targets, lrm=lrm,
               muon_momentum=momentum, grad_norm=grad_norm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu,
@@ -246,11 +265,14 @@ per_rank_stats = gather_from_ranks(train_loader.stats)
 for r, stats in enumerate(per_rank_stats):
     print0(f"rank {r}: read {stats['read']:,} training conversations (first: {stats['first']}), "
            f"{stats['split']} longer than a row, continued across rows")
+if loop.steps_without_targets:
+    print0(f"Steps without targets (skipped): {loop.steps_without_targets} of {step}, every row masked")
 stage.report("Midtraining", step, [
     config,
     {"Mixture": mixture, "Training conversations": train_loader.size,
      "Conversations longer than a row (continued, not cropped)": sum(s["split"] for s in per_rank_stats),
      "Gradient accumulation steps": grad_accum_steps, "torch.compile": use_compile,
+     "Steps without targets (skipped)": loop.steps_without_targets,
      "Validation bpb of the base model": loop.first_val_bpb, "Minimum validation bpb": loop.min_val_bpb,
      "Final validation bpb": final_bpb, "Total training time (min)": loop.total_training_time / 60,
      "Average MFU (%)": f"{sum(mfus) / len(mfus):.1f}" if mfus else "n/a (under 11 steps)"},

@@ -13,21 +13,29 @@ comparison is skipped with a message; the script never hangs on the network (dow
 
 import hashlib
 import os
+import sys
 import tempfile
 import threading
 
 import tiktoken
 
 from nanochat.common import print0
-from nanochat.configurator import configure
+from nanochat.configurator import check_config, configure
 from nanochat.dataset import dataset_name, parquets_iter_batched
 from nanochat.report import get_report
+from nanochat.rerun import RERUN_CHOICES, corpus_input, done_before, fingerprint, tokenizer_input
 from nanochat.tokenizer import get_tokenizer
 
 sample_chars = 1_000_000  # characters of the train split and of the val split to measure on
 download_reference = True  # fetch the GPT-2/GPT-4 files when not cached (needs internet)
 download_timeout = 20.0  # seconds to wait for that download before skipping the comparison
+rerun = "no"  # auto (bash speedrun.sh): skipped if its report section was made from the same settings and inputs
 config = configure(globals())
+check_config(config, choices={"rerun": RERUN_CHOICES})
+# What the evaluation is made from: these settings, the tokenizer and the corpus (nanochat/rerun.py)
+made_from = fingerprint("tok_eval", config, dict(tokenizer=tokenizer_input(), corpus=corpus_input()))
+if rerun == "auto" and done_before("Tokenizer evaluation", made_from):
+    sys.exit(0)
 
 # -----------------------------------------------------------------------------
 # Texts of different kinds: compression differs a lot between them, and shows what the corpus covered
@@ -199,7 +207,7 @@ print0(f"Compression of our tokenizer (vocab {tokenizer.get_vocab_size():,}, tra
        f"bytes/token: higher is better")
 print0(table)
 
-get_report().log(section="Tokenizer evaluation", data=[
+get_report().log(section="Tokenizer evaluation", made_from=made_from, data=[
     {"dataset": corpus, "vocab_size": tokenizer.get_vocab_size(), "sample_chars": sample_chars,
      "compared_with": ", ".join(e for e in encoders if e != "ours") or "none (offline, not cached)",
      "Val bytes/token": f"{num_bytes[f'{corpus} val'] / max(results[f'{corpus} val', 'ours'], 1):.2f}"},

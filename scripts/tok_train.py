@@ -10,21 +10,31 @@ Documents are cropped to doc_cap characters (so a handful of huge documents cann
 counts) and training stops after max_chars characters in total.
 """
 
+import os
+import sys
 import time
 
 from nanochat.common import UserError, print0
-from nanochat.configurator import configure
+from nanochat.configurator import check_config, configure
 from nanochat.dataset import dataset_name, parquets_iter_batched
 from nanochat.report import get_report
+from nanochat.rerun import RERUN_CHOICES, corpus_input, done_before, fingerprint
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer, get_tokenizer_dir
 
 max_chars = 2_000_000_000  # train on at most this many characters of the train split
 doc_cap = 10_000  # crop every document to its first doc_cap characters
 vocab_size = 65536  # tokens in total: 256 bytes + merges + the special tokens
+rerun = "no"  # auto (bash speedrun.sh): skip if this tokenizer was trained with the same settings on the same corpus
 config = configure(globals())
 
 if max_chars < 1 or doc_cap < 1:
     raise UserError(f"max_chars and doc_cap must be >= 1 (got max_chars={max_chars}, doc_cap={doc_cap})")
+check_config(config, choices={"rerun": RERUN_CHOICES})
+# What the tokenizer is made from: these settings and the corpus's shards (nanochat/rerun.py)
+made_from = fingerprint("tok_train", config, corpus_input())
+tokenizer_file = os.path.join(get_tokenizer_dir(), "tokenizer.json")
+if rerun == "auto" and done_before("Tokenizer training", made_from, [tokenizer_file]):
+    sys.exit(0)
 corpus = dataset_name()
 print0(f"Training a tokenizer of {vocab_size:,} tokens ({len(SPECIAL_TOKENS)} special) on the train split of "
        f"{corpus}: at most {max_chars:,} chars, documents cropped to {doc_cap:,} chars")
@@ -87,7 +97,7 @@ regular = token_bytes[token_bytes > 0].float()
 print0(f"Token lengths in bytes (special tokens excluded): min {int(regular.min())}, max {int(regular.max())}, "
        f"mean {regular.mean():.2f}")
 
-get_report().log(section="Tokenizer training", data=[
+get_report().log(section="Tokenizer training", made_from=made_from, data=[
     config,
     {
         "dataset": corpus,

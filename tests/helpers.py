@@ -357,6 +357,45 @@ def assert_same_weights(a, b, rtol, atol):
         assert torch.allclose(a[k], b[k], rtol=rtol, atol=atol), (k, (a[k] - b[k]).abs().max().item())
 
 
+def same_state(a, b):
+    """Two saved states (weights, an optimizer shard: nested dicts and lists of tensors and numbers) bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_steps_without_targets(result, ckpt, steps):
+    """
+    A mid_train or chat_sft run of `steps` steps with --save_every=1, some of them without targets: each such step
+    printed so, logged no loss and changed no weight or optimizer state (bit for bit, also after steps that learned,
+    where AdamW's momentum would move them); the EMA is that of the steps that learned alone. Returns (the metrics'
+    step rows, the skipped steps, the rows of the steps that learned).
+    """
+    from nanochat.losses import smoothed_loss
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "targets" in r]
+    skipped = [r["step"] for r in rows if r["targets"] == 0]
+    learned = [r for r in rows if r["targets"] > 0]
+    assert len(rows) == steps and learned and skipped and skipped[-1] > learned[0]["step"], rows
+    for s in skipped:
+        assert re.search(rf"step {s:05d} \([\d.]+%\) \| no targets: update skipped \|", result.stdout)
+        assert rows[s - 1]["loss"] is None and rows[s - 1]["step_loss"] is None
+        if s > 1:
+            for kind in ("model_{:06d}.pt", "optim_{:06d}_rank0.pt"):
+                before = torch.load(ckpt / kind.format(s - 1))
+                assert same_state(torch.load(ckpt / kind.format(s)), before), (s, kind)
+    ema = 0.0
+    for n, r in enumerate(learned, 1):  # debiased by the number of steps that learned
+        ema, debiased = smoothed_loss(ema, r["step_loss"], n)
+        assert r["loss"] == pytest.approx(debiased, rel=1e-12), (n, r)
+    assert f"Steps without targets (skipped): {len(skipped)} of {steps}," in result.stdout
+    return rows, skipped, learned
+
+
 # ---------------------------------------------------------------------------------------------
 # A toy model whose per-token losses are known exactly (test_loss, test_chat_finetune, dist_loss_worker.py)
 

@@ -1,8 +1,8 @@
 """
 The chat finetuning stages: scripts/chat_sft.py and scripts/chat_rl.py end to end on a tiny midtrained model.
 
-On offline data; SFT's exact resume, and the RL update on hand-computed numbers and on a trivial task where it must
-raise the reward.
+On offline data; SFT's exact resume and its steps without targets (no update), and the RL update on hand-computed
+numbers and on a trivial task where it must raise the reward.
 """
 
 import json
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from helpers import run_script, run_signalled, ToyModel
+from helpers import check_steps_without_targets, run_script, run_signalled, same_state, ToyModel
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 
 SFT = ["-m", "scripts.chat_sft", "--mixture=offline", "--max_seq_len=128", "--device_batch_size=2",
@@ -60,6 +60,38 @@ def test_sft_trains_evaluates_and_resumes_exactly(chat_base):
     from nanochat.checkpoint_manager import load_model
     model, tokenizer, meta = load_model("sft", "cpu", phase="eval")
     assert meta["step"] == 6 and meta["parent"]["source"] == "mid"
+
+
+@pytest.mark.slow
+def test_sft_steps_without_targets_change_nothing(chat_base):
+    """
+    At --max_seq_len=32 with one conversation per step most offline conversations are cut before their first
+    answer: such a step (0 targets) updates nothing (the weights and every optimizer state stay bit for bit, also
+    after steps that learned, where AdamW's momentum would move them), its loss stays out of the EMA and the
+    metrics, the run counts it; a resume after it continues exactly.
+    """
+    ckpt = chat_base / "chatsft_checkpoints" / "d1"
+    args = [a for a in SFT if not a.startswith(("--max_seq_len", "--device_batch_size", "--examples_per_step"))]
+    args += ["--max_seq_len=32", "--device_batch_size=1", "--examples_per_step=1", "--num_iterations=12",
+             "--eval_every=-1", "--eval_metrics_every=-1"]
+    result = run_script(*args, "--save_every=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, skipped, learned = check_steps_without_targets(result, ckpt, 12)
+    section = (chat_base / "report" / "chat-sft.md").read_text()
+    assert f"- Steps without targets (skipped): {len(skipped)}\n" in section
+    # a resume from the first step that learned: the count of the EMA's updates comes back too
+    resume_at = learned[0]["step"]
+    final_weights = torch.load(ckpt / "model_000012.pt")
+    for f in ckpt.glob("*_0000*"):
+        if int(f.name.split("_")[1].split(".")[0]) > resume_at:
+            f.unlink()
+    resumed = run_script(*args, f"--resume_from_step={resume_at}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "step_loss", "targets", "grad_norm")
+    assert [[r[k] for k in keys] for r in resumed_rows if "targets" in r] == [[r[k] for k in keys] for r in rows]
+    assert same_state(torch.load(ckpt / "model_000012.pt"), final_weights)
+    assert f"Steps without targets (skipped): {len(skipped)} of 12," in resumed.stdout
 
 
 @pytest.mark.slow

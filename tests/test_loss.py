@@ -8,6 +8,7 @@ F.cross_entropy of the softcapped logits in float64.
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 
 from helpers import REPO_ROOT, run_script, step_micro_batches, ToyModel
 from nanochat.gpt import SOFTCAP
-from nanochat.losses import count_step_targets, softcapped_cross_entropy, supervised_loss
+from nanochat.losses import (count_step_targets, logged_step_loss, smoothed_loss, softcapped_cross_entropy,
+                             supervised_loss)
 
 
 def one_process(batches):
@@ -43,6 +45,24 @@ def test_a_fully_masked_micro_batch_changes_nothing():
     assert one_process([c, a, b])[0] == pytest.approx(5.0)
     grad, _, total, _ = one_process([c])  # a step without any target: zero loss, zero gradient, no division by 0
     assert total == 0 and grad == 0.0
+
+
+def test_the_smoothed_loss_skips_steps_without_targets():
+    """
+    The chat stages' EMA of losses 4 and 2 with a step without targets between them, by hand: the empty step has no
+    loss to average in and is no update, so the EMA after it is the EMA of 4 and 2, debiased by 2 updates. Averaged
+    in as a loss of 0, it would pull the EMA down with nothing learned.
+    """
+    loop = SimpleNamespace(smooth_train_loss=0.0, ema_updates=0, steps_without_targets=0)
+    debiased, loss, text = logged_step_loss(loop, 4.0, 10, 1)
+    assert loop.smooth_train_loss == pytest.approx(0.4) and debiased == pytest.approx(4.0)  # the loss itself
+    assert loss == 4.0 and text.startswith("loss (EMA): 4.000000 | step loss (10 targets, 1 rank(s))")
+    assert logged_step_loss(loop, 0.0, 0, 1) == (None, None, "no targets: update skipped")
+    assert loop.smooth_train_loss == pytest.approx(0.4) and loop.steps_without_targets == 1
+    debiased, _, _ = logged_step_loss(loop, 2.0, 10, 1)  # the third step, the second update
+    assert loop.ema_updates == 2 and debiased == pytest.approx(0.56 / 0.19)  # 2.947
+    ema, debiased = smoothed_loss(0.4, 0.0, 2)  # the empty step averaged in: what the loop avoids
+    assert debiased == pytest.approx(0.36 / 0.19)  # 1.895: down from 4 on no data
 
 
 def test_three_ranks_equal_one_rank_with_accumulation(tmp_path):

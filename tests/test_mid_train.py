@@ -2,7 +2,8 @@
 Midtraining (scripts/mid_train) end to end on CPU from the session's tiny base model; the reduced CPU speedrun.
 
 The offline mixture, per-rank batches, disjoint conversations across ranks, ranks with unequal data stopping
-together, the held-out loss going down, SIGTERM and an exact resume (on the same number of processes only).
+together, the held-out loss going down, SIGTERM and an exact resume (on the same number of processes only), steps
+without targets (no update).
 """
 
 import json
@@ -12,7 +13,8 @@ import re
 import pytest
 import torch
 
-from helpers import CORES, REPO_ROOT, assert_same_weights, run_script, run_signalled, speedrun_env
+from helpers import (CORES, REPO_ROOT, assert_same_weights, check_steps_without_targets, run_script, run_signalled,
+                     speedrun_env, with_defaults)
 
 pytestmark = pytest.mark.slow  # every test here runs mid_train or the pipeline
 
@@ -94,16 +96,32 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(base_model):
     assert resumed.returncode == 0, resumed.stderr
     interrupted_losses = step_losses(ckpt)
     interrupted_weights = torch.load(ckpt / f"model_{steps:06d}.pt")
+    # the save of the run stopped early was only a place to resume from: the final save replaced it
+    assert sorted(int(m.stem[-6:]) for m in ckpt.glob("meta_*.json")) == [steps]
     # a world size other than the checkpoint's changes which conversations each rank reads: refused
-    for f in ckpt.glob(f"*{steps:06d}*"):
-        f.unlink()
-    two = mid(f"--num_iterations={steps}", f"--resume_from_step={stopped}", nproc=2)
+    two = mid(f"--num_iterations={steps}", f"--resume_from_step={steps}", nproc=2)
     assert two.returncode != 0 and "was trained with world_size=1, this run has world_size=2" in two.stderr
     full = mid(f"--num_iterations={steps}", "--overwrite")
     assert full.returncode == 0, full.stderr
     full_losses = step_losses(ckpt)
     assert len(full_losses) == steps and interrupted_losses == pytest.approx(full_losses, rel=1e-6)
     assert_same_weights(interrupted_weights, torch.load(ckpt / f"model_{steps:06d}.pt"), rtol=1e-6, atol=0)
+
+
+def test_steps_without_targets_change_nothing(base_model):
+    """
+    Rows of 32 tokens, one per step: many hold only user turns (0 targets). Such a step updates nothing (the weights
+    and every optimizer state stay bit for bit, also after steps that learned, where AdamW's momentum would move
+    them), its loss stays out of the EMA and the metrics, and the run counts it (chat_sft: test_chat_finetune).
+    """
+    ckpt = base_model / "mid_checkpoints" / "d1"
+    args = ["--max_seq_len=32", "--device_batch_size=1", "--total_batch_size=32", "--num_iterations=14",
+            "--save_every=1"]
+    result = run_script(*with_defaults(MID, args))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, skipped, _ = check_steps_without_targets(result, ckpt, 14)
+    section = (base_model / "report" / "midtraining.md").read_text()
+    assert f"- Steps without targets (skipped): {len(skipped)}\n" in section
 
 
 def test_cpu_speedrun_smoke(pydocs_corpus, isolated_env, tmp_path):

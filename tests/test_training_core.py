@@ -372,6 +372,6 @@ def test_interrupted_stage_exits_non_zero_and_speedrun_stops(pydocs_corpus, isol
     proc.wait(timeout=300)
     out = "".join(lines)
     assert proc.returncode != 0, out[-3000:]
-    assert "got SIGINT" in out and "--resume_from_step=" in out
+    assert "got SIGINT" in out and "Run the same command again to continue" in out
     assert "speedrun: done" not in out and not (isolated_env / "mid_checkpoints").exists()  # mid_train never started
     assert not (tmp_path / "report.md").exists()
