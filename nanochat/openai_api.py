@@ -310,11 +310,12 @@ async def chat_completions(request: Request):
     openai_messages(body)
     prompt, sampling = check_chat(body, settings, pool, system=True, tokens_field=tokens_field)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": settings.model_name}
+    job = Job(pool, len(prompt) + sampling["max_tokens"])  # 429 / 400 now, before a stream starts
     if stream:
-        return StreamingResponse(chat_events(request, pool, head, prompt, sampling, stops, include_usage),
+        return StreamingResponse(chat_events(request, job, head, prompt, sampling, stops, include_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     reply = Reply()
-    async with Job(pool) as job:
+    async with job:
         try:
             content = "".join([piece async for piece in reply_pieces(job, request, prompt, sampling, stops, reply)])
         except Exception as e:
@@ -328,7 +329,7 @@ async def chat_completions(request: Request):
                          "logprobs": None, "finish_reason": reply.finish_reason}]}
 
 
-async def chat_events(request, pool, head, prompt, sampling, stops, include_usage):
+async def chat_events(request, job, head, prompt, sampling, stops, include_usage):
     """The events of a streamed chat reply: the role, the text pieces, the finish reason, the usage if asked, [DONE]."""
     # with include_usage, every chunk carries usage (null until the last)
     extra = {"usage": None} if include_usage else {}
@@ -340,7 +341,7 @@ async def chat_events(request, pool, head, prompt, sampling, stops, include_usag
     reply = Reply()
     yield chunk({"role": "assistant", "content": ""})  # at once, while the request may still wait for a worker
     try:
-        async with Job(pool) as job:
+        async with job:
             async for piece in reply_pieces(job, request, prompt, sampling, stops, reply):
                 yield chunk({"content": piece})
             if reply.finish_reason is None:
@@ -378,7 +379,9 @@ async def completions(request: Request):
                           f"context ({pool.context_len:,}): no room for max_tokens",
                           code="context_length_exceeded")
     choices, generated = [], 0
-    async with Job(pool) as job:
+    # one row, reused by the prompts in turn: room for the longest prompt + max_tokens
+    need = max(len(prompt) + min(sampling["max_tokens"], pool.context_len - len(prompt)) for prompt, _ in prompts)
+    async with Job(pool, need) as job:
         try:
             for index, (prompt, added) in enumerate(prompts):
                 choice = await complete(job, request, prompt, added, dict(sampling), stops, echo, top_n)
@@ -422,8 +425,8 @@ async def complete(job, request, prompt, added, sampling, stops, echo, top_n):
         kept = kept + [reply.end_token]
     logprobs = None
     if top_n is not None:
-        logprobs = await asyncio.wrap_future(job.worker.thread.submit(logprobs_report, job.worker, prompt + kept,
-                                                                      added if echo else len(prompt), top_n))
+        logprobs = await asyncio.wrap_future(job.worker.submit(logprobs_report, job.worker, prompt + kept,
+                                                               added if echo else len(prompt), top_n))
     if echo:
         text = tokenizer.decode(prompt[added:]) + text
     return {"text": text, "logprobs": logprobs, "finish_reason": reply.finish_reason or "length",
