@@ -109,16 +109,16 @@ def regroup(cache, padding, keep, joining, max_len, dtype):
     """
     Rows of different lengths in one cache, for a server whose requests join and leave a running batch: a new
     KVCache of `max_len` positions in `dtype` with rows `keep` (indices) of `cache` (None: no rows yet), then the
-    batch-1 cache `joining` (None: none joins), all
-    right-aligned at the longest (pos = its length), the padding columns before each row zeros (masked-out keys
-    still multiply their values by a zero weight: 0 x NaN). `padding`: each row's padding columns in `cache`.
+    batch-1 caches of the list `joining`, all right-aligned at the longest (pos = its length), the padding columns
+    before each row zeros (masked-out keys still multiply their values by a zero weight: 0 x NaN). `padding`: each
+    row's padding columns in `cache`.
     Returns (the new cache, its rows' padding); (None, []) when no row is left. Rows move, their values do not
     change: a row decodes the same tokens in any batch, up to float rounding.
     """
-    ref = cache if cache is not None else joining
-    lengths = [cache.pos - padding[i] for i in keep] + ([joining.pos] if joining is not None else [])
+    lengths = [cache.pos - padding[i] for i in keep] + [other.pos for other in joining]
     if not lengths:
         return None, []
+    ref = cache if keep else joining[0]
     pos = max(lengths)
     out = KVCache(len(lengths), ref.n_kv_head, max_len, ref.head_dim, ref.n_layer, ref.k.device, dtype,
                   capacity=pos + 256)
@@ -129,8 +129,8 @@ def regroup(cache, padding, keep, joining, max_len, dtype):
         rows = torch.tensor(keep, device=ref.k.device)
         out.k[:, :len(keep), :, pos - span:pos] = cache.k[:, rows, :, cache.pos - span:cache.pos]
         out.v[:, :len(keep), :, pos - span:pos] = cache.v[:, rows, :, cache.pos - span:cache.pos]
-    if joining is not None:
-        out.place(joining, slice(len(keep), len(keep) + 1), pos)
+    for j, other in enumerate(joining):
+        out.place(other, slice(len(keep) + j, len(keep) + j + 1), pos)
     out.advance(pos)
     return out, [pos - n for n in lengths]
 
@@ -205,7 +205,8 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None):
     Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng unused).
     Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits only when top_k is
     a positive int (None or 0: the whole vocabulary), by inverse transform sampling (docs/model.md). All randomness
-    comes from `rng` (a torch.Generator on the logits' device); the global RNG is not touched.
+    comes from `rng` (a torch.Generator on the logits' device, or a list of them, one per row); the global RNG is not
+    touched.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -214,7 +215,11 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None):
         logits, indices = torch.topk(logits, top_k, dim=-1)
     cdf = torch.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
     total = cdf[:, -1:]  # 1 up to rounding
-    u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype) * total
+    if isinstance(rng, torch.Generator):
+        u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype)
+    else:  # one generator per row: a row's draws do not depend on the rows beside it
+        u = torch.cat([torch.rand((1, 1), generator=g, device=total.device, dtype=total.dtype) for g in rng])
+    u = u * total
     # u < total: rounding could land u on it, past every token (a zero-probability token is never chosen)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     choice = torch.searchsorted(cdf, u, right=True)  # the first token whose cumulative probability exceeds u

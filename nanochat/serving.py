@@ -4,11 +4,22 @@ Serve a model over HTTP: the workers that generate, the checks every request pas
 The app (create_app) serves nanochat's own API and the OpenAI-compatible one (nanochat/openai_api.py) on the same
 workers.
 
-A Worker is one Engine on one device with its own thread; a request waits in the WorkerPool's queue for a free
-worker and holds it for its whole reply (Job). Tokens are sampled in the worker's thread, one blocking model step
-each, and handed to the event loop at once: the loop stays free to accept requests, answer /stats and stream every
-reply. Between two tokens the server checks that the client is still there (reply_pieces): one that left frees its
-worker at once, and its generation stops before its next step.
+A Worker is one Engine on one device with a thread of its own that decodes a batch of replies, one step for all
+of them at a time. A request joins the running batch of a worker (the one with the fewest rows) with its own prompt
+length, sampling settings (temperature, top_k), seed (a torch.Generator of its own: its sampled tokens do not depend
+on the rows beside it), max_tokens and stop strings, and leaves it when its reply ends. Between two steps the worker
+takes the new requests, drops the rows that ended, and prefills one chunk of the oldest new prompt (--prefill_chunk
+tokens: a long prompt stalls the others by one chunk per step); a complete prompt's keys and values join the batch,
+rows right-aligned at the longest (engine.regroup), each at its own position, its padding masked out. A lone
+request is decoded exactly as Engine.generate decodes it; a row in a batch gets the same tokens up to float
+rounding (equal in fp32). Tokens go to the event loop as soon as they are sampled: the loop stays free to accept
+requests, answer /stats and stream every reply. Between two tokens the server checks that the client is still
+there (reply_pieces): one that left takes its row out of the batch before the next step.
+
+Limits (WorkerPool, chat_web's settings): a worker holds at most max_batch rows, and max_tokens_in_flight tokens of
+prompt + max_tokens (its KV cache); a request that finds no room waits in a queue, oldest first, and is answered
+429 (one line) when max_queue requests wait already, 400 if it needs more tokens than a batch ever holds. Both
+checked when the request arrives (Job), before a stream starts.
 
 Both APIs check a request with the same functions (read_body, checked_field, check_chat, check_sampling) before
 anything is generated: a bad one raises APIError 400, its message starting with the field at fault
@@ -174,6 +185,7 @@ class Worker:
         dtype, cache_dtype = engine.dtypes()
         cache = None
         padding = []  # each row's padding columns in the cache (prompts right-aligned at the longest)
+        weights = {}  # rows -> engine._decode_weights(rows), asked once per batch size (it reads a file per call)
         rows = self._rows = []
         while rows or pending:
             while not self.inbox.empty():
@@ -183,31 +195,37 @@ class Worker:
                     row.ended = True
                     row.send(None)
             pending[:] = [row for row in pending if not row.ended]
-            # one chunk of the oldest waiting prompt; all of it when no other row waits on it
-            joining = None
-            if pending:
+            # prefill: `prefill_chunk` tokens of the waiting prompts, oldest first; a prompt that finds no row
+            # decoding (nobody to stall) all at once, as Engine.generate does
+            joining = []
+            budget = self.prefill_chunk
+            decoding = any(not row.ended for row in rows)
+            while pending and budget > 0:
                 row = pending[0]
                 if row.cache is None:
                     row.rng = torch.Generator(device=self.device).manual_seed(row.seed)
                     row.cache = KVCache(1, cfg.n_kv_head, len(row.prompt), cfg.n_embd // cfg.n_head, cfg.n_layer,
                                         self.device, dtype)
-                end = len(row.prompt) if not rows else min(len(row.prompt), row.prefilled + self.prefill_chunk)
+                whole = not decoding and not joining
+                end = len(row.prompt) if whole else min(len(row.prompt), row.prefilled + budget)
                 chunk = torch.tensor([row.prompt[row.prefilled:end]], dtype=torch.long, device=self.device)
                 logits = model.prefill(chunk, row.cache)
+                budget -= end - row.prefilled
                 row.prefilled = end
-                if end == len(row.prompt):
-                    pending.pop(0)
-                    self._sampled(row, logits)
-                    if not row.ended:
-                        joining = row.cache
+                if end < len(row.prompt):
+                    break
+                pending.pop(0)
+                self._sample([row], logits)
+                if not row.ended:
+                    joining.append(row)
+            # rows that ended leave, new ones join: a new cache (it moves each row once, a step reads them all)
+            keep = [i for i, row in enumerate(rows) if not row.ended]
+            if joining or len(keep) < len(rows):
+                cache, padding = regroup(cache, padding, keep, [row.cache for row in joining], engine.context_len,
+                                         cache_dtype)
+                for row in joining:
                     row.cache = None
-                    if joining is not None:
-                        rows.append(row)
-            # rows that ended leave, the new one joins: a new cache (it moves each row once, a step reads them all)
-            keep = [i for i, row in enumerate(rows[:len(padding)]) if not row.ended]
-            if joining is not None or len(keep) < len(padding):
-                cache, padding = regroup(cache, padding, keep, joining, engine.context_len, cache_dtype)
-                rows[:] = [rows[i] for i in keep] + ([rows[-1]] if joining is not None else [])
+                rows[:] = [rows[i] for i in keep] + joining
                 self.batch_rows = len(rows)
             if not rows:
                 continue
@@ -219,25 +237,36 @@ class Worker:
                 columns = torch.arange(cache.pos + 1, device=self.device)
                 key_mask = columns[None, None, None, :] >= shift[:, None, None, None]
             newest = torch.tensor([row.last for row in rows], dtype=torch.long, device=self.device)
-            logits = decode_step(model, newest, cache, engine._decode_weights(len(rows)), positions, key_mask)
-            for i, row in enumerate(rows):
-                self._sampled(row, logits[i:i + 1])
+            if len(rows) not in weights:
+                weights[len(rows)] = engine._decode_weights(len(rows))
+            logits = decode_step(model, newest, cache, weights[len(rows)], positions, key_mask)
+            self._sample(rows, logits)
 
-    def _sampled(self, row, logits):
+    def _sample(self, rows, logits):
         """
-        The row's next token from its logits (1, vocab), by its own generator (drawn at every step, as in
-        Engine.generate, also where the tool forces the token), sent to its request; ends the row at the end of its
-        turn or at max_tokens.
+        Each row's next token from its logits (a row of `logits`), by its own generator (drawn at every step, as in
+        Engine.generate, also where the tool forces the token): rows of the same temperature and top_k in one call.
+        Each token goes to its request; a row ends at the end of its turn or at max_tokens.
         """
-        sampled = sample_next_token(logits, row.rng, row.temperature, row.top_k).item()
-        token, _ = self.engine.next_token(row.sample, sampled)
-        row.generated += 1
-        self.tokens_generated += 1
-        row.last = token
-        row.send(token)
-        if row.sample.end_token is not None or row.generated >= row.max_tokens:
-            row.ended = True
-            row.send(None)
+        groups = {}
+        for i, row in enumerate(rows):
+            groups.setdefault((row.temperature, row.top_k), []).append(i)
+        sampled = [None] * len(rows)
+        for (temperature, top_k), members in groups.items():
+            group_logits = logits if len(members) == len(rows) else logits[members]
+            rngs = [rows[i].rng for i in members]
+            tokens = sample_next_token(group_logits, rngs[0] if len(rngs) == 1 else rngs, temperature, top_k).tolist()
+            for i, token in zip(members, tokens):
+                sampled[i] = token
+        for row, token in zip(rows, sampled):
+            token, _ = self.engine.next_token(row.sample, token)
+            row.generated += 1
+            self.tokens_generated += 1
+            row.last = token
+            row.send(token)
+            if row.sample.end_token is not None or row.generated >= row.max_tokens:
+                row.ended = True
+                row.send(None)
 
 
 class WorkerPool:
@@ -268,7 +297,7 @@ class WorkerPool:
             raise APIError(400, f"the prompt and max_tokens need {need:,} tokens, more than the server ever holds for "
                                 f"a request ({self.max_tokens_in_flight:,}): lower max_tokens or shorten the prompt",
                            code="context_length_exceeded")
-        if len(self.waiting) >= self.max_queue:
+        if len(self.waiting) >= self.max_queue and (self.waiting or self._room(need) is None):  # it would wait
             self.refused += 1
             raise APIError(429, f"the server is busy: {len(self.waiting)} requests are waiting already; retry later",
                            code="rate_limit_exceeded", kind="rate_limit_error")
