@@ -7,11 +7,11 @@ with plain HTTP: a request joining mid-decode of another, mixed prompt lengths (
 running rows) and sampling settings, streams and stop strings, a client that leaves the batch, and the limits (a
 full queue answered with a one-line 429, a request that never fits with a 400). Each reply is compared with the
 engine's own reply to the same request alone (Engine.generate, one sample): in fp32 (the worker's autocast off for
-these tests) greedy and seeded replies are equal token for token, whatever else shares the batch.
+these tests: web/conftest.py's fp32) greedy and seeded replies are equal token for token, whatever else shares the
+batch.
 """
 
 import asyncio
-import contextlib
 import json
 import threading
 import time
@@ -20,49 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from web.served import HELLO, engine_reply, wait_idle
+from web.served import HELLO, engine_reply, wait_no_batch
 
 openai = pytest.importorskip("openai", reason="needs the openai pip package: pip install openai")
-
-
-def wait_no_batch(served, timeout=10):
-    """Wait until no request holds a row or waits, and the worker's thread has left its batch."""
-    deadline = time.time() + timeout
-    while (stats := wait_idle(served, timeout))["batch_rows"] != [0]:
-        assert time.time() < deadline, stats
-        time.sleep(0.01)
-    return stats
-
-
-@pytest.fixture
-def fp32(chat_web_server, monkeypatch):
-    """
-    The session's server with its worker in fp32 (its autocast off; engine_reply, which enters the worker's autocast,
-    in fp32 too), its steps paced by 2 ms (so that requests sent one after the other meet in the batch), and
-    /stats's largest batch of the test in `peak`.
-    """
-    from nanochat import serving
-    wait_no_batch(chat_web_server)
-    monkeypatch.setattr(chat_web_server.pool.workers[0], "autocast", contextlib.nullcontext)
-    real_step = serving.decode_step
-
-    def paced_step(*args, **kwargs):
-        time.sleep(0.002)
-        return real_step(*args, **kwargs)
-    monkeypatch.setattr(serving, "decode_step", paced_step)
-    chat_web_server.peak = 0
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            chat_web_server.peak = max(chat_web_server.peak, chat_web_server.stats()["batch_rows"][0])
-            time.sleep(0.005)
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    yield chat_web_server
-    done.set()
-    watcher.join()
-    wait_no_batch(chat_web_server)  # before the autocast comes back: the worker's next batch starts in bf16
 
 
 @pytest.fixture(scope="module")

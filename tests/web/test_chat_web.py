@@ -3,7 +3,7 @@ Tests of the chat web server (scripts/chat_web.py, nanochat/serving.py) and its 
 
 Against a real uvicorn server on 127.0.0.1 serving a tiny trained checkpoint: validation (400 naming the field),
 streaming (the text is exactly what the engine generates for the same seed, then the done event), 16 concurrent
-requests on one worker, a client that leaves frees its worker and stops its generation, a failing generation leaves
+requests on one worker (decoded in batches), a client that leaves stops its generation, a failing generation leaves
 the server serving, the command line, and the page in a real browser (headless Chromium driven by Playwright).
 """
 
@@ -139,7 +139,10 @@ def test_health_stats_and_the_page(server):
         assert external not in html, external  # self-contained: nothing to fetch from elsewhere
 
 
-def test_sixteen_concurrent_requests_on_one_worker_all_complete(server):
+def test_sixteen_concurrent_requests_on_one_worker_all_complete(fp32):
+    # in fp32 (web/conftest.py's fp32): a reply decoded in a batch equals the engine's alone; bf16 rounds differently
+    # per batch size (a step's matrix kernels depend on its rows)
+    server = fp32
     requests = [{"messages": [{"role": "user", "content": f"Question number {i}?"}], "temperature": 1.0, "top_k": 0,
                  "max_tokens": 24, "seed": 100 + i} for i in range(16)]
     expected = [engine_reply(server, r["messages"], 24, 1.0, 0, r["seed"])[0] for r in requests]
@@ -172,7 +175,8 @@ def test_sixteen_concurrent_requests_on_one_worker_all_complete(server):
         assert reply_text(events) == expected[i], i  # each client got its own reply, whole
     after = wait_idle(server)
     assert after["requests_served"] - before["requests_served"] == 16
-    assert peak["busy"] == 1 and peak["queue"] >= 1, peak  # one worker: the others waited in the queue
+    # one worker: up to max_batch replies decoded together, the others waited in the queue
+    assert peak["busy"] == 1 and peak["queue"] >= 1 and 2 <= server.peak <= server.pool.max_batch, (peak, server.peak)
 
 
 def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, long_seed):
