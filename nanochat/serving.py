@@ -95,7 +95,10 @@ class Row:
 
     def send(self, item):
         """A token id, None (the end) or an exception, to the request's queue, from the worker's thread."""
-        self.loop.call_soon_threadsafe(self.tokens.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.tokens.put_nowait, item)
+        except RuntimeError:  # the event loop is closed (the server stopped): nobody waits for it
+            pass
 
 
 class Worker:
