@@ -59,12 +59,25 @@ REQUESTS = [
 ]
 
 
-def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32):
-    """A long stream decodes; two others join it in turn, one greedy and one sampled; all three get their own."""
+def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32, monkeypatch):
+    """
+    A long stream decodes; two others join it in turn, one greedy and one sampled of a long prompt; all three get
+    their own replies. The long prompt is prefilled 16 tokens per step (prefill_chunk) between the stream's steps.
+    """
     long_seed = long_reply_seed(fp32, HELLO, 150)
     expected_long = engine_reply(fp32, HELLO, 400, 2.0, 0, long_seed)
     joiners = [REQUESTS[0], REQUESTS[2]]
     expected = [expect(fp32, r) for r in joiners]
+    model = fp32.engine.model
+    real_prefill = model.prefill
+    chunks = []
+
+    def recorded_prefill(idx, kv_cache):  # the worker's prefills, by their number of tokens
+        if threading.current_thread().name.startswith("nanochat-worker"):
+            chunks.append(idx.size(1))
+        return real_prefill(idx, kv_cache)
+    monkeypatch.setattr(model, "prefill", recorded_prefill)
+    monkeypatch.setattr(fp32.pool.workers[0], "prefill_chunk", 16)
     body = {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 400, "seed": long_seed}
     client = openai.OpenAI(base_url=fp32.url + "/v1", api_key="k", max_retries=0, timeout=60)
     with httpx.Client(timeout=60, verify=False) as http:
@@ -76,6 +89,7 @@ def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32):
                     pieces.append(event["token"])
                     if len(pieces) == 10:
                         break
+            assert chunks == [len(fp32.tokenizer.render_for_completion({"messages": HELLO}))]  # alone: all at once
             answers = [chat(client, *r) for r in joiners]  # one after the other, while the long one decodes
             assert fp32.stats()["batch_rows"] == [1]  # they left; the long one goes on
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
@@ -86,6 +100,9 @@ def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32):
         assert answer.usage.completion_tokens == n_tokens
         assert answer.choices[0].finish_reason == ("length" if n_tokens == request[3] else "stop")
     assert fp32.peak == 2
+    lengths = [len(fp32.tokenizer.render_for_completion({"messages": r[0]})) for r in joiners]
+    assert lengths[1] > 3 * 16
+    assert chunks[1:] == [n for length in lengths for n in [16] * (length // 16) + [length % 16] if n]
 
 
 def test_mixed_lengths_and_settings_in_one_batch_with_the_async_client(fp32, monkeypatch):
