@@ -672,7 +672,7 @@ async def stream_reply(request, job, prompt, sampling):
     """
     The server-sent events of one reply of /chat/completions: {"token": text, "gpu": worker index} per piece as it
     is generated, then {"done": true}; a failing generation sends {"error": "..."} before the done event. A client
-    that leaves ends it (reply_pieces) and frees its worker (Job).
+    that leaves ends it (reply_pieces) and takes its row out of the batch (Job).
     """
     reply = Reply()
     try:
