@@ -64,6 +64,13 @@ def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32, monkeypa
     A long stream decodes; two others join it in turn, one greedy and one sampled of a long prompt; all three get
     their own replies. The long prompt is prefilled 16 tokens per step (prefill_chunk) between the stream's steps.
     """
+    from nanochat import serving
+    paced_step = serving.decode_step
+
+    def slower_step(*args, **kwargs):  # 10 ms a step: the long reply outlasts the others' requests, even on a busy CPU
+        time.sleep(0.008)
+        return paced_step(*args, **kwargs)
+    monkeypatch.setattr(serving, "decode_step", slower_step)
     long_seed = long_reply_seed(fp32, HELLO, 150)
     expected_long = engine_reply(fp32, HELLO, 400, 2.0, 0, long_seed)
     joiners = [REQUESTS[0], REQUESTS[2]]
@@ -91,7 +98,10 @@ def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32, monkeypa
                         break
             assert chunks == [len(fp32.tokenizer.render_for_completion({"messages": HELLO}))]  # alone: all at once
             answers = [chat(client, *r) for r in joiners]  # one after the other, while the long one decodes
-            assert fp32.stats()["batch_rows"] == [1]  # they left; the long one goes on
+            deadline = time.time() + 2
+            while fp32.stats()["batch_rows"] != [1]:  # they left (at the step after their last); the long one goes on
+                assert time.time() < deadline, fp32.stats()
+                time.sleep(0.001)
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     assert events[-1] == {"done": True}
     assert "".join(pieces + [e["token"] for e in events[:-1]]) == expected_long[0]
