@@ -8,16 +8,20 @@ length (max_tokens; a random model's uniform predictions almost never end a turn
     python bench/chat_web_load.py                                   # 1, 4 and 16 clients, 4 requests each, 64 tokens
     python bench/chat_web_load.py --clients=32 --requests_per_client=2 --max_tokens=32
     python bench/chat_web_load.py --clients=16 --rounds=3           # both APIs, 3 alternating rounds each
+    python bench/chat_web_load.py --clients= --baseline_repo=../main  # 8 at once vs one by one; a lone request vs main
 
-Measures both streaming APIs of the same server in the same run: nanochat's own POST /chat/completions and the
-OpenAI-compatible POST /v1/chat/completions (stream: true), alternating between them `rounds` times per client
-count so that a change in the machine's load hits both alike. Prints per API and client count: requests/s, time
-to first token (request sent -> first piece of text received) p50/p95, latency of a whole reply p50/p95, tokens/s
-for all clients together, and how many requests were dropped (an HTTP error, an error event, or a stream that
-ended without its done event / [DONE]): it must be 0. One worker serves them all, so requests queue: time to
-first token grows with the number of clients, throughput should not fall. Uses the pydocs corpus and a
-tokenizer of `vocab_size` in $NANOCHAT_BASE_DIR (default: the bench directory of bench/base_train.py),
-building them if missing.
+First, with OpenAI's own client: `concurrent` requests one after another, then all at once (one thread each):
+the server decodes them in one batch, so all at once should take a fraction of the time. With --baseline_repo (a
+checkout of another version, e.g. the main branch), the same model served by that version's chat_web too: a lone
+request's latency on each, in turns. Then the load test, both streaming APIs of the same server in the same
+run: nanochat's own POST /chat/completions and the OpenAI-compatible POST /v1/chat/completions (stream: true),
+alternating between them `rounds` times per client count so that a change in the machine's load hits both alike.
+Prints per API and client count: requests/s, time to first token (request sent -> first piece of text received)
+p50/p95, latency of a whole reply p50/p95, tokens/s for all clients together, and how many requests were dropped
+(an HTTP error, an error event, or a stream that ended without its done event / [DONE]): it must be 0. One worker
+serves them all, decoding up to its --max_batch replies together: throughput should grow with the number of
+clients. Uses the pydocs corpus and a tokenizer of `vocab_size` in $NANOCHAT_BASE_DIR (default: the bench
+directory of bench/base_train.py), building them if missing.
 """
 
 import asyncio
@@ -53,6 +57,10 @@ max_tokens = 64  # tokens per reply
 threads = 1  # torch threads of the server (and of the baseline); 0 = torch's default, one per core
 apis = "nanochat,openai"  # which streaming APIs to measure: nanochat (/chat/completions), openai (/v1/chat/completions)
 rounds = 1  # measurements per API and client count, alternating between the APIs
+concurrent = 8  # with OpenAI's client: this many requests at once against the same one after another (0 = skip)
+baseline_repo = ""  # another checkout (e.g. the main branch's) whose chat_web serves the same model: a lone request
+concurrent_rounds = 3  # the comparison of `concurrent` requests this many times: the median ratio
+lone_repeats = 11  # a lone request's latency: the median of this many, on each server in turns
 config = configure(globals())
 if threads > 0:
     torch.set_num_threads(threads)
@@ -87,26 +95,32 @@ for i in range(4):
 print0(f"Engine alone, no server: {statistics.median(rates[1:]):.0f} tokens/s (median of 3 replies after a warm-up)")
 del model, engine
 
-# 2. The server, as its own process (as users run it), on a free port
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-url = f"http://127.0.0.1:{port}"
-server_log = open(os.path.join(get_base_dir(), "chat_web_load.log"), "w")  # a file: a full pipe would block the server
-server = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--source=base", f"--model_tag={model_tag}",
-                           "--device_type=cpu", f"--port={port}"], cwd=repo_root,
-                          env=dict(os.environ, NANOCHAT_BASE_DIR=get_base_dir(),
-                                   **({"OMP_NUM_THREADS": str(threads)} if threads > 0 else {})),
-                          stdout=server_log, stderr=subprocess.STDOUT)
+# 2. The server, as its own process (as users run it), on a free port; the baseline's too if asked
+def start_server(repo, log_name):
+    """chat_web of the checkout `repo` on a free port: (its process, its URL)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(os.path.join(get_base_dir(), log_name), "w")  # a file: a full pipe would block the server
+    process = subprocess.Popen([sys.executable, "-m", "scripts.chat_web", "--source=base", f"--model_tag={model_tag}",
+                                "--device_type=cpu", f"--port={port}"], cwd=repo,
+                               env=dict(os.environ, NANOCHAT_BASE_DIR=get_base_dir(), PYTHONPATH=repo,
+                                        **({"OMP_NUM_THREADS": str(threads)} if threads > 0 else {})),
+                               stdout=log, stderr=subprocess.STDOUT)
+    return process, f"http://127.0.0.1:{port}"
 
 
-def wait_for_server(timeout=120):
+server, url = start_server(repo_root, "chat_web_load.log")
+baseline, baseline_url = start_server(baseline_repo, "chat_web_load_baseline.log") if baseline_repo else (None, None)
+
+
+def wait_for_server(process, address, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if server.poll() is not None:
-            sys.exit(f"the server exited: see {server_log.name}")
+        if process.poll() is not None:
+            sys.exit(f"the server at {address} exited: see its log in {get_base_dir()}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(address + "/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             time.sleep(0.2)
@@ -173,8 +187,67 @@ def percentile(values, p):
     return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
+def openai_reply(client, i):
+    """Request i with OpenAI's client (streamed, as chat UIs ask): (seconds, completion tokens)."""
+    t0 = time.perf_counter()
+    _, body = request("openai", i)
+    chunks = list(client.chat.completions.create(
+        model="nanochat", messages=body["messages"], max_tokens=max_tokens, temperature=1.0, seed=i, stream=True,
+        stream_options={"include_usage": True}, extra_body={"top_k": 0}))
+    return time.perf_counter() - t0, chunks[-1].usage.completion_tokens
+
+
+def compare_concurrency():
+    """`concurrent` requests one after another, then all at once (a thread each), with OpenAI's client."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    openai_reply(client, 0)  # warm-up
+    ratios = []
+    for _ in range(concurrent_rounds):
+        t0 = time.perf_counter()
+        one_by_one = [openai_reply(client, i) for i in range(concurrent)]
+        sequential = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrent) as pool:
+            together = list(pool.map(lambda i: openai_reply(client, i), range(concurrent)))
+        parallel = time.perf_counter() - t0
+        ratios.append(parallel / sequential)
+        tokens = sum(n for _, n in one_by_one)
+        tokens_together = sum(n for _, n in together)  # the same requests: the same counts but where rounding differs
+        print0(f"OpenAI client, {concurrent} requests of {max_tokens} tokens: one after another {sequential:.2f} s "
+               f"({tokens} tokens, {tokens / sequential:.0f} tokens/s), all at once {parallel:.2f} s "
+               f"({tokens_together} tokens, {tokens_together / parallel:.0f} tokens/s): {parallel / sequential:.2f}x "
+               f"the time")
+    print0(f"{concurrent} requests at once take {statistics.median(ratios):.2f}x the time of one after another "
+           f"(median of {concurrent_rounds})")
+
+
+def compare_lone():
+    """A lone request on this server and on the baseline's, in turns, with OpenAI's client."""
+    import openai
+    clients = {name: openai.OpenAI(base_url=address + "/v1", api_key="none", max_retries=0, timeout=600)
+               for name, address in (("this", url), ("baseline", baseline_url))}
+    for client in clients.values():  # warm-up
+        openai_reply(client, 0)
+    lone = {"this": [], "baseline": []}
+    for r in range(lone_repeats):  # in turns: a change in the machine's load hits both alike
+        for name in ("this", "baseline") if r % 2 == 0 else ("baseline", "this"):
+            lone[name].append(openai_reply(clients[name], 1000 + r)[0])
+    this = statistics.median(lone["this"])
+    before = statistics.median(lone["baseline"])
+    print0(f"a lone request of {max_tokens} tokens (median of {lone_repeats}, in turns): this server {this:.3f} s, "
+           f"{baseline_repo}'s {before:.3f} s: {this / before:.3f}x")
+
+
 try:
-    wait_for_server()
+    wait_for_server(server, url)
+    if baseline is not None:
+        wait_for_server(baseline, baseline_url)
+    if concurrent:
+        compare_concurrency()
+    if baseline is not None:
+        compare_lone()
     for api in apis.split(","):
         asyncio.run(run_clients(api, 1))  # warm-up
     print0(f"{requests_per_client} requests per client, {max_tokens} tokens per reply, one CPU worker with "
@@ -183,7 +256,7 @@ try:
            "| tokens/s |")
     print0("|---|---|---|---|---|---|---|---|")
     totals = {}  # (api, clients) -> [tokens, seconds] over all rounds
-    for n in [int(c) for c in clients.split(",")]:
+    for n in [int(c) for c in clients.split(",") if c]:
         for round_ in range(rounds):
             # ABBA: no API always goes first
             for api in apis.split(",") if round_ % 2 == 0 else reversed(apis.split(",")):
@@ -204,11 +277,13 @@ try:
                        f"{percentile(latency, 50):.2f} / {percentile(latency, 95):.2f} s | {tokens / wall:.0f} |")
     print0("tokens/s over all rounds: " + ", ".join(f"{api} at {n} clients {tokens / seconds:.0f}"
                                                     for (api, n), (tokens, seconds) in totals.items()))
-    for n in [int(c) for c in clients.split(",")]:
+    for n in [int(c) for c in clients.split(",") if c]:
         if ("nanochat", n) in totals and ("openai", n) in totals:
             ratio = ((totals["openai", n][0] / totals["openai", n][1])
                      / (totals["nanochat", n][0] / totals["nanochat", n][1]))
             print0(f"{n} clients: the OpenAI API's tokens/s are {ratio:.3f}x nanochat's")
 finally:
-    server.terminate()
-    server.wait(timeout=30)
+    for process in (server, baseline):
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=30)

@@ -105,6 +105,36 @@ class KVCache:
         self.v[:, rows, :, end - other.pos:end] = other.v[:, :, :, :other.pos]
 
 
+def regroup(cache, padding, keep, joining, max_len, dtype):
+    """
+    Rows of different lengths in one cache, for a server whose requests join and leave a running batch: a new
+    KVCache of `max_len` positions in `dtype` with rows `keep` (indices) of `cache` (None: no rows yet), then the
+    batch-1 caches of the list `joining`, all right-aligned at the longest (pos = its length), the padding columns
+    before each row zeros (masked-out keys still multiply their values by a zero weight: 0 x NaN). `padding`: each
+    row's padding columns in `cache`.
+    Returns (the new cache, its rows' padding); (None, []) when no row is left. Rows move, their values do not
+    change: a row decodes the same tokens in any batch, up to float rounding.
+    """
+    lengths = [cache.pos - padding[i] for i in keep] + [other.pos for other in joining]
+    if not lengths:
+        return None, []
+    ref = cache if keep else joining[0]
+    pos = max(lengths)
+    out = KVCache(len(lengths), ref.n_kv_head, max_len, ref.head_dim, ref.n_layer, ref.k.device, dtype,
+                  capacity=pos + 256)
+    out.k[:, :, :, :pos] = 0
+    out.v[:, :, :, :pos] = 0
+    if keep:  # the kept rows' filled columns in one copy (the padding inside them is zeros already)
+        span = max(lengths[:len(keep)])
+        rows = torch.tensor(keep, device=ref.k.device)
+        out.k[:, :len(keep), :, pos - span:pos] = cache.k[:, rows, :, cache.pos - span:cache.pos]
+        out.v[:, :len(keep), :, pos - span:pos] = cache.v[:, rows, :, cache.pos - span:cache.pos]
+    for j, other in enumerate(joining):
+        out.place(other, slice(len(keep) + j, len(keep) + j + 1), pos)
+    out.advance(pos)
+    return out, [pos - n for n in lengths]
+
+
 # -----------------------------------------------------------------------------
 # One decoding step: gpt.py's blocks, their keys and values written into the cache; the next token's sampling;
 # naive generation (no cache), the reference
@@ -175,7 +205,8 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None):
     Logits (B, vocab) -> the next token of each row, (B,) long. temperature 0: the argmax (greedy; rng unused).
     Otherwise one draw per row from softmax(logits / temperature), over the top_k largest logits only when top_k is
     a positive int (None or 0: the whole vocabulary), by inverse transform sampling (docs/model.md). All randomness
-    comes from `rng` (a torch.Generator on the logits' device); the global RNG is not touched.
+    comes from `rng` (a torch.Generator on the logits' device, or a list of them, one per row); the global RNG is not
+    touched.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -184,7 +215,11 @@ def sample_next_token(logits, rng, temperature=1.0, top_k=None):
         logits, indices = torch.topk(logits, top_k, dim=-1)
     cdf = torch.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
     total = cdf[:, -1:]  # 1 up to rounding
-    u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype) * total
+    if isinstance(rng, torch.Generator):
+        u = torch.rand(total.shape, generator=rng, device=total.device, dtype=total.dtype)
+    else:  # one generator per row: a row's draws do not depend on the rows beside it
+        u = torch.cat([torch.rand((1, 1), generator=g, device=total.device, dtype=total.dtype) for g in rng])
+    u = u * total
     # u < total: rounding could land u on it, past every token (a zero-probability token is never chosen)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     choice = torch.searchsorted(cdf, u, right=True)  # the first token whose cumulative probability exceeds u
@@ -234,7 +269,7 @@ class TextStreamer:
 # The engine
 
 
-class _Sample:
+class Sample:
     """
     One sample's state: tokens the tool still has to force in, the python expression being written (None outside
     <|python_start|> ... <|python_end|>), and the token that ended it (None while it runs).
@@ -279,8 +314,7 @@ class Engine:
         self.python_end = special("<|python_end|>")
         self.output_start = special("<|output_start|>")
         self.output_end = special("<|output_end|>")
-        self._weights = None
-        self._weights_key = None
+        self._weights = {}  # row_major -> (key, weights): both layouts kept, as a server's batch grows and shrinks
 
     def _decode_weights(self, rows=None):
         """
@@ -294,11 +328,22 @@ class Engine:
             dtype = torch.get_autocast_dtype(head.device.type)
         bf16_cpu = head.device.type == "cpu" and dtype == torch.bfloat16
         row_major = rows is not None and bf16_cpu and native_bf16_gemv(rows)
-        key = (dtype, row_major, *((id(p), p._version) for p in self.model.parameters()))
-        if key != self._weights_key:
-            self._weights = decode_weights(self.model, dtype, row_major)
-            self._weights_key = key
-        return self._weights
+        key = (dtype, *((id(p), p._version) for p in self.model.parameters()))
+        if self._weights.get(row_major, (None,))[0] != key:
+            self._weights[row_major] = (key, decode_weights(self.model, dtype, row_major))
+        return self._weights[row_major][1]
+
+    def dtypes(self):
+        """
+        (the compute dtype, the KV cache's dtype) of a generation started now, in this thread: autocast's dtype or
+        the weights', and fp32 for the cache of a bf16 decode on a CPU where probes.fp32_cache_pays.
+        """
+        device = self.model.lm_head.weight.device
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else self.model.lm_head.weight.dtype
+        if device.type == "cpu" and dtype == torch.bfloat16 and fp32_cache_pays():
+            return dtype, torch.float32
+        return dtype, dtype
 
     def _check_arguments(self, tokens, num_samples, max_tokens, temperature, top_k, seed):
         """The prompt as a list of ints, and the number of steps to run; UserError for a bad argument."""
@@ -361,8 +406,7 @@ class Engine:
         model = self.model
         cfg = model.config
         device = model.lm_head.weight.device
-        autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head.weight.dtype  # the compute dtype
+        dtype, cache_dtype = self.dtypes()
         head_dim = cfg.n_embd // cfg.n_head
         rng = torch.Generator(device=device).manual_seed(seed)
         longest = max(len(tokens) for tokens in prompts)
@@ -370,9 +414,6 @@ class Engine:
 
         # Each prompt once at batch 1, then copied into its samples' rows, right-aligned (docs/engine.md). The last
         # token sampled is never fed back, hence the - 1.
-        cache_dtype = dtype
-        if device.type == "cpu" and dtype == torch.bfloat16 and fp32_cache_pays():
-            cache_dtype = torch.float32
         cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, cache_dtype,
                         capacity=longest + 256)
         logits = []
@@ -396,7 +437,7 @@ class Engine:
 
         # Decode. The cache's rows are the samples still running (`in_cache`, sample numbers); when a quarter of them
         # have ended, the rest move to a smaller cache, so ended samples stop costing compute (docs/engine.md).
-        samples = [_Sample() for _ in range(rows)]
+        samples = [Sample() for _ in range(rows)]
         in_cache = list(range(rows))
         weights = None
         for step in range(steps):
@@ -404,7 +445,7 @@ class Engine:
             column = []
             masks = []
             for i, sample in enumerate(samples):
-                token, mask = self._next_token(sample, sampled.get(i))
+                token, mask = self.next_token(sample, sampled.get(i))
                 column.append(token)
                 masks.append(mask)
             yield column, masks
@@ -423,7 +464,7 @@ class Engine:
             newest = torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device)
             logits = decode_step(model, newest, cache, weights, positions, key_mask)
 
-    def _next_token(self, sample, sampled):
+    def next_token(self, sample, sampled):
         """The token sample `sample` gets this step, and its mask; runs the tool when an expression closes."""
         if sample.end_token is not None:
             return sample.end_token, 0  # padding: the sample has ended

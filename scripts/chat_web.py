@@ -3,7 +3,8 @@ Chat with a trained model in the browser: the chat page and a streaming API, ser
 
     python -m scripts.chat_web                             # the SFT model on http://127.0.0.1:8000
     python -m scripts.chat_web --source=mid --port=8080    # another stage's model (base | mid | sft | rl), another port
-    python -m scripts.chat_web --num_gpus=8                # 8 workers, one per GPU: 8 replies generate at once
+    python -m scripts.chat_web --num_gpus=8                # 8 workers, one per GPU, each decoding a batch
+    python -m scripts.chat_web --max_batch=16 --max_queue=8   # 16 replies decode together; 8 may wait; then 429
     python -m scripts.chat_web --host=0.0.0.0              # reachable from other machines (no authentication!)
 
 The API (nanochat's; the page uses nothing else, so other clients can do what it does):
@@ -18,14 +19,18 @@ The API (nanochat's; the page uses nothing else, so other clients can do what it
           before the done event; the server goes on serving.
       400 {"detail": "<field>: what is wrong"}: a bad request, refused before anything is generated.
     GET /health   {"status": "ok", "workers": N}
-    GET /stats    workers, busy, queue, requests served (and cancelled, failed), tokens generated, tokens/s
+      429 {"detail": "the server is busy: ..."}: --max_queue requests wait already (retry later).
+    GET /stats    workers, busy, queue, rows in each worker's batch, tokens in flight, requests served (and
+                  cancelled, failed, refused), tokens generated, tokens/s
     GET /         the chat page (nanochat/ui.html: one file, no external resources, relative URLs)
     /v1/models, /v1/chat/completions, /v1/completions: an OpenAI-compatible API (nanochat/openai_api.py), for
                   OpenAI's client libraries, chat UIs and lm-evaluation-harness, on the same workers
 
 How requests are served: one worker (an Engine with a thread of its own) per GPU with --num_gpus=N, else one on
-the CPU or the Mac's GPU (MPS); a request waits in a queue for a free worker, and a client that goes away (a closed
-tab, the page's Stop button) frees its worker at once (nanochat/serving.py).
+the CPU or the Mac's GPU (MPS). Each worker decodes a batch: a request joins the running batch of the worker with
+the fewest rows, each with its own prompt, sampling settings and seed, and leaves it when its reply ends; past
+--max_batch rows (or --max_tokens_in_flight tokens) it waits in a queue of at most --max_queue requests. A client
+that goes away (a closed tab, the page's Stop button) leaves the batch at once (nanochat/serving.py).
 
 The conversation: messages alternate user / assistant, starting and ending with user (the message to reply
 to). The whole conversation is the prompt, so it must fit in the model's context (the length it was trained
@@ -64,10 +69,15 @@ max_conversation_chars = 32000  # longest conversation (all messages together), 
 max_tokens_limit = 4096  # the largest max_tokens a request may ask for
 model_name = "nanochat"  # the model's name in the OpenAI-compatible API (GET /v1/models, the requests' "model")
 api_key = ""  # if set, the OpenAI-compatible API (/v1/...) requires "Authorization: Bearer <api_key>"; empty = any key
+max_batch = 8  # most replies a worker decodes together (its batch); more wait in the queue
+max_queue = 64  # most requests waiting for a place in a batch; beyond: 429 "the server is busy"
+max_tokens_in_flight = 32768  # most prompt + max_tokens tokens a worker's batch holds (its KV cache); beyond: wait
+prefill_chunk = 256  # a prompt arriving while others decode is prefilled this many tokens per step
 config = configure(globals())
 check_config(config, positive=["num_gpus", "max_tokens", "max_messages", "max_message_chars",
-                               "max_conversation_chars", "max_tokens_limit"],
-             non_negative=["top_k"], choices={"source": ("base", "mid", "sft", "rl"),
+                               "max_conversation_chars", "max_tokens_limit", "max_batch", "max_tokens_in_flight",
+                               "prefill_chunk"],
+             non_negative=["top_k", "max_queue"], choices={"source": ("base", "mid", "sft", "rl"),
                                               "device_type": ("", "cuda", "cpu", "mps")})
 if not 0 <= temperature <= 2:
     raise UserError(f"--temperature must be between 0 and 2, got {temperature}")
@@ -96,8 +106,8 @@ print0(compute_dtype_line(device_type))
 workers = []
 for index, device in enumerate(worker_devices(device_type, num_gpus)):  # one model per device: replies in parallel
     model, tokenizer, _ = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
-    workers.append(Worker(index, Engine(model, tokenizer)))
-pool = WorkerPool(workers)
+    workers.append(Worker(index, Engine(model, tokenizer), prefill_chunk=prefill_chunk))
+pool = WorkerPool(workers, max_batch=max_batch, max_queue=max_queue, max_tokens_in_flight=max_tokens_in_flight)
 app = create_app(pool, Settings(temperature=temperature, top_k=top_k, max_tokens=max_tokens,
                                 max_tokens_limit=max_tokens_limit, max_messages=max_messages,
                                 max_message_chars=max_message_chars, max_conversation_chars=max_conversation_chars,

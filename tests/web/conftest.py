@@ -6,12 +6,13 @@ tests/conftest.py's, what the tests share that is not a fixture tests/helpers.py
 (its __init__.py), so that its conftest does not take the name `conftest` of the one above.
 """
 
+import contextlib
 import threading
 import time
 
 import pytest
 
-from web.served import HELLO, engine_reply, free_port
+from web.served import HELLO, engine_reply, free_port, wait_no_batch
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +92,34 @@ def long_seed(chat_web_server):
         if n >= 300:
             return seed, n
     pytest.fail("no seed below 200 gives a reply of 300 tokens")
+
+
+@pytest.fixture
+def fp32(chat_web_server, monkeypatch):
+    """
+    The session's server with its worker in fp32 (its autocast off; engine_reply, which enters the worker's autocast,
+    in fp32 too), its steps paced by 2 ms (so that requests sent one after the other meet in the batch), and
+    /stats's largest batch of the test in `peak`.
+    """
+    from nanochat import serving
+    wait_no_batch(chat_web_server)
+    monkeypatch.setattr(chat_web_server.pool.workers[0], "autocast", contextlib.nullcontext)
+    real_step = serving.decode_step
+
+    def paced_step(*args, **kwargs):
+        time.sleep(0.002)
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(serving, "decode_step", paced_step)
+    chat_web_server.peak = 0
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            chat_web_server.peak = max(chat_web_server.peak, chat_web_server.stats()["batch_rows"][0])
+            time.sleep(0.005)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    yield chat_web_server
+    done.set()
+    watcher.join()
+    wait_no_batch(chat_web_server)  # before the autocast comes back: the worker's next batch starts in bf16

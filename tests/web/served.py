@@ -84,3 +84,12 @@ def wait_idle(served, timeout=10):
         assert time.time() < deadline, stats
         time.sleep(0.01)
     return stats
+
+
+def wait_no_batch(served, timeout=10):
+    """Wait until no request holds a row or waits, and the worker's thread has left its batch."""
+    deadline = time.time() + timeout
+    while (stats := wait_idle(served, timeout))["batch_rows"] != [0]:
+        assert time.time() < deadline, stats
+        time.sleep(0.01)
+    return stats

@@ -3,7 +3,7 @@ Tests of the chat web server (scripts/chat_web.py, nanochat/serving.py) and its 
 
 Against a real uvicorn server on 127.0.0.1 serving a tiny trained checkpoint: validation (400 naming the field),
 streaming (the text is exactly what the engine generates for the same seed, then the done event), 16 concurrent
-requests on one worker, a client that leaves frees its worker and stops its generation, a failing generation leaves
+requests on one worker (decoded in batches), a client that leaves stops its generation, a failing generation leaves
 the server serving, the command line, and the page in a real browser (headless Chromium driven by Playwright).
 """
 
@@ -139,7 +139,10 @@ def test_health_stats_and_the_page(server):
         assert external not in html, external  # self-contained: nothing to fetch from elsewhere
 
 
-def test_sixteen_concurrent_requests_on_one_worker_all_complete(server):
+def test_sixteen_concurrent_requests_on_one_worker_all_complete(fp32):
+    # in fp32 (web/conftest.py's fp32): a reply decoded in a batch equals the engine's alone; bf16 rounds differently
+    # per batch size (a step's matrix kernels depend on its rows)
+    server = fp32
     requests = [{"messages": [{"role": "user", "content": f"Question number {i}?"}], "temperature": 1.0, "top_k": 0,
                  "max_tokens": 24, "seed": 100 + i} for i in range(16)]
     expected = [engine_reply(server, r["messages"], 24, 1.0, 0, r["seed"])[0] for r in requests]
@@ -172,7 +175,8 @@ def test_sixteen_concurrent_requests_on_one_worker_all_complete(server):
         assert reply_text(events) == expected[i], i  # each client got its own reply, whole
     after = wait_idle(server)
     assert after["requests_served"] - before["requests_served"] == 16
-    assert peak["busy"] == 1 and peak["queue"] >= 1, peak  # one worker: the others waited in the queue
+    # one worker: up to max_batch replies decoded together, the others waited in the queue
+    assert peak["busy"] == 1 and peak["queue"] >= 1 and 2 <= server.peak <= server.pool.max_batch, (peak, server.peak)
 
 
 def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, long_seed):
@@ -197,25 +201,21 @@ def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, 
 
 
 def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatch):
-    # the worker is held by a first request, paced: after its first token it waits for `gate`
-    real_generate = server.engine.generate
+    # one row per worker, held by a first request, paced: after its first token its next step waits for `gate`
+    from nanochat import serving
+    real_step = serving.decode_step
     gate = threading.Event()
 
-    def paced_generate(*args, **kwargs):
-        steps = real_generate(*args, **kwargs)
+    def paced_step(*args, **kwargs):
+        gate.wait(timeout=30)
+        return real_step(*args, **kwargs)
 
-        def run():
-            for i, column in enumerate(steps):
-                yield column
-                if i == 0:
-                    gate.wait(timeout=30)
-        return run()
-
+    monkeypatch.setattr(server.pool, "max_batch", 1)
     before = wait_idle(server)
     # a reply that needs the gate
     seed = next(s for s in range(200) if engine_reply(server, HELLO, 8, 1.0, 0, s)[1] >= 3)
     body = {"messages": HELLO, "temperature": 1.0, "top_k": 0, "max_tokens": 8, "seed": seed}
-    monkeypatch.setattr(server.engine, "generate", paced_generate)
+    monkeypatch.setattr(serving, "decode_step", paced_step)
     with httpx.Client(timeout=30, verify=False) as first, httpx.Client(timeout=30, verify=False) as second:
         with first.stream("POST", server.url + "/chat/completions", json=body) as held:
             lines = held.iter_lines()  # kept: dropping the iterator would close the connection
@@ -240,22 +240,19 @@ def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatc
 
 
 def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server, long_seed, monkeypatch):
-    engine = server.engine
-    real_generate = engine.generate
+    from nanochat import serving
+    real_step = serving.decode_step
+    calls = []
 
-    def failing_generate(*args, **kwargs):  # fault injection: three real steps, then the device "fails"
-        steps = real_generate(*args, **kwargs)
-
-        def run():
-            for i, column in enumerate(steps):
-                if i == 3:
-                    raise RuntimeError("injected failure")
-                yield column
-        return run()
+    def failing_step(*args, **kwargs):  # fault injection: the first token and two real steps, then the device "fails"
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return real_step(*args, **kwargs)
 
     before = wait_idle(server)
     seed, _ = long_seed
-    monkeypatch.setattr(engine, "generate", failing_generate)
+    monkeypatch.setattr(serving, "decode_step", failing_step)
     status, events = post_chat(server.url, {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 50,
                                             "seed": seed})
     assert status == 200
@@ -351,23 +348,27 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             def replies():
                 return [b.text_content() for b in page.query_selector_all(".message.assistant .bubble")]
 
-            # 1. a message: the reply shows while it is generated. The engine is paced for this one reply: after its
-            # 5th token it waits for `gate`, so the page can be looked at mid-reply. (The seed makes the reply long.)
+            # 1. a message: the reply shows while it is generated. The worker is paced for this one reply: after its
+            # 5th token its next step waits for `gate`, so the page can be looked at mid-reply. (The seed, given to
+            # the request by the server, makes the reply long.)
+            from nanochat import serving
             hello = [{"role": "user", "content": "Hello there"}]
             seed = next(s for s in range(200) if engine_reply(server, hello, 300, 0.8, 50, s)[1] >= 10)
-            real_generate = server.engine.generate
+            real_step = serving.decode_step
+            real_check = serving.check_sampling
             gate = threading.Event()
+            calls = []
 
-            def paced_generate(*args, **kwargs):
-                steps = real_generate(*args, **dict(kwargs, seed=seed))
+            def paced_step(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 5:
+                    gate.wait(timeout=30)
+                return real_step(*args, **kwargs)
 
-                def run():
-                    for i, column in enumerate(steps):
-                        yield column
-                        if i == 4:
-                            gate.wait(timeout=30)
-                return run()
-            monkeypatch.setattr(server.engine, "generate", paced_generate)
+            def seeded_check(*args, **kwargs):
+                return dict(real_check(*args, **kwargs), seed=seed)
+            monkeypatch.setattr(serving, "decode_step", paced_step)
+            monkeypatch.setattr(serving, "check_sampling", seeded_check)
             with page.expect_response(lambda r: r.url.endswith("/chat/completions")) as response:
                 page.fill("#input", "Hello there")
                 page.press("#input", "Enter")
@@ -377,7 +378,8 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             assert page.text_content("#send") == "Stop"  # still generating, and the first pieces are on the page
             gate.set()
             page.wait_for_selector("#send:text('Send')")
-            monkeypatch.setattr(server.engine, "generate", real_generate)
+            monkeypatch.setattr(serving, "decode_step", real_step)
+            monkeypatch.setattr(serving, "check_sampling", real_check)
             events = events_of(response.value.text())
             assert replies() == [reply_text(events)]
             assert replies()[0].startswith(partial) and len(replies()[0]) > len(partial)

@@ -192,19 +192,19 @@ def test_a_client_that_leaves_a_stream_frees_its_worker(chat_web_server, client,
 
 
 def test_a_failing_generation_is_an_error_and_the_server_goes_on(chat_web_server, client, monkeypatch):
-    real_generate = chat_web_server.engine.generate
+    from nanochat import serving
+    real_step = serving.decode_step
+    calls = []
 
-    def failing_generate(*args, **kwargs):  # fault injection: one real step, then the device "fails"
-        steps = real_generate(*args, **kwargs)
-
-        def run():
-            yield next(steps)
+    def failing_step(*args, **kwargs):  # fault injection: the first token and one real step, then the device "fails"
+        calls.append(1)
+        if len(calls) % 2 == 0:
             raise RuntimeError("injected failure")
-        return run()
+        return real_step(*args, **kwargs)
 
     seed = reply_seed(chat_web_server, HELLO, 5)
     kwargs = dict(temperature=1.0, max_tokens=20, seed=seed, extra_body={"top_k": 50})
-    monkeypatch.setattr(chat_web_server.engine, "generate", failing_generate)
+    monkeypatch.setattr(serving, "decode_step", failing_step)
     with pytest.raises(openai.APIError, match="injected failure"):  # streamed: an error event, which the client raises
         list(chat(client, stream=True, **kwargs))
     with pytest.raises(openai.InternalServerError, match="injected failure"):
