@@ -98,7 +98,7 @@ def test_2026_model_exports_with_its_modeling_file(exports, remote_model):
         assert kernel not in source, kernel
     config = json.loads((directory / "config.json").read_text())
     stem = MODELING_FILE.removesuffix(".py")
-    assert config["auto_map"] == {"AutoConfig": f"{stem}.NanoChatGPTConfig",
+    assert config["auto_map"] == {"AutoConfig": f"{stem}.NanoChatGPTConfig", "AutoModel": f"{stem}.NanoChatGPTModel",
                                   "AutoModelForCausalLM": f"{stem}.NanoChatGPTForCausalLM"}
     parts = (config["qk_scale"], config["layer_scalars"], config["value_embeds"], config["rope_base"])
     assert parts == (1.2, True, True, 100000.0)
