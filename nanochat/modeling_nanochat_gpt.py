@@ -2,7 +2,7 @@
 nanochat's GPT as a transformers model (remote code), for models with parts transformers' own NanoChat lacks.
 
 The parts: qk_scale, layer scalars, value embeddings, sliding windows. `scripts/export_model.py --layout=remote`
-writes this file beside the weights, with the text of nanochat/gpt.py's architecture part in place of the import line
+writes this file beside the weights, with the text of nanochat/gpt.py's architecture part in place of the import
 marked below, and config.json's auto_map points at its three classes:
 
     AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)  # logits
@@ -14,9 +14,9 @@ code: the parameters (build_parameters, under nanochat's names), the blocks and 
 transformers' attention interface (config._attn_implementation: "sdpa" by default, "eager", "flex_attention", or a
 serving engine's own, which keeps its own KV cache), with transformers' masks (sliding windows as config.sliding_window
 on the layers config.layer_types names), and keys and values go into transformers' Cache (a DynamicCache by default,
-whose sliding layers keep only the window). The layout follows transformers' convention, which vLLM's and SGLang's
-transformers backends rely on: NanoChatGPTModel (AutoModel) is the transformer, NanoChatGPTForCausalLM is `model` +
-`lm_head`; the weights keep nanochat's names (transformers and vLLM add the `model.` prefix as they load).
+whose sliding layers keep only the window). The layout follows transformers' convention, which vLLM's Transformers
+backend relies on (docs/export.md): NanoChatGPTModel (AutoModel) is the transformer, NanoChatGPTForCausalLM is `model`
++ `lm_head`; the weights keep nanochat's names (transformers and vLLM add the `model.` prefix as they load).
 
 Batches: rows of one length. A padded attention_mask (zeros) is refused: positions are counted over every token, as
 nanochat's are. Tested with transformers 5.24 (vLLM 0.32: 5.19).
