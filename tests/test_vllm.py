@@ -110,8 +110,10 @@ def engine_greedy(model, tokenizer, prompt):
     return [column[0] for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=MAX_TOKENS, temperature=0)]
 
 
-def vllm_env():
-    return {**os.environ, **VLLM_ENV, "PYTHONPATH": ""}  # nothing of this checkout on vLLM's path
+def vllm_env(tmp_path):
+    """vLLM's environment: nothing of this checkout on its path, its caches (remote code, kernels) in tmp_path."""
+    return {**os.environ, **VLLM_ENV, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),
+            "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache")}
 
 
 def vllm_generate(directory, prompts, tmp_path):
@@ -119,7 +121,7 @@ def vllm_generate(directory, prompts, tmp_path):
     script = tmp_path / "vllm_generate.py"
     script.write_text(LLM_SCRIPT)
     result = subprocess.run([VLLM_PYTHON, str(script), str(directory), json.dumps(prompts), str(MAX_TOKENS),
-                             str(KV_CACHE_BYTES)], capture_output=True, text=True, timeout=600, env=vllm_env(),
+                             str(KV_CACHE_BYTES)], capture_output=True, text=True, timeout=600, env=vllm_env(tmp_path),
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -175,7 +177,7 @@ def vllm_server(default_model, tmp_path):
     proc = subprocess.Popen([*serve, str(directory), "--trust-remote-code", "--model-impl", "transformers",
                              "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager",
                              "--distributed-executor-backend", "uni", "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), cwd=tmp_path)
+                            stdout=log, stderr=subprocess.STDOUT, env=vllm_env(tmp_path), cwd=tmp_path)
     import urllib.request
     url = f"http://127.0.0.1:{port}"
     try:
