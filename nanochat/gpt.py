@@ -132,7 +132,10 @@ Weights = namedtuple("Weights", "wte layers lm_head resid_lambdas x0_lambdas")  
 
 
 def weights_of(model, prep=lambda w: w, linear=F.linear):
-    """The Weights of a model made by build_parameters; `prep` maps each matrix (default: the parameter itself)."""
+    """
+    The Weights of a model made by build_parameters; `prep` maps each matrix (default: the parameter itself).
+    lm_head None for a model without its head (the exported base model: transformers' AutoModel, hidden states out).
+    """
     layers = []
     for i, block in enumerate(model.transformer.h):
         attn, mlp = block.attn, block.mlp
@@ -143,7 +146,8 @@ def weights_of(model, prep=lambda w: w, linear=F.linear):
         qkv = prep(torch.cat([attn.c_q.weight, attn.c_k.weight, attn.c_v.weight]))
         layers.append(LayerWeights(qkv, prep(attn.c_proj.weight), prep(mlp.c_fc.weight), prep(mlp.c_proj.weight),
                                    ve_gate, ve_table, linear))
-    return Weights(model.transformer.wte.weight, layers, prep(model.lm_head.weight),
+    head = getattr(model, "lm_head", None)
+    return Weights(model.transformer.wte.weight, layers, None if head is None else prep(head.weight),
                    getattr(model, "resid_lambdas", None), getattr(model, "x0_lambdas", None))
 
 

@@ -156,7 +156,7 @@ def model_config_from_hf(config, where):
 
 MODELING_FILE = "modeling_nanochat_gpt.py"  # its name in nanochat/ and in an exported directory
 REMOTE_MODEL_TYPE = "nanochat_gpt"
-REMOTE_CLASSES = ("NanoChatGPTConfig", "NanoChatGPTForCausalLM")
+REMOTE_CLASSES = ("NanoChatGPTConfig", "NanoChatGPTModel", "NanoChatGPTForCausalLM")  # AutoConfig, AutoModel, ...
 
 
 def architecture_source():
@@ -172,24 +172,29 @@ def architecture_source():
 def modeling_source():
     """
     The modeling file as an export holds it: nanochat/modeling_nanochat_gpt.py with its one `from nanochat.gpt
-    import` line replaced by architecture_source(): the architecture is written once, and the exported file runs
-    without nanochat.
+    import` statement (its lines up to the one that ends it with ")") replaced by architecture_source(): the
+    architecture is written once, and the exported file runs without nanochat.
     """
     modeling = open(os.path.join(os.path.dirname(__file__), MODELING_FILE),
                     encoding="utf-8").read().splitlines(keepends=True)
     imports = [i for i, line in enumerate(modeling) if line.startswith("from nanochat.gpt import ")]
     if len(imports) != 1:
-        raise RuntimeError(f"{MODELING_FILE} must import nanochat.gpt in one line")
-    return "".join(modeling[:imports[0]]) + architecture_source() + "".join(modeling[imports[0] + 1:])
+        raise RuntimeError(f"{MODELING_FILE} must import nanochat.gpt in one statement")
+    end = imports[0]
+    if "(" in modeling[end]:  # a parenthesised import: to its closing line
+        while ")" not in modeling[end]:
+            end += 1
+    return "".join(modeling[:imports[0]]) + architecture_source() + "".join(modeling[end + 1:])
 
 
 def remote_config(model_config, tokenizer, dtype):
     """config.json of the remote-code layout for our model_config (GPTConfig.to_dict())."""
     stem = MODELING_FILE.removesuffix(".py")
     return {
-        "architectures": [REMOTE_CLASSES[1]], "model_type": REMOTE_MODEL_TYPE,
-        "auto_map": {"AutoConfig": f"{stem}.{REMOTE_CLASSES[0]}",
-                     "AutoModelForCausalLM": f"{stem}.{REMOTE_CLASSES[1]}"},
+        "architectures": [REMOTE_CLASSES[2]], "model_type": REMOTE_MODEL_TYPE,
+        # AutoModel before AutoModelForCausalLM: vLLM takes the first AutoModel* entry to check the backend flags
+        "auto_map": {"AutoConfig": f"{stem}.{REMOTE_CLASSES[0]}", "AutoModel": f"{stem}.{REMOTE_CLASSES[1]}",
+                     "AutoModelForCausalLM": f"{stem}.{REMOTE_CLASSES[2]}"},
         **model_config,
         "rms_norm_eps": None,  # F.rms_norm's default, as GPT's norm
         "final_logit_softcapping": SOFTCAP, "tie_word_embeddings": False, "use_cache": True,

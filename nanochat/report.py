@@ -491,8 +491,9 @@ def model_card(meta, lineage, model, tokenizer, dtype, layout):
         lines += ["## Use", "",
                   "This model has parts transformers' NanoChat model lacks (q/k scale, layer scalars, value",
                   "embeddings or sliding windows), so its code comes with it: `modeling_nanochat_gpt.py` here, which",
-                  "transformers runs with `trust_remote_code=True` (it is code: read it first). vLLM and mlx-lm cannot",
-                  "run this model.", "", *code]
+                  "transformers runs with `trust_remote_code=True` (it is code: read it first), and so does vLLM's",
+                  "Transformers backend: `vllm serve path/to/this/directory --trust-remote-code --model-impl",
+                  "transformers`. mlx-lm cannot run this model.", "", *code]
     else:
         lines += ["## Use", "", "transformers >= 5.0 loads it with no custom code:", "", *code]
     lines += [

