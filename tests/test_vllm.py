@@ -7,7 +7,8 @@ with the chat template's text, our Engine's greedy reply.
 vLLM pins its own transformers and torch, so it lives in a virtual environment of its own: its python is
 NANOCHAT_VLLM_PYTHON (default <repo>/.venv-vllm/bin/python; the commands that make it: docs/export.md). Without it
 these tests skip. The model is the session's tiny midtrained model of today's defaults (qk_scale 1.2, value
-embeddings), exported in fp32; vLLM computes in fp32 too (dtype="float32"), so the greedy tokens must be equal.
+embeddings), exported in fp32; vLLM computes in fp32 too (dtype="float32"), so the greedy tokens must be equal. The
+plain layout (transformers' own NanoChat, no code of ours) runs through the same backend.
 """
 
 import json
@@ -48,14 +49,14 @@ if __name__ == "__main__":
 """
 
 
-def export(base_dir, source, out, model_tag=None):
+def export(base_dir, source, out, model_tag=None, layout="auto"):
     """export_model's fp32 export of a model of base_dir to `out`, and our model of it, loaded by our code."""
     from nanochat.checkpoint_manager import load_model
     tag = [f"--model_tag={model_tag}"] if model_tag else []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base_dir))
         run_in_process("scripts.export_model", f"--source={source}", f"--out={out}", "--dtype=float32", *tag,
-                       monkeypatch=mp)
+                       f"--layout={layout}", monkeypatch=mp)
         model, tokenizer, _ = load_model(source, "cpu", phase="eval", model_tag=model_tag)
     return out, model, tokenizer
 
@@ -69,12 +70,11 @@ def default_model(tiny_models, tmp_path_factory):
     return out, model, tokenizer
 
 
-@pytest.fixture(scope="module")
-def all_parts_model(small_tokenizer_dir, tmp_path_factory):
+def random_export(tokenizer_dir, base, layout, **parts):
     """
-    The export of an untrained model with every part off its default: windows (layers 0 and 1 see 128 earlier
-    tokens, at a context of 160), layer scalars, value embeddings, qk_scale, rope_base, GQA 2:1; head_dim 32, the
-    smallest vLLM's CPU attention takes. The output projections and the head random, so that every part counts.
+    The export (in `layout`) of an untrained model of 3 layers, head_dim 32 (the smallest vLLM's CPU attention
+    takes), context 160, with `parts` off their defaults; its output projections and head random, so that every
+    part counts. Returns (directory, our model, our tokenizer), as export() does.
     """
     import shutil
 
@@ -83,14 +83,12 @@ def all_parts_model(small_tokenizer_dir, tmp_path_factory):
     from nanochat.checkpoint_manager import checkpoint_dir_for, save_checkpoint
     from nanochat.gpt import GPT, GPTConfig
     from nanochat.tokenizer import get_tokenizer
-    base = tmp_path_factory.mktemp("vllm_all_parts")
-    shutil.copytree(small_tokenizer_dir, base / "tokenizer")
+    shutil.copytree(tokenizer_dir, base / "tokenizer")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
         tokenizer = get_tokenizer()
-        config = GPTConfig(sequence_len=160, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=2, n_kv_head=1,
-                           n_embd=64, rope_base=100000.0, qk_scale=1.2, layer_scalars=True, value_embeds=True,
-                           window_pattern="S")
+        config = GPTConfig(sequence_len=160, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=2, n_embd=64,
+                           **parts)
         torch.manual_seed(0)
         model = GPT(config)
         model.init_weights(recipe="2026")
@@ -100,8 +98,24 @@ def all_parts_model(small_tokenizer_dir, tmp_path_factory):
                     p.normal_(0, 0.1)
         meta = dict(model_config=config.to_dict(),
                     tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()))
-        save_checkpoint(checkpoint_dir_for("base", "all"), 7, model.state_dict(), None, meta)
-    return export(base, "base", base / "export", model_tag="all")
+        save_checkpoint(checkpoint_dir_for("base", "random"), 7, model.state_dict(), None, meta)
+    return export(base, "base", base / "export", model_tag="random", layout=layout)
+
+
+@pytest.fixture(scope="module")
+def all_parts_model(small_tokenizer_dir, tmp_path_factory):
+    """
+    Every part off its default: windows (layers 0 and 1 see 128 earlier tokens), layer scalars, value embeddings,
+    qk_scale, rope_base, GQA 2:1 (the remote layout).
+    """
+    return random_export(small_tokenizer_dir, tmp_path_factory.mktemp("vllm_all_parts"), "remote", n_kv_head=1,
+                         rope_base=100000.0, qk_scale=1.2, layer_scalars=True, value_embeds=True, window_pattern="S")
+
+
+@pytest.fixture(scope="module")
+def plain_model(small_tokenizer_dir, tmp_path_factory):
+    """The 2025 architecture, which transformers' own NanoChat holds: the plain layout, no code of ours."""
+    return random_export(small_tokenizer_dir, tmp_path_factory.mktemp("vllm_plain"), "hf", n_kv_head=2)
 
 
 def engine_greedy(model, tokenizer, prompt):
@@ -156,6 +170,19 @@ def test_vllm_runs_every_part(all_parts_model, tmp_path):
     torch.manual_seed(1)
     # 136 tokens (past the window) and their 24 greedy ones fill the context of 160
     prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, 500, (n,)).tolist() for n in (135, 30)]
+    results = vllm_generate(directory, prompts, tmp_path)
+    for prompt, (tokens, logprobs) in zip(prompts, results):
+        assert tokens == engine_greedy(model, tokenizer, prompt)
+        assert (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item() <= 1e-4
+
+
+def test_vllm_runs_the_plain_layout(plain_model, tmp_path):
+    """transformers' own NanoChat (the plain layout, no remote code) through vLLM's transformers backend."""
+    import torch
+    directory, model, tokenizer = plain_model
+    assert "auto_map" not in json.loads((directory / "config.json").read_text())
+    torch.manual_seed(1)
+    prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, 500, (n,)).tolist() for n in (100, 20)]
     results = vllm_generate(directory, prompts, tmp_path)
     for prompt, (tokens, logprobs) in zip(prompts, results):
         assert tokens == engine_greedy(model, tokenizer, prompt)
