@@ -491,3 +491,22 @@ def written_out(q, k, v, window=None, key_mask=None):
             scores = torch.einsum("hd,hjd->hj", q[b, :, i].double(), k[b, :, seen]) / math.sqrt(D)  # (H, len(seen))
             out[b, :, i] = torch.einsum("hj,hjd->hd", torch.softmax(scores, dim=-1), v[b, :, seen])
     return out
+
+
+def save_random_model(config, tokenizer, model_tag, recipe="2026", step=7):
+    """
+    A base checkpoint (in the current NANOCHAT_BASE_DIR) of an untrained GPT of `config`, initialised by `recipe`
+    with seed 0, its output projections and head random (N(0, 0.1)) so that every part counts in its logits.
+    """
+    from nanochat.checkpoint_manager import checkpoint_dir_for, save_checkpoint
+    from nanochat.gpt import GPT
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights(recipe=recipe)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight") or name == "lm_head.weight":
+                p.normal_(0, 0.1)
+    meta = dict(model_config=config.to_dict(),
+                tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()))
+    save_checkpoint(checkpoint_dir_for("base", model_tag), step, model.state_dict(), None, meta)

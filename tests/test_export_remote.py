@@ -14,11 +14,11 @@ import shutil
 import pytest
 import torch
 
-from helpers import one_line_error, run_in_process, run_script
-from nanochat.checkpoint_manager import checkpoint_dir_for, load_model, save_checkpoint
+from helpers import one_line_error, run_in_process, run_script, save_random_model
+from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError
 from nanochat.engine import Engine, generate_naive
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPTConfig
 from nanochat.hf_format import MODELING_FILE, modeling_source
 from nanochat.tokenizer import get_tokenizer
 
@@ -43,16 +43,7 @@ def recipe_base(small_tokenizer_dir, tmp_path_factory):
         for tag, (parts, recipe) in MODELS.items():
             config = GPTConfig(**dict(dict(sequence_len=64, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=4,
                                            n_kv_head=2, n_embd=64), **parts))
-            torch.manual_seed(0)
-            model = GPT(config)
-            model.init_weights(recipe=recipe)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if name.endswith("c_proj.weight") or name == "lm_head.weight":
-                        p.normal_(0, 0.1)
-            meta = dict(model_config=config.to_dict(),
-                        tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()))
-            save_checkpoint(checkpoint_dir_for("base", tag), 7, model.state_dict(), None, meta)
+            save_random_model(config, tokenizer, tag, recipe)
     return base
 
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from helpers import REPO_ROOT, run_in_process
+from helpers import REPO_ROOT, run_in_process, save_random_model
 
 VLLM_PYTHON = os.environ.get("NANOCHAT_VLLM_PYTHON", os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python"))
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason=(
@@ -78,10 +78,7 @@ def random_export(tokenizer_dir, base, layout, **parts):
     """
     import shutil
 
-    import torch
-
-    from nanochat.checkpoint_manager import checkpoint_dir_for, save_checkpoint
-    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.gpt import GPTConfig
     from nanochat.tokenizer import get_tokenizer
     shutil.copytree(tokenizer_dir, base / "tokenizer")
     with pytest.MonkeyPatch.context() as mp:
@@ -89,16 +86,7 @@ def random_export(tokenizer_dir, base, layout, **parts):
         tokenizer = get_tokenizer()
         config = GPTConfig(sequence_len=160, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=2, n_embd=64,
                            **parts)
-        torch.manual_seed(0)
-        model = GPT(config)
-        model.init_weights(recipe="2026")
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("c_proj.weight") or name == "lm_head.weight":
-                    p.normal_(0, 0.1)
-        meta = dict(model_config=config.to_dict(),
-                    tokenizer=dict(fingerprint=tokenizer.fingerprint(), vocab_size=tokenizer.get_vocab_size()))
-        save_checkpoint(checkpoint_dir_for("base", "random"), 7, model.state_dict(), None, meta)
+        save_random_model(config, tokenizer, "random")
     return export(base, "base", base / "export", model_tag="random", layout=layout)
 
 
@@ -150,6 +138,15 @@ def our_prompt_logprobs(model, prompt):
     return logprobs.gather(1, ids[0, 1:, None])[:, 0]
 
 
+def assert_vllm_gives_ours(directory, model, tokenizer, prompts, tmp_path):
+    """vLLM's greedy tokens after each prompt are our Engine's, its prompt log-probabilities ours within 1e-4."""
+    import torch
+    results = vllm_generate(directory, prompts, tmp_path)
+    for prompt, (tokens, logprobs) in zip(prompts, results):
+        assert tokens == engine_greedy(model, tokenizer, prompt)
+        assert (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item() <= 1e-4
+
+
 def test_vllm_gives_our_greedy_tokens(default_model, tmp_path):
     directory, model, tokenizer = default_model
     prompts = [tokenizer.encode("The function", prepend="<|bos|>"),
@@ -170,10 +167,7 @@ def test_vllm_runs_every_part(all_parts_model, tmp_path):
     torch.manual_seed(1)
     # 136 tokens (past the window) and their 24 greedy ones fill the context of 160
     prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, 500, (n,)).tolist() for n in (135, 30)]
-    results = vllm_generate(directory, prompts, tmp_path)
-    for prompt, (tokens, logprobs) in zip(prompts, results):
-        assert tokens == engine_greedy(model, tokenizer, prompt)
-        assert (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item() <= 1e-4
+    assert_vllm_gives_ours(directory, model, tokenizer, prompts, tmp_path)
 
 
 def test_vllm_runs_the_plain_layout(plain_model, tmp_path):
@@ -183,10 +177,7 @@ def test_vllm_runs_the_plain_layout(plain_model, tmp_path):
     assert "auto_map" not in json.loads((directory / "config.json").read_text())
     torch.manual_seed(1)
     prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, 500, (n,)).tolist() for n in (100, 20)]
-    results = vllm_generate(directory, prompts, tmp_path)
-    for prompt, (tokens, logprobs) in zip(prompts, results):
-        assert tokens == engine_greedy(model, tokenizer, prompt)
-        assert (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item() <= 1e-4
+    assert_vllm_gives_ours(directory, model, tokenizer, prompts, tmp_path)
 
 
 @pytest.fixture
