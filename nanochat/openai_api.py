@@ -318,7 +318,8 @@ async def chat_completions(request: Request):
     reply = Reply()
     async with job:
         try:
-            content = "".join([piece async for piece in reply_pieces(job, request, prompt, sampling, stops, reply)])
+            pieces = reply_pieces(job, request, prompt, sampling, stops, reply)
+            content = "".join([piece async for _, piece in pieces])
         except Exception as e:
             logger.exception("generation failed")
             raise APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error") from e
@@ -343,7 +344,7 @@ async def chat_events(request, job, head, prompt, sampling, stops, include_usage
     yield chunk({"role": "assistant", "content": ""})  # at once, while the request may still wait for a worker
     try:
         async with job:
-            async for piece in reply_pieces(job, request, prompt, sampling, stops, reply):
+            async for _, piece in reply_pieces(job, request, prompt, sampling, stops, reply):
                 yield chunk({"content": piece})
             if reply.finish_reason is None:
                 return  # the client left
@@ -409,7 +410,7 @@ async def complete(job, request, prompt, added, sampling, stops, echo, top_n):
     sampling["max_tokens"] = min(sampling["max_tokens"], job.pool.context_len - len(prompt))
     text = ""
     if sampling["max_tokens"] > 0:
-        text = "".join([piece async for piece in reply_pieces(job, request, prompt, sampling, stops, reply)])
+        text = "".join([piece async for _, piece in reply_pieces(job, request, prompt, sampling, stops, reply)])
         if reply.finish_reason is None:
             return None
     kept = reply.tokens

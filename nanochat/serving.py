@@ -49,6 +49,7 @@ from nanochat.hardware import autocast_context
 
 logger = logging.getLogger("nanochat.serving")
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(nanochat.__file__)), "ui.html")  # shipped as package data
+PART_TYPES = ("text", "python", "python_output")  # the parts of an assistant message (tokenizer.render_conversation)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # a stream's headers: no proxy buffering
 
 
@@ -465,24 +466,42 @@ class Reply:
     cut: bool = False  # a stop string ended it
 
 
-async def reply_pieces(job, request, prompt, sampling, stops, reply):
+async def reply_pieces(job, request, prompt, sampling, stops, reply, blocks=False):
     """
-    The text of one reply, piece by piece as it is generated on the job's worker, filling `reply`; the text ends
-    before the first of the strings `stops`. Between two tokens, checks that the client is still there; if not,
-    ends with reply.finish_reason None (the caller then stops too, and Job's exit stops the generation).
+    The text of one reply, piece by piece as it is generated on the job's worker, filling `reply`: (kind, text)
+    pairs; the text ends before the first of the strings `stops`. Between two tokens, checks that the client is
+    still there; if not, ends with reply.finish_reason None (the caller then stops too, and Job's exit stops the
+    generation). Without `blocks` every piece is ("token", text), the tool's special tokens written out in it as the
+    tokenizer decodes them. With `blocks` the calculator's call and what it answered are pieces of their own: the
+    tool's four special tokens become ("tool_call", "") (a call opens), ("tool_call_end", True), ("tool_output", "")
+    and ("tool_output_end", True); the text between them comes as ("tool_call", text) / ("tool_output", text), the
+    rest as ("token", text). Every token is then in the pieces once, so the reply's text can be told back exactly.
     """
+    engine = job.worker.engine
+    edges = {engine.python_start: ("tool_call", "", "tool_call"), engine.python_end: ("tool_call_end", True, "token"),
+             engine.output_start: ("tool_output", "", "tool_output"),
+             engine.output_end: ("tool_output_end", True, "token")} if blocks else {}
+    kind = "token"
     tokens = job.start(prompt, sampling)
     text = ReplyText(job.pool.tokenizer, stops)
     while (token := await tokens.get()) is not None:
         if isinstance(token, Exception):
             raise token
-        if token in job.worker.engine.end_tokens:  # the model ended its turn: not text, and the last token
+        if token in engine.end_tokens:  # the model ended its turn: not text, and the last token
             reply.end_token = token
             continue
         reply.tokens.append(token)
+        if token in edges:  # what the streamer holds belongs to the piece before the block's edge
+            piece = text.end()
+            if piece:
+                yield kind, piece
+            text = ReplyText(job.pool.tokenizer, stops)
+            edge, value, kind = edges[token]
+            yield edge, value
+            continue
         piece = text.put(token)
         if piece:
-            yield piece
+            yield kind, piece
         if text.stopped:
             job.stop.set()
             break
@@ -490,7 +509,7 @@ async def reply_pieces(job, request, prompt, sampling, stops, reply):
             return
     piece = "" if text.stopped else text.end()
     if piece:
-        yield piece
+        yield kind, piece
     reply.cut = text.stopped
     # neither the end of the turn nor a stop string: max_tokens (which the end of the context caps) ended it
     reply.finish_reason = "stop" if text.stopped or reply.end_token is not None else "length"
@@ -573,12 +592,33 @@ def check_sampling(body, settings, vocab_size, tokens_field="max_tokens", min_to
                 seed=random.randrange(2**31) if seed is None else seed)
 
 
+def checked_parts(parts, where):
+    """
+    An assistant message given as parts, as nanochat's conversations hold a reply that used the calculator (and the
+    chat page sends one back): [{"type": "text" | "python" | "python_output", "text": str}], rendered with the
+    tool's special tokens (tokenizer.render_conversation), so the model reads its earlier call as it wrote it.
+    """
+    checked = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") not in PART_TYPES or not isinstance(part.get("text"), str):
+            raise field_error(f"{where}[{j}]", 'must be like {"type": "text" | "python" | "python_output", '
+                                               '"text": "..."}')
+        checked.append({"type": part["type"], "text": part["text"]})
+    return checked
+
+
+def chars(content):
+    """The characters of a message's content: a string, or the parts' texts."""
+    return len(content) if isinstance(content, str) else sum(len(part["text"]) for part in content)
+
+
 def check_chat(body, settings, pool, system=False, tokens_field="max_tokens"):
     """
     The prompt tokens and sampling settings (check_sampling) of a chat request. body["messages"]: roles alternate
     user / assistant, starting and ending with user (the message to reply to), after a first system message if
-    `system`; contents are strings. The prompt (tokenizer.render_for_completion) leaves room in the model's context
-    for a token at least, and max_tokens is cut to that room. Limits are checked first, tokens last.
+    `system`; contents are strings, or an assistant's a list of parts (checked_parts). The prompt
+    (tokenizer.render_for_completion) leaves room in the model's context for a token at least, and max_tokens is cut
+    to that room. Limits are checked first, tokens last.
     """
     messages = checked_field(body, "messages", "list")
     if not messages:
@@ -595,11 +635,14 @@ def check_chat(body, settings, pool, system=False, tokens_field="max_tokens"):
         content = message.get("content")
         if role not in roles:
             raise field_error(f"{where}.role", f"{role!r} is not a role here: use {', '.join(roles)}")
-        if not isinstance(content, str):
-            raise field_error(f"{where}.content", "must be a string")
-        if len(content) > settings.max_message_chars:
+        if role == "assistant" and isinstance(content, list):  # a reply that used the calculator (the chat page)
+            content = checked_parts(content, f"{where}.content")
+        elif not isinstance(content, str):
+            raise field_error(f"{where}.content", "must be a string" + (
+                " or a list of parts (text, python, python_output)" if role == "assistant" else ""))
+        if chars(content) > settings.max_message_chars:
             raise field_error(f"{where}.content",
-                              f"{len(content):,} characters, at most {settings.max_message_chars:,} are accepted")
+                              f"{chars(content):,} characters, at most {settings.max_message_chars:,} are accepted")
         conversation.append({"role": role, "content": content})
     first = int(conversation[0]["role"] == "system")
     for i in range(first, len(conversation)):
@@ -611,7 +654,7 @@ def check_chat(body, settings, pool, system=False, tokens_field="max_tokens"):
     if conversation[-1]["role"] != "user":
         raise field_error(f"messages[{len(messages) - 1}].role",
                           "the conversation must end with a user message (the one to reply to)")
-    total = sum(len(m["content"]) for m in conversation)
+    total = sum(chars(m["content"]) for m in conversation)
     if total > settings.max_conversation_chars:
         raise field_error("messages",
                           f"the conversation is {total:,} characters, "
@@ -670,15 +713,18 @@ def create_app(pool, settings):
 
 async def stream_reply(request, job, prompt, sampling):
     """
-    The server-sent events of one reply of /chat/completions: {"token": text, "gpu": worker index} per piece as it
-    is generated, then {"done": true}; a failing generation sends {"error": "..."} before the done event. A client
-    that leaves ends it (reply_pieces) and takes its row out of the batch (Job).
+    The server-sent events of one reply of /chat/completions: {"token": text, "gpu": worker index} per piece of text
+    as it is generated, the calculator's use as blocks of their own (reply_pieces with blocks: {"tool_call": ""}
+    opens a call, {"tool_call": text} continues it, {"tool_call_end": true} ends it; {"tool_output": ...} and
+    {"tool_output_end": true} the same for what the tool answered), then {"done": true}; a failing generation sends
+    {"error": "..."} before the done event. A client that leaves ends it (reply_pieces) and takes its row out of the
+    batch (Job).
     """
     reply = Reply()
     try:
         async with job:
-            async for piece in reply_pieces(job, request, prompt, sampling, [], reply):
-                yield sse({"token": piece, "gpu": job.worker.index})
+            async for kind, piece in reply_pieces(job, request, prompt, sampling, [], reply, blocks=True):
+                yield sse({kind: piece, "gpu": job.worker.index})
             if reply.finish_reason is None:
                 return  # the client left
             job.outcome = "served"

@@ -9,33 +9,10 @@ import time
 
 import pytest
 
-from helpers import bigram_model, engine_stream
+from helpers import engine_stream, tool_model
 from nanochat.execution import use_calculator
 from nanochat.engine import Engine
 from nanochat.tokenizer import Tokenizer
-
-
-def tool_model(tokenizer, expression, branch=False):
-    """
-    A bigram model that writes "T", then calls the tool on `expression`, then "!" and ends:
-    assistant_start -> "T" -> python_start -> expression tokens -> python_end; output_end -> "!" -> assistant_end.
-    With branch: assistant_start -> "T" or "x" (a coin flip), and "x" -> assistant_end (no tool call).
-    The expression's tokens must all differ (a bigram model cannot tell two occurrences of a token apart).
-    """
-    sp = tokenizer.encode_special
-    t = tokenizer.encode("T")[0]
-    x = tokenizer.encode("x")[0]
-    bang = tokenizer.encode("!")[0]
-    chain = [sp("<|assistant_start|>"), t, sp("<|python_start|>"), *tokenizer.encode(expression), sp("<|python_end|>")]
-    assert len(set(chain)) == len(chain)
-    transitions = {a: [b] for a, b in zip(chain, chain[1:])}
-    transitions[sp("<|python_end|>")] = [bang]  # taken only if the tool gives no output
-    transitions[sp("<|output_end|>")] = [bang]
-    transitions[bang] = [sp("<|assistant_end|>")]
-    if branch:
-        transitions[sp("<|assistant_start|>")] = [t, x]
-        transitions[x] = [sp("<|assistant_end|>")]
-    return bigram_model(tokenizer, transitions), chain[1:]
 
 
 def test_calculator_output_is_forced_mid_generation(small_tokenizer_dir):

@@ -45,22 +45,17 @@ class ChatWebServer:
         return self.http.get(self.url + "/stats").json()
 
 
-@pytest.fixture(scope="session")
-def chat_web_server(chat_web_base):
+@contextlib.contextmanager
+def serve(model, tokenizer):
     """
-    The app of nanochat.serving with one CPU worker and chat_web's default settings, served by uvicorn in a thread
-    on a free port: started once per session, for every test module that talks to the web server (one model build,
-    one server).
+    The app of nanochat.serving (both APIs) with one CPU worker on `model` and chat_web's default settings, served
+    by uvicorn in a thread on a free port: the ChatWebServer, stopped on exit.
     """
     import uvicorn
 
-    from nanochat.checkpoint_manager import load_model
     from nanochat.engine import Engine
     from nanochat.openai_api import mount
     from nanochat.serving import Settings, Worker, WorkerPool, create_app
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(chat_web_base))
-        model, tokenizer, _ = load_model("base", "cpu", phase="eval")
     pool = WorkerPool([Worker(0, Engine(model, tokenizer))])
     app = create_app(pool, Settings(temperature=0.8, top_k=50, max_tokens=512, max_tokens_limit=4096, max_messages=500,
                                     max_message_chars=8000, max_conversation_chars=32000, model_name="nanochat",
@@ -79,6 +74,35 @@ def chat_web_server(chat_web_base):
     served.http.close()
     uv.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def chat_web_server(chat_web_base):
+    """
+    The session's tiny base model served (serve): started once per session, for every test module that talks to
+    the web server (one model build, one server).
+    """
+    from nanochat.checkpoint_manager import load_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(chat_web_base))
+        model, tokenizer, _ = load_model("base", "cpu", phase="eval")
+    with serve(model, tokenizer) as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def calculator_server(small_tokenizer_dir):
+    """
+    A model that always uses the calculator, served (serve): helpers.tool_model on "2*9", which writes "T", calls
+    the tool, reads its answer 18, writes "!" and ends. (written: the tokens it writes up to the call's end)
+    """
+    from helpers import tool_model
+    from nanochat.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_directory(str(small_tokenizer_dir))
+    model, written = tool_model(tokenizer, "2*9")
+    with serve(model, tokenizer) as served:
+        served.written = written
+        yield served
 
 
 @pytest.fixture(scope="session")

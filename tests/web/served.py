@@ -93,3 +93,20 @@ def wait_no_batch(served, timeout=10):
         assert time.time() < deadline, stats
         time.sleep(0.01)
     return stats
+
+
+# the special tokens of the calculator's use, as nanochat's API streams them (serving.reply_pieces with blocks)
+TOOL_EDGES = {("tool_call", ""): "<|python_start|>", ("tool_call_end", True): "<|python_end|>",
+              ("tool_output", ""): "<|output_start|>", ("tool_output_end", True): "<|output_end|>"}
+
+
+def told_text(events):
+    """
+    The text of nanochat's API's events (not the done event) as the tokenizer decodes the reply's tokens: the text
+    pieces, the calculator's call and output, and its special tokens written back where their edge events are.
+    """
+    text = []
+    for event in events:
+        (kind, value), = [(k, v) for k, v in event.items() if k != "gpu"]
+        text.append(TOOL_EDGES.get((kind, value), value))
+    return "".join(text)

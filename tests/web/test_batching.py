@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from web.served import HELLO, engine_reply, wait_no_batch
+from web.served import HELLO, engine_reply, told_text, wait_no_batch
 
 openai = pytest.importorskip("openai", reason="needs the openai pip package: pip install openai")
 
@@ -92,8 +92,8 @@ def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32, monkeypa
             lines = response.iter_lines()
             pieces = []
             for line in lines:  # the long reply is under way: 10 pieces of it are out
-                if line.startswith("data: ") and "token" in (event := json.loads(line[6:])):
-                    pieces.append(event["token"])
+                if line.startswith("data: "):
+                    pieces.append(json.loads(line[6:]))
                     if len(pieces) == 10:
                         break
             assert chunks == [len(fp32.tokenizer.render_for_completion({"messages": HELLO}))]  # alone: all at once
@@ -104,7 +104,7 @@ def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32, monkeypa
                 time.sleep(0.001)
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     assert events[-1] == {"done": True}
-    assert "".join(pieces + [e["token"] for e in events[:-1]]) == expected_long[0]
+    assert told_text(pieces + events[:-1]) == expected_long[0]
     for answer, (text, n_tokens), request in zip(answers, expected, joiners):
         assert answer.choices[0].message.content == text
         assert answer.usage.completion_tokens == n_tokens
@@ -193,7 +193,7 @@ def test_a_client_that_leaves_leaves_the_batch_at_once(fp32, monkeypatch):
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1
     assert after["requests_served"] == before["requests_served"] + 1
     # the stream that stayed: its first event was read above, the rest here, all of it the engine's reply alone
-    assert "".join(e["token"] for e in [first, *events[:-1]]) == expected
+    assert told_text([first, *events[:-1]]) == expected
 
 
 def test_a_full_queue_is_answered_with_one_line_429_and_what_never_fits_with_400(chat_web_server, client, monkeypatch):

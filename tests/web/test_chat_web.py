@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from helpers import run_script, start_script
-from web.served import HELLO, engine_reply, free_port, wait_idle, wait_serving
+from web.served import HELLO, engine_reply, free_port, told_text, wait_idle, wait_serving
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 
@@ -44,11 +44,16 @@ def post_chat(url, body, timeout=120):
 
 
 def reply_text(events):
-    """The text of a complete stream, after checking its shape: token events, then exactly one done event."""
+    """
+    The text of a complete stream, after checking its shape: text events (or the calculator's), then exactly one
+    done event.
+    """
     assert events[-1] == {"done": True}, events[-3:]
-    tokens = events[:-1]
-    assert all(set(e) == {"token", "gpu"} and e["token"] for e in tokens), tokens
-    return "".join(e["token"] for e in tokens)
+    pieces = events[:-1]
+    kinds = {"token", "tool_call", "tool_call_end", "tool_output", "tool_output_end"}
+    assert all(len(e) == 2 and "gpu" in e and set(e) - {"gpu"} <= kinds for e in pieces), pieces
+    assert all(e["token"] for e in pieces if "token" in e), pieces
+    return told_text(pieces)
 
 
 # -----------------------------------------------------------------------------
@@ -187,7 +192,7 @@ def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, 
         with client.stream("POST", server.url + "/chat/completions", json=body) as response:
             assert response.status_code == 200
             first = next(line for line in response.iter_lines() if line.startswith("data: "))
-            assert "token" in json.loads(first[6:])
+            assert "gpu" in json.loads(first[6:])  # a piece of the reply
         # leaving the block closes the connection after one event
     left = time.time()
     after = wait_idle(server, timeout=5)
@@ -258,7 +263,7 @@ def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server
     assert status == 200
     assert events[-1] == {"done": True}
     assert "injected failure" in events[-2]["error"], events[-2:]
-    assert all("token" in e for e in events[:-2])
+    assert all("gpu" in e for e in events[:-2])  # pieces of the reply before the error
     monkeypatch.undo()
     status, events = post_chat(server.url, {"messages": HELLO, "max_tokens": 8})
     assert status == 200 and events[-1] == {"done": True}
@@ -317,16 +322,27 @@ def events_of(response_body):
     return [json.loads(line[6:]) for line in response_body.splitlines() if line.startswith("data: ")]
 
 
-def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
+def playwright():
+    """Playwright's sync API, with Debian's Chromium to drive: else the test is skipped, saying what to install."""
     sync_api = pytest.importorskip("playwright.sync_api",
                                    reason="needs the playwright pip package: pip install playwright")
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"needs Chromium at {CHROMIUM}: apt-get install chromium (the Debian package; Playwright's own "
                     f"browser download is not used) and pip install playwright")
+    return sync_api
+
+
+def launch(p):
+    """Headless Chromium, without the background connections a closed network refuses."""
+    return p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run", "--disable-extensions"])
+
+
+def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
+    sync_api = playwright()
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run", "--disable-extensions"])
+        browser = launch(p)
         try:
             page = browser.new_page(viewport={"width": 960, "height": 720})
             page_errors, sent = [], []
@@ -441,5 +457,88 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             monkeypatch.setattr(server.engine, "generate", real_generate)
             assert len(page.query_selector_all(".message")) == 2
             assert page_errors == []
+        finally:
+            browser.close()
+
+
+# -----------------------------------------------------------------------------
+# The calculator's use, as blocks of their own (a model that always calls it: web/conftest.py's calculator_server)
+
+ASK = [{"role": "user", "content": "What is 2 times 9?"}]
+
+
+def test_a_calculator_call_streams_as_blocks_of_its_own(calculator_server):
+    status, events = post_chat(calculator_server.url, {"messages": ASK, "temperature": 0})
+    assert status == 200 and events[-1] == {"done": True}, events
+    kinds = []
+    for event in events[:-1]:
+        kind = next(k for k in event if k != "gpu")
+        if not kinds or kinds[-1] != kind or event[kind] == "":  # an empty event opens a block
+            kinds.append(kind)
+    assert kinds == ["token", "tool_call", "tool_call_end", "tool_output", "tool_output_end", "token"], events
+    text = {kind: "".join(e.get(kind, "") for e in events) for kind in ("token", "tool_call", "tool_output")}
+    assert text == {"token": "T!", "tool_call": "2*9", "tool_output": "18"}
+    assert "<|" not in json.dumps(events)
+    tokenizer = calculator_server.tokenizer
+    sp = tokenizer.encode_special
+    tokens = [*calculator_server.written, sp("<|output_start|>"), *tokenizer.encode("18"), sp("<|output_end|>"),
+              *tokenizer.encode("!")]
+    assert reply_text(events) == tokenizer.decode(tokens)  # every token told once
+    # the OpenAI API keeps plain text: the reply as the tokenizer decodes it, the tool's special tokens written out
+    import openai
+    client = openai.OpenAI(base_url=calculator_server.url + "/v1", api_key="none")
+    reply = client.chat.completions.create(model="nanochat", messages=ASK, temperature=0, max_tokens=40)
+    assert reply.choices[0].message.content == tokenizer.decode(tokens)
+
+
+def test_a_reply_with_a_call_goes_back_as_its_parts(calculator_server):
+    from nanochat.serving import check_chat
+    parts = [{"type": "text", "text": "T"}, {"type": "python", "text": "2*9"}, {"type": "python_output", "text": "18"},
+             {"type": "text", "text": "!"}]
+    messages = [*ASK, {"role": "assistant", "content": parts}, {"role": "user", "content": "And 3 times 3?"}]
+    tokenizer = calculator_server.tokenizer
+    prompt, _ = check_chat({"messages": messages}, calculator_server.app.state.settings, calculator_server.pool)
+    assert prompt == tokenizer.render_for_completion({"messages": messages})
+    assert tokenizer.encode_special("<|python_start|>") in prompt  # the model reads its call as it wrote it
+    status, events = post_chat(calculator_server.url, {"messages": messages, "temperature": 0})
+    assert status == 200 and events[-1] == {"done": True}
+    for bad, field in (([{"type": "image", "text": "x"}], "messages[1].content[0]"), (7, "messages[1].content")):
+        status, body = post_chat(calculator_server.url, {"messages": [*messages[:1], {"role": "assistant",
+                                                                                      "content": bad}, messages[2]]})
+        assert status == 400 and body["detail"].startswith(field), body
+    status, body = post_chat(calculator_server.url, {"messages": [{"role": "user", "content": parts}]})
+    assert status == 400 and body["detail"].startswith("messages[0].content: must be a string"), body
+
+
+def test_the_page_shows_a_calculator_call_as_a_block(calculator_server, tmp_path):
+    sync_api = playwright()
+    with sync_api.sync_playwright() as p:
+        browser = launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 960, "height": 720})
+            page_errors = []
+            sent = []
+            page.on("pageerror", lambda e: page_errors.append(str(e)))
+            page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+            page.goto(calculator_server.url + "/")
+            for question in ("What is 2 times 9?", "And again?"):
+                page.fill("#input", question)
+                page.press("#input", "Enter")
+                page.wait_for_selector("#send:text('Send')")
+            replies = page.query_selector_all(".message.assistant .bubble")
+            assert len(replies) == 2
+            for bubble in replies:
+                assert bubble.query_selector(".tool .tool-call").text_content() == "2*9"
+                assert bubble.query_selector(".tool .tool-output").text_content() == "18"
+                assert [s.text_content() for s in bubble.query_selector_all(":scope > span")] == ["T", "!"]
+            assert "<|" not in page.text_content("#log")
+            # the second request carries the first reply as its parts
+            assert sent[-1]["messages"][1] == {"role": "assistant", "content": [
+                {"type": "text", "text": "T"}, {"type": "python", "text": "2*9"},
+                {"type": "python_output", "text": "18"}, {"type": "text", "text": "!"}]}
+            shot = tmp_path / "calculator_block.png"
+            page.screenshot(path=str(shot))
+            print(f"screenshot: {shot}")
+            assert shot.stat().st_size > 5_000 and page_errors == []
         finally:
             browser.close()
