@@ -4,17 +4,24 @@ Decoding benchmark: the Engine (KV cache, engine.decode_step) against naive gene
 The Engine is nanochat/engine.py's; naive generation (engine.generate_naive) re-runs the whole sequence at every step.
 
     python bench/engine.py                                  # depth 4, vocab 8192, context 2048, CPU, 1 and 2 threads
+    python bench/engine.py --threads=2 --naive=False        # decoding as an evaluation: B = 1, 8, 32, 128
     python bench/engine.py --threads=1 --repeats=5
     python bench/engine.py --device_type=cuda --depth=20 --vocab_size=65536 --batch_sizes=1,8,32,128 --threads=0
 
 For each thread count, prints:
 - decode tokens/s of the engine at each batch size (tokens/s counts every sample's tokens: B x steps / time),
   measured from the first token to the last, i.e. the steady decoding rate; also per CPU-second of the process;
+- time per output token (TPOT: one decode step, which gives every sequence its next token) and the memory-bandwidth
+  utilisation: the bytes one step reads (the decode weights' matrices in the compute dtype, the B rows of the
+  lookup tables, and the KV cache each sequence's attention sees, averaged over the steps) per second, against the
+  bandwidth measured here at the same thread count (the best of `bandwidth_repeats` sums of a
+  `bandwidth_mib` tensor, far larger than the caches). Decoding at small B is bound by this read: the
+  utilisation says how close to the machine's limit it runs; at large B the arithmetic takes over;
 - time to first token (TTFT): from the generate() call to the first token column, i.e. prefill of the
   prompt + the first sample, for the bench prompt and for a long prompt (`long_prompt_tokens`);
 - naive generation's tokens/s for the same prompt and number of new tokens at batch 1, end to end, and the
   engine's end-to-end speedup over it (the same work: prompt in, `new_tokens` tokens out);
-and the peak memory (RSS) of the process after the engine runs and at the end. Medians of `repeats` runs.
+and the peak memory (RSS; on CUDA the GPU's) after each batch size's runs and at the end. Medians of `repeats` runs.
 Also, greedy at batch 1 without the engine around it: decoding through GPT.forward with the KV cache (the generic
 path), and engine.decode_step with the weight matrices as nn.Linear stores them (out, in) and with decode_weights()'
 copies (on CPU stored (in, out)), to show what the lean step and the layout are each worth.
@@ -42,12 +49,14 @@ import torch
 os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "nanochat_bench"))
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
+from ab import machine_line  # bench/ab.py: the CPU model and its bf16 flags
 from nanochat.common import print0
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
 from nanochat.engine import Engine, KVCache, decode_step, decode_weights, generate_naive
-from nanochat.gpt import GPT, config_from_depth, weights_of
+from nanochat.gpt import GPT, config_from_depth, layer_windows, weights_of
 from nanochat.hardware import autocast_dtype
+from nanochat.probes import fp32_cache_pays
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth
@@ -56,7 +65,7 @@ sequence_len = 2048  # the model's context (Engine.context_len)
 prompt_tokens = 32  # prompt length for the decode and naive measurements
 long_prompt_tokens = 1024  # a second prompt length, for time to first token only
 new_tokens = 256  # tokens generated per sample
-batch_sizes = "1,8"  # comma-separated num_samples values for the engine
+batch_sizes = "1,8,32,128"  # comma-separated num_samples values for the engine
 temperature = 1.0  # sampling temperature (0 = greedy)
 threads = "1,2"  # comma-separated torch thread counts to measure with (0 = leave torch's default)
 repeats = 3  # runs per measurement; the median is reported
@@ -64,6 +73,8 @@ naive = True  # also time naive generation (engine.generate_naive) at batch 1
 device_type = "cpu"  # cpu | cuda
 compare = ""  # comma-separated checkouts of other code to measure against this one, interleaved
 rounds = 5  # with compare: rounds, each running every tree once
+bandwidth_mib = 1024  # size of the tensor summed to measure the memory bandwidth
+bandwidth_repeats = 5  # sums of it; the best is the bandwidth
 config = configure(globals())
 
 
@@ -138,8 +149,54 @@ print0(f"device {device}, model depth {depth} ({model.num_params() / 1e6:.1f}M p
        f"{new_tokens} new tokens, temperature {temperature}, median of {repeats}")
 
 
+def memory_bandwidth():
+    """Bytes read per second: the best of `bandwidth_repeats` sums of a `bandwidth_mib` MiB fp32 tensor."""
+    x = torch.ones(bandwidth_mib * 2**18, device=device)
+    best = float("inf")
+    for _ in range(bandwidth_repeats):
+        sync()
+        t0 = time.perf_counter()
+        x.sum().item()
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return bandwidth_mib * 2**20 / best
+
+
+def step_bytes(B, steps):
+    """
+    Bytes one decode step reads at batch B, averaged over `steps` steps after the prompt: the matrices (in the
+    compute dtype, as Engine's decode weights hold them), B rows of each lookup table, and per layer the keys and
+    values each sequence's attention sees (its window, if the layer has one) in the cache's dtype.
+    """
+    cfg = model.config
+    size = torch.tensor([], dtype=dtype).element_size()
+    cache_size = 4 if device.type == "cpu" and dtype == torch.bfloat16 and fp32_cache_pays() else size
+    weights = weights_of(model)
+    matrices = [weights.lm_head] + [m for layer in weights.layers for m in layer[:5] if m is not None]  # to ve_gate
+    tables = 1 + sum(layer.ve_table is not None for layer in weights.layers)
+    fixed = sum(m.numel() for m in matrices) * size + tables * B * cfg.n_embd * size
+    head_dim = cfg.n_embd // cfg.n_head
+    seen = [sum(min(p + 1, w + 1) if w else p + 1 for w in layer_windows(cfg))
+            for p in range(prompt_tokens, prompt_tokens + steps)]
+    return fixed + 2 * B * cfg.n_kv_head * head_dim * cache_size * statistics.mean(seen)
+
+
 def peak_rss_mib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    """The peak RSS since reset_peak_rss() (Linux's VmHWM), else of the whole process."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # in kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_rss():
+    """Start the peak RSS again from the current RSS (Linux: 5 into clear_refs), so each batch size has its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def run_engine(tokens, num_samples, max_tokens, seed):
@@ -198,19 +255,29 @@ if layout_check:
     with torch.inference_mode():
         copies = decode_weights(model)
 rows = []
+all_peaks = []
 for n_threads in [int(t) for t in threads.split(",")]:
     if n_threads > 0:
         torch.set_num_threads(n_threads)
     label = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
     run_engine(prompt, 1, 8, seed=0)  # warm-up
+    bandwidth = memory_bandwidth()
+    print0(f"[{label}] memory bandwidth (best sum of a {bandwidth_mib} MiB tensor): {bandwidth / 1e9:.1f} GB/s")
     runs = {B: [] for B in Bs}
+    peaks = {}
     layout = []
     long_ttfts = []
     pairs = []
     # one round of every measurement per repeat, so that all of them see the same mix of load on a shared machine
     for r in range(repeats):
         for B in Bs:
+            reset_peak_rss()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             runs[B].append(run_engine(prompt, B, new_tokens, seed=r))
+            gpu = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_rss_mib()
+            peaks[B] = max(peaks.get(B, 0), gpu)
+            all_peaks.append(gpu)
         if layout_check:
             layout.append((decode_step_rate(None), decode_step_rate(as_stored), decode_step_rate(copies)))
         long_ttfts.append(run_engine(long_prompt, 1, 1, seed=r)[0])
@@ -224,13 +291,19 @@ for n_threads in [int(t) for t in threads.split(",")]:
     # threads it counts every thread's time, so it is comparable only at 1 thread
     decode_cpu = {B: statistics.median((n - 1) * B / cpu for _, _, n, cpu in runs[B]) for B in Bs}
     ttft = {B: statistics.median(t for t, _, _, _ in runs[B]) for B in Bs}
+    util = {}
     for B in Bs:
         if any(n != new_tokens for _, _, n, _ in runs[B]):
             print0(f"  note: at B={B} some runs ended early (every sample ended): "
                    f"steps {[n for _, _, n, _ in runs[B]]}")
-        print0(f"[{label}] engine B={B}: decode {decode[B]:,.0f} tok/s ({1000 * B / decode[B]:.2f} ms/step; "
-               f"{decode_cpu[B]:,.0f} tok/s per CPU-second), TTFT {1000 * ttft[B]:.1f} ms  "
+        steps = statistics.median(n - 1 for _, _, n, _ in runs[B])
+        read = step_bytes(B, int(steps)) * decode[B] / B  # bytes per step x steps per second
+        memory = f"peak {'GPU memory' if device.type == 'cuda' else 'RSS'} {peaks[B]:.0f} MiB"
+        print0(f"[{label}] engine B={B}: decode {decode[B]:,.0f} tok/s ({decode_cpu[B]:,.0f} tok/s per CPU-second), "
+               f"TPOT {1000 * B / decode[B]:.2f} ms, reads {read / 1e9:.1f} GB/s = {100 * read / bandwidth:.0f}% of "
+               f"the bandwidth, {memory}, TTFT {1000 * ttft[B]:.1f} ms  "
                f"(runs: {', '.join(f'{(n - 1) * B / dt:,.0f}' for _, dt, n, _ in runs[B])} tok/s)")
+        util[B] = read / bandwidth
     if layout_check:
         print0(f"[{label}] greedy B=1 without the engine: GPT.forward with the cache "
                f"{statistics.median(f for f, _, _ in layout):,.0f} tok/s; decode_step with the weights (out, in) as "
@@ -239,7 +312,7 @@ for n_threads in [int(t) for t in threads.split(",")]:
                f"(runs: {', '.join(f'{f:,.0f}/{a:,.0f}/{b:,.0f}' for f, a, b in layout)})")
     long_ttft = statistics.median(long_ttfts)
     print0(f"[{label}] TTFT with a {long_prompt_tokens}-token prompt: {1000 * long_ttft:.0f} ms "
-           f"(runs: {', '.join(f'{1000 * t:.0f}' for t in long_ttfts)} ms); peak RSS so far {peak_rss_mib():.0f} MiB")
+           f"(runs: {', '.join(f'{1000 * t:.0f}' for t in long_ttfts)} ms)")
     e2e = naive_rate = speedup = None
     if naive:
         e2e = statistics.median(e for e, _ in pairs)
@@ -247,14 +320,16 @@ for n_threads in [int(t) for t in threads.split(",")]:
         speedup = statistics.median(e / nv for e, nv in pairs)
         print0(f"[{label}] B=1 end to end: engine {e2e:,.0f} tok/s, naive {naive_rate:,.1f} tok/s, "
                f"speedup {speedup:.1f}x (runs: {', '.join(f'{e:,.0f}/{nv:,.1f}' for e, nv in pairs)})")
-    rows.append((label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup))
+    rows.append((label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup, util, bandwidth))
 
-gpu_peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if device.type == "cuda" else ""
-print0(f"\npeak RSS at the end: {peak_rss_mib():.0f} MiB{gpu_peak}\n")
-print0("| threads | " + " | ".join(f"decode B={B} (per CPU-s)" for B in Bs)
-       + f" | TTFT ({prompt_tokens} / {long_prompt_tokens}-token prompt) | B=1 end to end: engine | naive | speedup |")
+print0(f"\npeak {'GPU memory' if device.type == 'cuda' else 'RSS'} of the runs: {max(all_peaks):.0f} MiB\n")
+print0("| threads | " + " | ".join(f"B={B}: decode (per CPU-s) / TPOT / bandwidth used / TTFT" for B in Bs)
+       + f" | TTFT, {long_prompt_tokens}-token prompt | B=1 end to end: engine | naive | speedup |")
 print0("|---" * (len(Bs) + 5) + "|")
-for label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup in rows:
+for label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup, util, bandwidth in rows:
     naive_cells = f"{e2e:,.0f} tok/s | {naive_rate:,.1f} tok/s | {speedup:.1f}x" if naive else "- | - | -"
-    print0(f"| {label} | " + " | ".join(f"{decode[B]:,.0f} tok/s ({decode_cpu[B]:,.0f})" for B in Bs)
-           + f" | {1000 * ttft[Bs[0]]:.1f} / {1000 * long_ttft:.0f} ms | {naive_cells} |")
+    print0(f"| {label} | " + " | ".join(f"{decode[B]:,.0f} tok/s ({decode_cpu[B]:,.0f}) / {1000 * B / decode[B]:.2f} "
+                                        f"ms / {100 * util[B]:.0f}% of {bandwidth / 1e9:.1f} GB/s / "
+                                        f"{1000 * ttft[B]:.1f} ms" for B in Bs)
+           + f" | {1000 * long_ttft:.0f} ms | {naive_cells} |")
+print0(machine_line())
