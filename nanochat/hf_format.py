@@ -19,7 +19,7 @@ from dataclasses import fields
 
 import torch
 
-from nanochat.common import UserError
+from nanochat.common import DiskFull, UserError, out_of_space
 from nanochat.gpt import GPT, RMS_EPS, SOFTCAP, GPTConfig
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -479,6 +479,9 @@ def staged_directory(target, overwrite, flag):
             shutil.rmtree(old)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS):
+        if out_of_space(e):  # also through safetensors' or torch's own error, raised while handling the OSError
+            raise DiskFull(out_of_space(e), f"{flag}={target}", parent,
+                           again="nothing was changed there; free space, then run the same command again") from None
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise UserError(f"cannot write {flag}={target} ({e.strerror}); nothing was changed there") from None
         raise

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from helpers import REPO_ROOT, TINY, run_script, weights, with_defaults
+from helpers import REPO_ROOT, TINY, run_in_process, run_script, weights, with_defaults
 from nanochat import common, corpus_build, dataset
 from nanochat.checkpoint_manager import complete_steps, load_checkpoint, optimizer_shard, save_checkpoint
 from nanochat.common import DiskFull, download_file_with_lock
@@ -335,3 +335,20 @@ def test_shard_downloads_that_run_out_of_space_stop_in_one_line(file_server, mon
     assert file_server.requests == {f"/{dataset.shard_name(s)}": 2 if s == 1 else 1 for s in range(4)}
     assert dataset.list_parquet_files("train") == [os.path.join(dataset.data_dir(), dataset.shard_name(s))
                                                    for s in range(3)]
+
+
+def test_export_on_a_full_filesystem(small_fs, tiny_models, monkeypatch):
+    """export_model into a filesystem too small for the weights: one line, nothing left there; with space, it works."""
+    fs = small_fs(64 * 1024)
+    out = fs / "export"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tiny_models("mid")))
+    with pytest.raises(DiskFull) as failed:
+        run_in_process("scripts.export_model", "--source=mid", f"--out={out}", "--dtype=float32",
+                       monkeypatch=monkeypatch)
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith(f"no space left on {fs} while writing --out={out}"), message
+    assert "free there; nothing partial was kept): nothing was changed there" in message
+    assert os.listdir(fs) == []  # no half-written directory, no temporary one
+    resize(fs, 64 * 1024 * 1024)
+    run_in_process("scripts.export_model", "--source=mid", f"--out={out}", "--dtype=float32", monkeypatch=monkeypatch)
+    assert (out / "model.safetensors").is_file()
