@@ -49,7 +49,8 @@ from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine
 from nanochat.hardware import compute_dtype_line
 from nanochat.openai_api import mount as mount_openai_api
-from nanochat.serving import Settings, Worker, WorkerPool, create_app, worker_devices
+from nanochat.batching import Worker, WorkerPool, worker_devices
+from nanochat.serving import Settings, create_app
 
 # -----------------------------------------------------------------------------
 # Config (override as --key=value; --help lists them)

@@ -55,7 +55,8 @@ def serve(model, tokenizer):
 
     from nanochat.engine import Engine
     from nanochat.openai_api import mount
-    from nanochat.serving import Settings, Worker, WorkerPool, create_app
+    from nanochat.batching import Worker, WorkerPool
+    from nanochat.serving import Settings, create_app
     pool = WorkerPool([Worker(0, Engine(model, tokenizer))])
     app = create_app(pool, Settings(temperature=0.8, top_k=50, max_tokens=512, max_tokens_limit=4096, max_messages=500,
                                     max_message_chars=8000, max_conversation_chars=32000, model_name="nanochat",
@@ -125,15 +126,15 @@ def fp32(chat_web_server, monkeypatch):
     in fp32 too), its steps paced by 2 ms (so that requests sent one after the other meet in the batch), and
     /stats's largest batch of the test in `peak`.
     """
-    from nanochat import serving
+    from nanochat import batching
     wait_no_batch(chat_web_server)
     monkeypatch.setattr(chat_web_server.pool.workers[0], "autocast", contextlib.nullcontext)
-    real_step = serving.decode_step
+    real_step = batching.decode_step
 
     def paced_step(*args, **kwargs):
         time.sleep(0.002)
         return real_step(*args, **kwargs)
-    monkeypatch.setattr(serving, "decode_step", paced_step)
+    monkeypatch.setattr(batching, "decode_step", paced_step)
     chat_web_server.peak = 0
     done = threading.Event()
 

@@ -64,13 +64,13 @@ def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32, monkeypa
     A long stream decodes; two others join it in turn, one greedy and one sampled of a long prompt; all three get
     their own replies. The long prompt is prefilled 16 tokens per step (prefill_chunk) between the stream's steps.
     """
-    from nanochat import serving
-    paced_step = serving.decode_step
+    from nanochat import batching
+    paced_step = batching.decode_step
 
     def slower_step(*args, **kwargs):  # 10 ms a step: the long reply outlasts the others' requests, even on a busy CPU
         time.sleep(0.008)
         return paced_step(*args, **kwargs)
-    monkeypatch.setattr(serving, "decode_step", slower_step)
+    monkeypatch.setattr(batching, "decode_step", slower_step)
     long_seed = long_reply_seed(fp32, HELLO, 150)
     expected_long = engine_reply(fp32, HELLO, 400, 2.0, 0, long_seed)
     joiners = [REQUESTS[0], REQUESTS[2]]
@@ -161,13 +161,13 @@ def test_streams_and_stop_strings_in_one_batch_with_clients_in_threads(fp32, cli
 
 def test_a_client_that_leaves_leaves_the_batch_at_once(fp32, monkeypatch):
     """Two streams decode together; one client goes: its row leaves at once, the other reply goes on, unchanged."""
-    from nanochat import serving
-    paced_step = serving.decode_step
+    from nanochat import batching
+    paced_step = batching.decode_step
 
     def slower_step(*args, **kwargs):  # 250 steps take 2.5 s at least: the second request meets the first
         time.sleep(0.008)
         return paced_step(*args, **kwargs)
-    monkeypatch.setattr(serving, "decode_step", slower_step)
+    monkeypatch.setattr(batching, "decode_step", slower_step)
     seed = long_reply_seed(fp32, HELLO, 250)
     expected = engine_reply(fp32, HELLO, 400, 2.0, 0, seed)[0]
     body = {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 400, "seed": seed}
@@ -197,16 +197,16 @@ def test_a_client_that_leaves_leaves_the_batch_at_once(fp32, monkeypatch):
 
 
 def test_a_full_queue_is_answered_with_one_line_429_and_what_never_fits_with_400(chat_web_server, client, monkeypatch):
-    from nanochat import serving
+    from nanochat import batching
     server = chat_web_server
     wait_no_batch(server)
     gate = threading.Event()
-    real_step = serving.decode_step
+    real_step = batching.decode_step
 
     def held_step(*args, **kwargs):  # the running request holds its row until the gate opens
         gate.wait(timeout=30)
         return real_step(*args, **kwargs)
-    monkeypatch.setattr(serving, "decode_step", held_step)
+    monkeypatch.setattr(batching, "decode_step", held_step)
     monkeypatch.setattr(server.pool, "max_batch", 1)
     monkeypatch.setattr(server.pool, "max_queue", 1)
     body = {"messages": HELLO, "temperature": 0, "max_tokens": 5}

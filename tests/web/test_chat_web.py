@@ -207,8 +207,8 @@ def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, 
 
 def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatch):
     # one row per worker, held by a first request, paced: after its first token its next step waits for `gate`
-    from nanochat import serving
-    real_step = serving.decode_step
+    from nanochat import batching
+    real_step = batching.decode_step
     gate = threading.Event()
 
     def paced_step(*args, **kwargs):
@@ -220,7 +220,7 @@ def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatc
     # a reply that needs the gate
     seed = next(s for s in range(200) if engine_reply(server, HELLO, 8, 1.0, 0, s)[1] >= 3)
     body = {"messages": HELLO, "temperature": 1.0, "top_k": 0, "max_tokens": 8, "seed": seed}
-    monkeypatch.setattr(serving, "decode_step", paced_step)
+    monkeypatch.setattr(batching, "decode_step", paced_step)
     with httpx.Client(timeout=30, verify=False) as first, httpx.Client(timeout=30, verify=False) as second:
         with first.stream("POST", server.url + "/chat/completions", json=body) as held:
             lines = held.iter_lines()  # kept: dropping the iterator would close the connection
@@ -245,8 +245,8 @@ def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatc
 
 
 def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server, long_seed, monkeypatch):
-    from nanochat import serving
-    real_step = serving.decode_step
+    from nanochat import batching
+    real_step = batching.decode_step
     calls = []
 
     def failing_step(*args, **kwargs):  # fault injection: the first token and two real steps, then the device "fails"
@@ -257,7 +257,7 @@ def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server
 
     before = wait_idle(server)
     seed, _ = long_seed
-    monkeypatch.setattr(serving, "decode_step", failing_step)
+    monkeypatch.setattr(batching, "decode_step", failing_step)
     status, events = post_chat(server.url, {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 50,
                                             "seed": seed})
     assert status == 200
@@ -367,10 +367,10 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             # 1. a message: the reply shows while it is generated. The worker is paced for this one reply: after its
             # 5th token its next step waits for `gate`, so the page can be looked at mid-reply. (The seed, given to
             # the request by the server, makes the reply long.)
-            from nanochat import serving
+            from nanochat import batching, serving
             hello = [{"role": "user", "content": "Hello there"}]
             seed = next(s for s in range(200) if engine_reply(server, hello, 300, 0.8, 50, s)[1] >= 10)
-            real_step = serving.decode_step
+            real_step = batching.decode_step
             real_check = serving.check_sampling
             gate = threading.Event()
             calls = []
@@ -383,7 +383,7 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
 
             def seeded_check(*args, **kwargs):
                 return dict(real_check(*args, **kwargs), seed=seed)
-            monkeypatch.setattr(serving, "decode_step", paced_step)
+            monkeypatch.setattr(batching, "decode_step", paced_step)
             monkeypatch.setattr(serving, "check_sampling", seeded_check)
             with page.expect_response(lambda r: r.url.endswith("/chat/completions")) as response:
                 page.fill("#input", "Hello there")
@@ -394,7 +394,7 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             assert page.text_content("#send") == "Stop"  # still generating, and the first pieces are on the page
             gate.set()
             page.wait_for_selector("#send:text('Send')")
-            monkeypatch.setattr(serving, "decode_step", real_step)
+            monkeypatch.setattr(batching, "decode_step", real_step)
             monkeypatch.setattr(serving, "check_sampling", real_check)
             events = events_of(response.value.text())
             assert replies() == [reply_text(events)]

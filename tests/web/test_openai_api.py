@@ -192,8 +192,8 @@ def test_a_client_that_leaves_a_stream_frees_its_worker(chat_web_server, client,
 
 
 def test_a_failing_generation_is_an_error_and_the_server_goes_on(chat_web_server, client, monkeypatch):
-    from nanochat import serving
-    real_step = serving.decode_step
+    from nanochat import batching
+    real_step = batching.decode_step
     calls = []
 
     def failing_step(*args, **kwargs):  # fault injection: the first token and one real step, then the device "fails"
@@ -204,7 +204,7 @@ def test_a_failing_generation_is_an_error_and_the_server_goes_on(chat_web_server
 
     seed = reply_seed(chat_web_server, HELLO, 5)
     kwargs = dict(temperature=1.0, max_tokens=20, seed=seed, extra_body={"top_k": 50})
-    monkeypatch.setattr(serving, "decode_step", failing_step)
+    monkeypatch.setattr(batching, "decode_step", failing_step)
     with pytest.raises(openai.APIError, match="injected failure"):  # streamed: an error event, which the client raises
         list(chat(client, stream=True, **kwargs))
     with pytest.raises(openai.InternalServerError, match="injected failure"):
