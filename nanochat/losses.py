@@ -114,25 +114,36 @@ def evaluate_bpb(model, batches, steps, token_bytes, stop=None):
     stop: asked before every batch (a stage's StopRequest); when it says so, Interrupted on every rank.
     A split smaller than `steps` batches (a corpus of your own) is counted once, not again and again: when `batches`
     is the pretraining loader, the evaluation ends when it has started reading its split again on every rank.
+    Every rank makes the same collectives whenever it stops: a rank's Interrupted is held to the end of its batches
+    (common.interruptible: one any_rank there); with the pretraining loader, whose batches each end in an any_rank,
+    the stop joins that one, so that every rank leaves at the same batch (a rank that left alone would meet the
+    others' next batch with interruptible's any_rank, and leave them waiting in the one after for ever).
     """
     device = token_bytes.device
     acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     total_nats = torch.zeros((), dtype=acc_dtype, device=device)
     total_bytes = torch.zeros((), dtype=torch.int64, device=device)
     batch_iter = iter(batches)
+    pooled = hasattr(batches, "epoch")  # the pretraining loader: whether every rank read its split once, per batch
     with interruptible():
         for _ in range(steps):
-            if stop is not None and stop():
+            stopped = stop is not None and stop()
+            if stopped and not pooled:
                 raise Interrupted
-            x, y = next(batch_iter)
-            loss = model(x, y, loss_reduction="none").view(-1)
-            y = y.view(-1)
-            valid = y >= 0
-            num_bytes = torch.where(valid, token_bytes[torch.where(valid, y, 0)], 0)
-            total_nats += (loss * (num_bytes > 0)).sum().to(acc_dtype)
-            total_bytes += num_bytes.sum()
-            if hasattr(batches, "epoch") and not any_rank(batches.epoch == 0)[0]:
-                break
+            if not stopped:
+                x, y = next(batch_iter)
+                loss = model(x, y, loss_reduction="none").view(-1)
+                y = y.view(-1)
+                valid = y >= 0
+                num_bytes = torch.where(valid, token_bytes[torch.where(valid, y, 0)], 0)
+                total_nats += (loss * (num_bytes > 0)).sum().to(acc_dtype)
+                total_bytes += num_bytes.sum()
+            if pooled:
+                first_pass, stopped = any_rank(batches.epoch == 0, stopped)
+                if stopped:
+                    raise Interrupted
+                if not first_pass:
+                    break
     if is_distributed():
         dist.all_reduce(total_nats)
         dist.all_reduce(total_bytes)

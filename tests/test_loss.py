@@ -65,6 +65,18 @@ def test_the_smoothed_loss_skips_steps_without_targets():
     assert debiased == pytest.approx(0.36 / 0.19)  # 1.895: down from 4 on no data
 
 
+def test_a_validation_stopped_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path):
+    """
+    With a loader that has an epoch (every batch ends in an any_rank), rank 1 sees a stop request from its 3rd batch
+    and rank 0 never: both raise Interrupted after the same batch, none waits for ever (tests/dist_eval_worker.py).
+    """
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.path.join(REPO_ROOT, "tests"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    result = run_script("tests/dist_eval_worker.py", tmp_path, nproc=2, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["interrupted 3", "interrupted 2"]
+
+
 def test_three_ranks_equal_one_rank_with_accumulation(tmp_path):
     """1 rank x accumulation 3 == 3 ranks x accumulation 1 (rank r gets micro-batch r, C being fully masked)."""
     grad, _, total, logged = one_process(step_micro_batches())
