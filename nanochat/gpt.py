@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat import cpu_kernels
+from nanochat import attention_kernels, cpu_kernels
 from nanochat.common import UserError, is_distributed, print0
 from nanochat.fp8 import fp8_fits, fp8_linear
 from nanochat.hardware import autocast_dtype
@@ -283,6 +283,8 @@ class GPT(nn.Module):
         self.fp8 = False  # training steps multiply the blocks' matrices in float8 (base_train --fp8; nanochat/fp8.py)
         # training steps' attention by cpu_kernels.dense_attention: set by Stage.start where its probe found it faster
         self.dense_attention = False
+        # full-context attention (training, evaluation) by attention_kernels' "eager" or "flex" instead of SDPA
+        self.attention_kernel = "sdpa"
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
         self.rotary_len = config.sequence_len * 10
@@ -373,6 +375,9 @@ class GPT(nn.Module):
         dense = self.dense_attention and training and dtype == torch.bfloat16  # evaluation: SDPA
         if dense and self.config.n_kv_head == self.config.n_head:  # the dense kernel has no GQA
             attend = lambda i, q, k, v, window: cpu_kernels.dense_attention(q, k, v, window)
+        if self.attention_kernel != "sdpa":
+            kernel = attention_kernels.kernel(self.attention_kernel)
+            attend = lambda i, q, k, v, window: kernel(q, k, v, window)
         if kv_cache is not None:  # the new keys and values into the cache, then attention over all of it
             attend = lambda i, q, k, v, window: attention(q, *kv_cache.insert_kv(i, k, v), window=window)
         linear = F.linear  # evaluation never in fp8; training with self.fp8, the matrices torch._scaled_mm takes

@@ -24,6 +24,7 @@ import time
 import psutil
 import torch
 
+from nanochat import attention_kernels
 from nanochat.checkpoint_manager import check_model_tag
 from nanochat.common import Interrupted, UserError, format_value, per_rank, print0
 from nanochat.configurator import check_config, configure
@@ -94,6 +95,8 @@ overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes
 rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
 #                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
+attention = "sdpa"  # the step's attention: sdpa | flex (FlexAttention: a window costs what it sees; CUDA) | eager
+#                    (the softmax written out) (nanochat/attention_kernels.py)
 fp8 = False  # the blocks' matmuls in float8 while training (nanochat/fp8.py); not yet measured on a GPU, so off
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 init_seed = 42  # seeds the initial weights (the same on every rank)
@@ -107,7 +110,8 @@ check_config(config,
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac", "muon_momentum_peak", "muon_momentum_final"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
-                      "core_bundle": ("", "dclm", "offline"), "init_recipe": GPT.INIT_RECIPES})
+                      "core_bundle": ("", "dclm", "offline"), "init_recipe": GPT.INIT_RECIPES,
+                      "attention": attention_kernels.KERNELS})
 for key, value in (("weight_decay", weight_decay), ("matrix_weight_decay", matrix_weight_decay)):
     if not (value >= 0 or value == -1):
         raise UserError(f"--{key} must be >= 0, or -1 for 'by depth', got {value!r}")
@@ -133,6 +137,9 @@ if training_done("base", config, model_tag, inputs):  # --rerun=auto, and done a
 device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
+if attention == "flex" and device_type != "cuda":  # torch has FlexAttention's backward for GPUs only
+    raise UserError(f"--attention=flex trains on CUDA only (torch {torch.__version__} has no FlexAttention backward on "
+                    f"{device_type}); use --attention=sdpa")
 stage = Stage("base", config, device, model_tag, inputs)  # checkpoints, saves, stop, end; wandb on rank 0
 # The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
 core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_metric_every > 0 else None
@@ -153,6 +160,7 @@ model.to_empty(device=device)
 # identical on every rank and in every run: drawn from a generator of its own, seeded
 model.init_weights(seed=init_seed, recipe=init_recipe)
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
+model.attention_kernel = attention
 if fp8:  # on any device (a CPU emulates it: that tests the arithmetic); where it is native, fp8_supported says
     model.fp8 = True
     print0(f"fp8: the blocks' matmuls in float8 while training, evaluation in {compute_dtype}; "

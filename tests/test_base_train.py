@@ -75,6 +75,7 @@ def test_help_and_one_line_errors(trained_tokenizer):
         ("--qk_scale=0", "--rope_base must be > 1 and --qk_scale > 0"),
         ("--init_recipe=2024", "--init_recipe must be one of"),
         ("--window_pattern=SXL", "--window_pattern is a string of S (short window) and L"),
+        ("--attention=flex", "--attention=flex trains on CUDA only"),
     ]
     for bad, message in bad_settings:
         result = base_train(bad)
