@@ -1,47 +1,72 @@
 #!/usr/bin/env bash
-# Issue 37's GPU measurements in one prepared command, for a lent GPU machine (offline, a few minutes of device time):
-# the figures that decide the defaults (attention kernel, fp8, sliding windows) and compare us with karpathy/nanochat
-# HEAD. Each part runs under its own time limit and writes its log to $OUT (or /tmp/nanochat_gpu_measure_out); a part
-# that fails or overruns is reported and the next one starts.
+# Issue 52's GPU measurements in one prepared command, for a lent GPU machine (offline, 15 minutes of device time a
+# session, at most 10 a command): ours against karpathy/nanochat HEAD in one run, where our step's time goes, our
+# decoding beside HEAD's, and each lever alone against the same baseline. Each part runs under its own time limit and
+# writes its log to $OUT (or /tmp/nanochat_gpu_measure_out), with machine.txt (GPU, driver, torch, both commits); a
+# part that fails or overruns is reported and the next one starts.
 #
-#     bash bench/gpu_measure.sh head options         # the parts named, in that order
-#     bash bench/gpu_measure.sh                      # every part: head options attention quality
+#     bash bench/gpu_prepare.sh                      # here, with the package index: .whl/ and .head/ (carry both)
+#     bash bench/gpu_measure.sh head profile         # on the GPU: the parts named, in that order
 #
-# Parts, most wanted first (each fits one 10-minute command of the device tool; not yet timed on a GPU):
-#   head       bench/head_speed.py --depths=24: our base_train, HEAD's with its speedrun's settings (fp8, SSSL) and
-#              plain, then our Engine's decoding at 1 / 8 / 32 samples: issue 37's bar (our tokens/s >= HEAD's).
-#              Needs HEAD's code in .head and its extra wheels in .whl/head (git-ignored: the device tool's `carry`
-#              takes .whl and .head; how to make them: bench/head_speed.py's docstring)
-#   options    bench/train_speed.py at depth 24 x 16 rows: plain, --fp8=True, --window_pattern=SSSL (the defaults)
-#   attention  bench/attention.py at depth 20's and depth 24's shapes (SDPA's backends, FlexAttention)
-#   quality    bench/quality.py on the GPU at depth 8: val bpb at equal tokens, window pattern L against SSSL
-# PART_TIMEOUT (seconds, default 540) limits each part. The wheels of .whl/ (and .whl/head/) are installed as for
-# bench/gpu_check.sh. Where the figures go: bench/RESULTS.md, "Issue 37 items 2-4 on a CPU". Exit status: 0 when
-# every part passed, 1 when one failed or overran, 2 for an unknown part or a machine without a GPU.
+# Parts, most wanted first (the first GPU command: head profile; the next: d20 decode; then one lever a command):
+#   head       item 1: bench/head_speed.py at depth 24 x 16 rows (HEAD's speedrun micro-batch): ours, HEAD with its
+#              runs/speedrun.sh flags (--fp8, SSSL; no FA3 offline: its SDPA fallback, the table says) and HEAD plain
+#   profile    item 2: bench/profile_step.py, our depth-24 step compiled: top kernels, shares, launches, idle gaps
+#   d20        item 1's second bar: ours at depth 20 x 32 rows, bf16 MFU against the peak the run measures
+#   decode     item 3: bench/engine.py at depth 20, 1 / 8 / 32 / 128 sequences: ours, ours with the decode step
+#              compiled (CUDA graphs), HEAD's Engine
+#   levers     item 2, one change each against plain at depth 24 x 16 rows: --fp8=True
+#   windows    item 2: SSSL windows with SDPA (masked, dense) and with FlexAttention (--attention=flex)
+#   attention  the attention kernels alone at depth 20's and 24's shapes (SDPA's backends, FlexAttention)
+#   quality    bench/quality.py at depth 8: val bpb at equal tokens, window pattern L against SSSL
+# PART_TIMEOUT (seconds, default 540) limits each part. Where the figures go: bench/RESULTS.md, "Issue 52". Exit
+# status: 0 when every part passed, 1 when one failed or overran, 2 for an unknown part or a machine without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT_DIR="${OUT:-/tmp/nanochat_gpu_measure_out}"
 mkdir -p "$OUT_DIR"
 
-part_attention() {
-    python3 bench/attention.py && python3 bench/attention.py --heads=12 --rows=16
-}
-part_head() {
-    if [ ! -d .head/scripts ]; then
-        echo "error: no HEAD checkout in .head: make it as bench/head_speed.py's docstring says, and carry .head"
+need_head() {
+    if [ ! -f .head/COMMIT ]; then
+        echo "error: no HEAD checkout in .head: run bash bench/gpu_prepare.sh where there is network, and carry .head"
         return 2
     fi
-    python3 bench/head_speed.py --head=.head --depths=24 --runs=ours,speedrun,plain
 }
-part_options() {
+part_head() {
+    need_head || return 2
+    python3 bench/head_speed.py --head=.head --depths=24 --rows=16 --runs=ours,speedrun,plain --engine=False
+}
+part_profile() {
+    python3 bench/profile_step.py --device_type=cuda --depth=24 --max_seq_len=2048 --vocab_size=65536 \
+        --device_batch_size=16 --total_batch_size=32768 --compile=True --trace="$OUT_DIR/profile_d24.json"
+}
+part_d20() {
+    python3 bench/head_speed.py --depths=20 --rows=32 --runs=ours --engine=False
+}
+part_decode() {
+    need_head || return 2
+    python3 bench/engine.py --device_type=cuda --depth=20 --vocab_size=65536 --batch_sizes=1,8,32,128 --threads=0 \
+        --naive=False --compare_decode=True --head=.head
+}
+lever() {  # lever LABEL EXTRA: bench/train_speed.py at depth 24 x 16 rows with EXTRA (HEAD's corpus and tokenizer)
+    echo "== depth 24, 16 rows, $1"
+    python3 bench/train_speed.py --depths=24 --rows=16 --steps=20 --extra="$2" \
+        --base_dir=/tmp/nanochat_head_speed/ours_v65536
+}
+part_levers() {
     local status=0
-    for extra in "" "--fp8=True" "--window_pattern=SSSL"; do
-        echo "== depth 24, 16 rows, ${extra:-plain}"
-        # the corpus and tokenizer head_speed made (or makes them there): one tokenizer training on the machine
-        python3 bench/train_speed.py --depths=24 --rows=16 --steps=20 --extra="$extra" \
-            --base_dir=/tmp/nanochat_head_speed/ours_v65536 || status=$?
-    done
+    lever plain "" || status=$?
+    lever fp8 "--fp8=True" || status=$?
     return "$status"
+}
+part_windows() {
+    local status=0
+    lever "SSSL, SDPA" "--window_pattern=SSSL" || status=$?
+    lever "SSSL, FlexAttention" "--window_pattern=SSSL --attention=flex" || status=$?
+    return "$status"
+}
+part_attention() {
+    python3 bench/attention.py && python3 bench/attention.py --heads=12 --rows=16
 }
 part_quality() {
     python3 bench/quality.py --device_type=cuda --eval_device=cuda --jobs=3 --depth=8 --anchors= --variants=baseline \
@@ -49,10 +74,10 @@ part_quality() {
 }
 
 parts=("$@")
-[ "${#parts[@]}" -eq 0 ] && parts=(head options attention quality)
+[ "${#parts[@]}" -eq 0 ] && parts=(head profile d20 decode levers windows attention quality)
 for part in "${parts[@]}"; do
     if ! declare -F "part_$part" >/dev/null; then
-        echo "error: unknown part '$part'; the parts: attention head options quality"
+        echo "error: unknown part '$part'; the parts: head profile d20 decode levers windows attention quality"
         exit 2
     fi
 done
@@ -67,6 +92,15 @@ if ! python3 -c "import torch, sys; print(f'gpu_measure: torch {torch.__version_
     exit 2
 fi
 
+{  # what the figures are from: the machine, its driver, torch, both codebases' commits
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+    python3 -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, \
+cuDNN {torch.backends.cudnn.version()}')"
+    echo "ours: ${NANOCHAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown (set NANOCHAT_COMMIT)')}"
+    echo "HEAD: $(cat .head/COMMIT 2>/dev/null || echo 'no .head')"
+    lscpu | grep -m1 "Model name"
+} | tee "$OUT_DIR/machine.txt"
+export -f need_head lever
 summary=()
 failed=0
 for part in "${parts[@]}"; do
