@@ -210,3 +210,16 @@ def test_profile_step_on_a_cpu_with_base_trains_levers(tmp_path):
 def test_flex_attention_on_a_cpu_is_refused_in_one_line():
     result = run_script("bench/profile_step.py", "--device_type=cpu", "--attention=flex", timeout=300)
     one_line_error(result, "--attention=flex trains on CUDA only")
+
+
+@pytest.mark.slow
+def test_profile_step_compiled_as_on_a_gpu():
+    # the GPU's default (base_train --compile=auto compiles on CUDA), with fp8 and windows, on the CPU
+    result = run_script("bench/profile_step.py", "--device_type=cpu", "--depth=2", "--max_seq_len=64",
+                        "--vocab_size=512", "--device_batch_size=2", "--total_batch_size=256", "--compile=true",
+                        "--fp8=True", "--window_pattern=SSSL", "--warmup=1", "--repeats=2", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "model: depth 2, attention sdpa, windows SSSL, fp8 True, torch.compile True" in out, out
+    assert set(re.findall(r"^  (forward|backward|clipping|AdamW|Muon): \d+ ms", out, re.M)) == set(REGIONS), out
+    assert re.search(r"^  compiled: \d+ ms \(\d+% of the regions\) outside aten ops", out, re.M), out
