@@ -5,8 +5,9 @@ A kernel's kind comes from its name (KERNEL_KINDS: cuBLAS, FlashAttention and AT
 do; a kernel torch.compile wrote is named after the ops it fuses, "triton_<kind>_fused_<ops>_<n>"), except in the
 optimizer's regions, where every kernel counts as that region's work (Muon's Newton-Schulz matmuls apart).
 The trace is torch.profiler's chrome trace (export_chrome_trace, read back as a dict): the CPU regions of
-record_function ("user_annotation"), the launches ("cuda_runtime" / "cuda_driver") and the kernels, memcpys and
-memsets the GPU ran ("kernel", "gpu_memcpy", "gpu_memset"), a launch tied to its kernel by "correlation".
+record_function ("user_annotation", and on the GPU's timeline "gpu_user_annotation"), the launches ("cuda_runtime" /
+"cuda_driver") and the kernels, memcpys and memsets the GPU ran ("kernel", "gpu_memcpy", "gpu_memset"), a launch tied
+to its kernel by "correlation".
 """
 
 import collections
@@ -74,7 +75,8 @@ def read_step(trace, regions, step="step"):
     The step recorded as record_function(`step`) in a chrome trace (dict), in microseconds:
     (step's (start, end), {region: CPU wall time, summed over its occurrences},
      [(name, start, end, region) for each kernel, memcpy and memset the GPU ran in the step (cut to the step);
-      region: where its launch was ("" outside `regions` or without a launch found)]).
+      region: the one its launch was in, else (no launch in the trace) the GPU's copy of a region it started in,
+      else ""]).
     """
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     steps = [e for e in events if e.get("cat", "").lower() == "user_annotation" and e["name"] == step]
@@ -87,6 +89,10 @@ def read_step(trace, regions, step="step"):
     wall = {name: 0.0 for name in regions}
     for name, a, b in spans:
         wall[name] += b - a
+    # where a kernel's launch is missing from the trace: the GPU's copy of the regions (kineto draws each
+    # record_function region again on the GPU's timeline, over the kernels launched inside it)
+    gpu_spans = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                 if e.get("cat", "").lower() == "gpu_user_annotation" and e["name"] in regions]
     launched = {}  # correlation id -> when the CPU queued it
     for e in events:
         if e.get("cat", "").lower() in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
@@ -100,7 +106,10 @@ def read_step(trace, regions, step="step"):
         if b <= a:
             continue
         at = launched.get(e.get("args", {}).get("correlation"))
-        region = next((name for name, s, t in spans if at is not None and s <= at < t), "")
+        if at is None:
+            region = next((name for name, s, t in gpu_spans if s <= a < t), "")
+        else:
+            region = next((name for name, s, t in spans if s <= at < t), "")
         kernels.append((e["name"], a, b, region))
     return (start, end), wall, kernels
 
