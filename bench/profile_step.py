@@ -17,9 +17,11 @@ the step time, with its tok/s and MFU against hardware.get_peak_flops) and once 
     NANOCHAT_DTYPE=float32 python bench/profile_step.py ...    # the same in the other dtype
     python bench/profile_step.py --depth=8 ... --compile=true  # compiled: its fused kernels are no aten ops, so the
                                                                # time outside aten ops gets a line of its own
-    # one GPU: base_train's depth-24 step at 16 rows (compiled, as base_train on CUDA), its chrome trace kept
+    # one GPU: base_train's depth-24 step of 16 rows (compiled, as base_train on CUDA), one micro-step a step as
+    # bench/train_speed.py and bench/head_speed.py time it, its chrome trace kept
     python bench/profile_step.py --depth=24 --max_seq_len=2048 --vocab_size=65536 --device_batch_size=16 \\
-        --total_batch_size=524288 --trace=$OUT/profile_d24.json.gz
+        --total_batch_size=32768 --trace=$OUT/profile_d24.json.gz
+    ... --total_batch_size=524288                             # base_train's default step on one GPU: 16 micro-steps
     ... --attention=flex --window_pattern=SSSL --fp8=True     # base_train's levers, passed to the model as it does
 """
 
@@ -104,7 +106,7 @@ model_config = config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_
 with torch.device("meta"):
     model = GPT(model_config)
 model.to_empty(device=device)
-model.init_weights()
+model.init_weights(recipe="2026")  # base_train's default recipe
 model.attention_kernel = attention
 model.fp8 = fp8
 if attention == "sdpa":  # the attention scripts.base_train's steps use (a CPU's dense kernel where its probe says)
