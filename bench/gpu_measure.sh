@@ -38,7 +38,7 @@ part_head() {
 }
 part_profile() {
     python3 bench/profile_step.py --device_type=cuda --depth=24 --max_seq_len=2048 --vocab_size=65536 \
-        --device_batch_size=16 --total_batch_size=32768 --compile=True --trace="$OUT_DIR/profile_d24.json"
+        --device_batch_size=16 --total_batch_size=32768 --trace="$OUT_DIR/profile_d24.json.gz"
 }
 part_d20() {
     python3 bench/head_speed.py --depths=20 --rows=32 --runs=ours --engine=False
