@@ -200,20 +200,23 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
     return logits
 
 
-def static_step(weights, idx, column, positions, k_cache, v_cache, cos_table, sin_table, key_mask, config, dtype):
+def static_step(weights, idx, column, positions, k_layers, v_layers, cos_table, sin_table, key_mask, config, dtype):
     """
     decode_step's arithmetic with every shape fixed and nothing in Python decided by a tensor's value, for
     torch.compile (Engine(compile_decode=True); on CUDA its mode "reduce-overhead" replays the step as one CUDA graph
     instead of launching its hundreds of small kernels one by one). idx (B,) each row's newest token; column (1,) long
     the cache column its keys and values go to (one for every row: rows are right-aligned); positions (B,) long each
-    row's own position (rotary); k_cache, v_cache (n_layer, B, n_kv_head, capacity, head_dim), written at `column`;
+    row's own position (rotary); k_layers, v_layers the cache's per-layer tensors (KVCache.k_layers, v_layers: each
+    (B, n_kv_head, capacity, head_dim)), written at `column` (one tensor per layer, not the (n_layer, ...) whole:
+    torch.compile then writes the column in place; a write into a slice of the whole copied all of it at every
+    layer);
     cos_table, sin_table the model's (1, rotary_len, 1, head_dim / 2) fp32 tables; key_mask (B, 1, 1, capacity) bool,
     False on a row's padding, or None; `dtype` the compute dtype, which `weights` (matrices already copies in it)
     are in. Attention reads every column of the cache, masked to those at or before `column` (and within the layer's
     window): a masked key still multiplies its value by a zero weight, so the columns never written must hold finite
     values (zeros). Returns the logits (B, vocab) fp32; the caller advances the cache.
     """
-    capacity = k_cache.size(3)
+    capacity = k_layers[0].size(2)
     cos = cos_table[0, positions][:, None].to(dtype)  # (B, 1, 1, D/2)
     sin = sin_table[0, positions][:, None].to(dtype)
     back = column - torch.arange(capacity, device=idx.device)  # how far back each column is from this token
@@ -223,8 +226,8 @@ def static_step(weights, idx, column, positions, k_cache, v_cache, cos_table, si
         visible[window] = seen[None, None, None, :] if key_mask is None else seen & key_mask
 
     def attend(i, q, k, v, window):
-        k_layer = k_cache[i]
-        v_layer = v_cache[i]
+        k_layer = k_layers[i]
+        v_layer = v_layers[i]
         k_layer.index_copy_(2, column, k.to(k_layer.dtype))
         v_layer.index_copy_(2, column, v.to(v_layer.dtype))
         y = F.scaled_dot_product_attention(q.to(k_layer.dtype), k_layer, v_layer, attn_mask=visible[window],
@@ -405,8 +408,8 @@ class Engine:
                             self.model.lm_head.weight.device, dtype)
             cache.k.zero_()
             cache.v.zero_()
-            torch._dynamo.mark_static_address(cache.k, guard=False)
-            torch._dynamo.mark_static_address(cache.v, guard=False)
+            for t in cache.k_layers + cache.v_layers:
+                torch._dynamo.mark_static_address(t, guard=False)
             if len(self._static_caches) >= 4:
                 self._static_caches.pop(next(iter(self._static_caches)))
         self._static_caches[key] = cache  # last in the dict: the most recently used
@@ -552,8 +555,8 @@ class Engine:
                 if device.type == "cuda":  # a new step: the last one's graph outputs (its logits) are used up
                     torch.compiler.cudagraph_mark_step_begin()
                 with torch.autocast(device.type, enabled=False):  # the weights are copies in the compute dtype
-                    logits = self._static_step(weights, newest, where, positions, cache.k, cache.v, model.cos,
-                                               model.sin, key_mask, cfg, dtype)
+                    logits = self._static_step(weights, newest, where, positions, cache.k_layers, cache.v_layers,
+                                               model.cos, model.sin, key_mask, cfg, dtype)
                 cache.advance()
             else:
                 logits = decode_step(model, newest, cache, weights, positions, key_mask)

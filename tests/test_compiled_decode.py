@@ -63,8 +63,8 @@ def test_the_compiled_step_gives_the_plain_steps_logits_past_a_window_and_with_p
             token = ids[:, column]
             expected = decode_step(model, token, plain, weights, plain.pos - padding, key_mask)
             where = torch.tensor([static.pos])
-            got = compiled(weights, token, where, where - padding, static.k, static.v, model.cos, model.sin, key_mask,
-                           cfg, torch.float32)
+            got = compiled(weights, token, where, where - padding, static.k_layers, static.v_layers, model.cos,
+                           model.sin, key_mask, cfg, torch.float32)
             static.advance()
             worst = max(worst, (got - expected).abs().max().item())
             checked.append(column)
@@ -93,7 +93,7 @@ def test_one_row_without_padding():
         for t in range(4, 24):
             expected = decode_step(model, ids[:, t], plain, weights)
             where = torch.tensor([static.pos])
-            got = compiled(weights, ids[:, t], where, where.expand(1), static.k, static.v, model.cos, model.sin, None,
-                           cfg, torch.float32)
+            got = compiled(weights, ids[:, t], where, where.expand(1), static.k_layers, static.v_layers, model.cos,
+                           model.sin, None, cfg, torch.float32)
             static.advance()
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
