@@ -25,10 +25,10 @@ and the peak memory (RSS; on CUDA the GPU's) after each batch size's runs and at
 Also, greedy at batch 1 without the engine around it: decoding through GPT.forward with the KV cache (the generic
 path), and engine.decode_step with the weight matrices as nn.Linear stores them (out, in) and with decode_weights()'
 copies (on CPU stored (in, out)), to show what the lean step and the layout are each worth.
-Random weights (the speed does not depend on them) and a random prompt; the tokenizer (needed for its
-special tokens) is the pydocs one of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench
-directory), trained if missing. The engine runs under autocast in the compute dtype (nanochat/hardware.py), as
-the chat scripts do: bf16 on CUDA and on a CPU with native bf16.
+Random weights (the speed does not depend on them) and a random prompt; the tokenizer (needed for its special
+tokens) is the pydocs one of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench directory), trained if
+missing, once (pydocs is too small for 65,536 tokens: it ends smaller). The engine runs under autocast in the compute
+dtype (nanochat/hardware.py), as the chat scripts do: bf16 on CUDA and on a CPU with native bf16.
 
 --compile_decode=True: the Engine's compiled step (Engine(compile_decode=True), docs/engine.md "The compiled step":
 on CUDA a CUDA graph per step). Each batch size's first steps compile before the measurements (printed: "[compile]");
@@ -141,10 +141,16 @@ if compare:
 device = torch.device(device_type)
 tok_dir = get_tokenizer_dir()
 tokenizer = Tokenizer.from_directory(tok_dir) if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else None
-if tokenizer is None or tokenizer.get_vocab_size() != vocab_size:
+# pydocs holds too little text for a large vocabulary (65,536): the tokenizer ends smaller, and says what was asked of
+# it in this file, so that the next run does not train it again. The model has vocab_size rows either way.
+asked = os.path.join(tok_dir, "asked_vocab_size")
+trained_for = open(asked).read().strip() if os.path.exists(asked) else None
+if tokenizer is None or (tokenizer.get_vocab_size() != vocab_size and trained_for != str(vocab_size)):
     tokenizer = Tokenizer.train_from_iterator((doc for batch in parquets_iter_batched("train") for doc in batch),
                                               vocab_size)
     tokenizer.save(tok_dir)
+    with open(asked, "w") as f:
+        f.write(f"{vocab_size}\n")
 
 torch.manual_seed(0)
 model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=sequence_len)).to(device)
@@ -157,8 +163,9 @@ model.eval()
 engine = Engine(model, tokenizer, compile_decode=compile_decode)
 n_special = len(tokenizer.get_special_tokens())
 gen = torch.Generator().manual_seed(0)
-prompt = torch.randint(0, vocab_size - n_special, (prompt_tokens,), generator=gen).tolist()
-long_prompt = torch.randint(0, vocab_size - n_special, (long_prompt_tokens,), generator=gen).tolist()
+ordinary = tokenizer.get_vocab_size() - n_special  # the prompts' ids: ordinary tokens of the tokenizer
+prompt = torch.randint(0, ordinary, (prompt_tokens,), generator=gen).tolist()
+long_prompt = torch.randint(0, ordinary, (long_prompt_tokens,), generator=gen).tolist()
 dtype = autocast_dtype(device_type)
 autocast = torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
