@@ -295,7 +295,8 @@ for n_threads in [int(t) for t in threads.split(",")]:
                 for _, _ in zip(range(4), engine.generate(prompt, B, max_tokens=new_tokens, temperature=temperature)):
                     pass
             sync()
-            print0(f"[compile] B={B}: the first 4 steps (compiling) took {time.perf_counter() - t0:.1f} s")
+            print0(f"[compile] B={B}: the first 4 steps (compiling a shape not seen yet) took "
+                   f"{time.perf_counter() - t0:.1f} s")
     bandwidth = memory_bandwidth()
     print0(f"[{label}] memory bandwidth (best sum of a {bandwidth_mib} MiB tensor): {bandwidth / 1e9:.1f} GB/s")
     runs = {B: [] for B in Bs}
@@ -406,7 +407,8 @@ def run_head():
     env = dict(os.environ, PYTHONPATH=path, NANOCHAT_DTYPE=str(dtype).replace("torch.", ""))
     print0(f"\nHEAD (karpathy/nanochat {commit}): bench/head_engine.py {' '.join(argv[2:])}")
     result = subprocess.run(argv, cwd=path, env=env, capture_output=True, text=True)
-    print0(result.stdout.rstrip())
+    lines = result.stdout.rstrip().splitlines()
+    print0("\n".join(lines if result.returncode != 0 else lines[:-1]))  # its last line: the JSON read below
     if result.returncode != 0:
         missing = [line for line in result.stderr.splitlines() if "ModuleNotFoundError" in line]
         hint = f" ({missing[-1]}: HEAD's imports need it, see bench/head_speed.py's docstring)" if missing else ""
