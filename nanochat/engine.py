@@ -396,25 +396,28 @@ class Engine:
 
     def _static_cache(self, rows, capacity, dtype):
         """
-        An empty KVCache of `rows` rows and `capacity` positions for the compiled step, the same tensors at every call
-        with that shape (a CUDA graph replays on the addresses it was recorded with), zeros when first made (finite:
-        static_step reads every column). At most 4 shapes are kept, the oldest dropped first.
+        An empty KVCache of `rows` rows and `capacity` positions for the compiled step: the one a past generation of
+        that shape left (a CUDA graph replays on the addresses it was recorded with), else a new one, zeros (finite:
+        static_step reads every column). A generation holds it alone until it ends (_keep_static_cache): two at once
+        get two caches.
         """
-        cfg = self.model.config
-        key = (rows, capacity, dtype)
-        cache = self._static_caches.pop(key, None)
+        cache = self._static_caches.pop((rows, capacity, dtype), None)
         if cache is None:
+            cfg = self.model.config
             cache = KVCache(rows, cfg.n_kv_head, capacity, cfg.n_embd // cfg.n_head, cfg.n_layer,
                             self.model.lm_head.weight.device, dtype)
             cache.k.zero_()
             cache.v.zero_()
             for t in cache.k_layers + cache.v_layers:
                 torch._dynamo.mark_static_address(t, guard=False)
-            if len(self._static_caches) >= 4:
-                self._static_caches.pop(next(iter(self._static_caches)))
-        self._static_caches[key] = cache  # last in the dict: the most recently used
         cache.pos = 0
         return cache
+
+    def _keep_static_cache(self, cache):
+        """Keep a generation's cache for the next of its shape; at most 4 shapes, the least recently used dropped."""
+        self._static_caches[(cache.batch_size, cache.capacity, cache.k.dtype)] = cache
+        if len(self._static_caches) > 4:
+            self._static_caches.pop(next(iter(self._static_caches)))
 
     def dtypes(self):
         """
@@ -527,39 +530,43 @@ class Engine:
         samples = [Sample() for _ in range(rows)]
         in_cache = list(range(rows))
         weights = None
-        for step in range(steps):
-            sampled = dict(zip(in_cache, sample_next_token(logits, rng, temperature, top_k).tolist()))
-            column = []
-            masks = []
-            for i, sample in enumerate(samples):
-                token, mask = self.next_token(sample, sampled.get(i))
-                column.append(token)
-                masks.append(mask)
-            yield column, masks
-            running = [k for k, i in enumerate(in_cache) if samples[i].end_token is None]  # positions in the cache
-            if step == steps - 1 or not running:
-                return
-            if len(running) <= 0.75 * len(in_cache) and not compiled:  # compiled: one shape, no recompiling
-                keep = torch.tensor(running, device=device)
-                cache.keep_rows(keep)
-                padding = None if padding is None else padding[keep]
-                key_mask = None if key_mask is None else key_mask[keep]
-                in_cache = [in_cache[k] for k in running]
-            if weights is None:  # made after the first token is out, so they do not delay it
-                weights = self._decode_weights(len(in_cache), static=compiled)
-            positions = None if padding is None else cache.pos - padding
-            newest = torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device)
+        try:
+            for step in range(steps):
+                sampled = dict(zip(in_cache, sample_next_token(logits, rng, temperature, top_k).tolist()))
+                column = []
+                masks = []
+                for i, sample in enumerate(samples):
+                    token, mask = self.next_token(sample, sampled.get(i))
+                    column.append(token)
+                    masks.append(mask)
+                yield column, masks
+                running = [k for k, i in enumerate(in_cache) if samples[i].end_token is None]  # positions in the cache
+                if step == steps - 1 or not running:
+                    return
+                if len(running) <= 0.75 * len(in_cache) and not compiled:  # compiled: one shape, no recompiling
+                    keep = torch.tensor(running, device=device)
+                    cache.keep_rows(keep)
+                    padding = None if padding is None else padding[keep]
+                    key_mask = None if key_mask is None else key_mask[keep]
+                    in_cache = [in_cache[k] for k in running]
+                if weights is None:  # made after the first token is out, so they do not delay it
+                    weights = self._decode_weights(len(in_cache), static=compiled)
+                positions = None if padding is None else cache.pos - padding
+                newest = torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device)
+                if compiled:
+                    where = torch.tensor([cache.pos], device=device)
+                    positions = where.expand(len(in_cache)) if positions is None else positions
+                    if device.type == "cuda":  # a new step: the last one's graph outputs (its logits) are used up
+                        torch.compiler.cudagraph_mark_step_begin()
+                    with torch.autocast(device.type, enabled=False):  # the weights are copies in the compute dtype
+                        logits = self._static_step(weights, newest, where, positions, cache.k_layers, cache.v_layers,
+                                                   model.cos, model.sin, key_mask, cfg, dtype)
+                    cache.advance()
+                else:
+                    logits = decode_step(model, newest, cache, weights, positions, key_mask)
+        finally:  # the cache free again for the next generation of its shape (none shares it meanwhile)
             if compiled:
-                where = torch.tensor([cache.pos], device=device)
-                positions = where.expand(len(in_cache)) if positions is None else positions
-                if device.type == "cuda":  # a new step: the last one's graph outputs (its logits) are used up
-                    torch.compiler.cudagraph_mark_step_begin()
-                with torch.autocast(device.type, enabled=False):  # the weights are copies in the compute dtype
-                    logits = self._static_step(weights, newest, where, positions, cache.k_layers, cache.v_layers,
-                                               model.cos, model.sin, key_mask, cfg, dtype)
-                cache.advance()
-            else:
-                logits = decode_step(model, newest, cache, weights, positions, key_mask)
+                self._keep_static_cache(cache)
 
     def next_token(self, sample, sampled):
         """The token sample `sample` gets this step, and its mask; runs the tool when an expression closes."""

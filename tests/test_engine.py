@@ -154,6 +154,10 @@ def test_the_compiled_step_decodes_what_naive_generation_does(tiny):
     # 2 rows of 128 columns in all three calls: the same cache tensors (a CUDA graph's addresses) every time
     assert again == streams and list(engine._static_caches) == [(2, 128, torch.float32)]
     assert engine._static_caches[(2, 128, torch.float32)].k is kept
+    # two generations of one shape at once (interleaved steps): each its own cache, each naive generation's tokens
+    pairs = list(zip(engine.generate(prompt, 2, max_tokens=40, temperature=0),
+                     engine.generate(prompt, 2, max_tokens=40, temperature=0)))
+    assert [a[0][0] for a, _ in pairs] == [b[0][0] for _, b in pairs] == expected[:len(pairs)]
     with pytest.raises(UserError, match="compile_decode must be True or False"):
         Engine(model, tokenizer, compile_decode="yes")
 
