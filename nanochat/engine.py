@@ -143,15 +143,19 @@ def regroup(cache, padding, keep, joining, max_len, dtype):
 @torch.no_grad()
 def decode_weights(model, dtype=None, row_major=False):
     """
-    The gpt.Weights decode_step reads. On CUDA the parameters themselves; on CPU copies of the matrices in `dtype`
-    (default the weights') stored column-major, which streams faster through oneDNN and MKL (docs/model.md), or with
-    row_major, for torch's own kernels (probes.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte,
-    value embeddings) are looked up, not multiplied: kept as they are. Copies are stale once the weights change.
+    The gpt.Weights decode_step reads. On CUDA the parameters themselves, or copies in `dtype` where it is not
+    theirs (a bf16 step then reads each matrix once in bf16, instead of reading it in fp32 and writing and reading a
+    bf16 cast of it, autocast's, at every step); on CPU copies of the matrices in `dtype` (default the weights') stored
+    column-major, which streams faster through oneDNN and MKL (docs/model.md), or with row_major, for torch's own
+    kernels (probes.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte, value embeddings) are looked
+    up, not multiplied: kept as they are. Copies are stale once the weights change.
     """
     if model.lm_head.weight.device.type == "cpu":
         if row_major:
             return weights_of(model, lambda w: w.detach().to(dtype or w.dtype, copy=True))
         return weights_of(model, lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t())
+    if dtype is not None and dtype != model.lm_head.weight.dtype:
+        return weights_of(model, lambda w: w.detach().to(dtype))
     return weights_of(model)
 
 
