@@ -406,6 +406,7 @@ def run_head():
             f"--threads={ours['threads']}"]
     # HEAD's nanochat alone on the path, its compute dtype ours
     env = dict(os.environ, PYTHONPATH=path, NANOCHAT_DTYPE=str(dtype).replace("torch.", ""))
+    env.setdefault("HF_HUB_OFFLINE", "1")  # its FA3 from the hub's cache or not at all: no waiting on a network
     print0(f"\nHEAD (karpathy/nanochat {commit}): bench/head_engine.py {' '.join(argv[2:])}")
     result = subprocess.run(argv, cwd=path, env=env, capture_output=True, text=True)
     lines = result.stdout.rstrip().splitlines()
@@ -423,7 +424,8 @@ def run_head():
     print0(f"| ours ({'compiled' if compile_decode else 'eager'} step, {str(dtype).replace('torch.', '')}) | "
            + " | ".join(f"{1000 * B / ours['decode'][B]:.2f} ms / {ours['decode'][B]:,.0f} / "
                         f"{1000 * ours['ttft'][B]:.1f} ms / {ours['peaks'][B]:.0f} MiB" for B in Bs) + " |")
-    print0(f"| HEAD {commit} ({theirs['dtype'].split(' ')[0]}, window pattern {theirs['config']['window_pattern']}) | "
+    print0(f"| HEAD {commit} ({theirs['dtype'].split(' ')[0]}, window pattern {theirs['config']['window_pattern']}, "
+           f"{theirs['attention']}) | "
            + " | ".join(f"{cells[B]['tpot_ms']:.2f} ms / {cells[B]['decode_tok_per_sec']:,.0f} / "
                         f"{cells[B]['ttft_ms']:.1f} ms / {cells[B]['peak_memory_mib']:.0f} MiB" for B in Bs) + " |")
     print0(f"HEAD = karpathy/nanochat {commit}: its own GPT ({theirs['params'] / 1e6:.1f}M params, "

@@ -12,7 +12,9 @@ Its compute dtype is NANOCHAT_DTYPE (bench/engine.py sets it to ours). Per batch
 tokens, then `repeats` generations; time to first token (the generate call to its first column: prefill + first
 sample), decode tokens/s from the first column to the last (B x (columns - 1) / that time), time per output token
 (B / that rate), peak memory (CUDA: max_memory_allocated; CPU: the process's peak RSS, reset per batch size):
-medians. The last line of stdout is one JSON document: {"dtype", "config", "params", "rows": [...]}.
+medians. The last line of stdout is one JSON document: {"attention", "dtype", "config", "params", "rows": [...]}:
+"attention" says whether HEAD's Flash Attention 3 loaded (from the Hugging Face hub, through the `kernels` package)
+or it fell back to SDPA, as it does offline (bench/engine.py sets HF_HUB_OFFLINE=1 unless told otherwise).
 
     PYTHONPATH=/path/to/karpathy-nanochat python bench/head_engine.py --depth=20 --device_type=cuda
 """
@@ -25,6 +27,7 @@ import time
 import torch
 from nanochat.common import COMPUTE_DTYPE, COMPUTE_DTYPE_REASON
 from nanochat.engine import Engine
+from nanochat.flash_attention import USE_FA3
 from nanochat.gpt import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description="HEAD's Engine, timed as bench/engine.py times ours")
@@ -118,5 +121,6 @@ for B in [int(b) for b in args.batch_sizes.split(",")]:
                      steps=[n for _, _, n in runs]))
     print(f"HEAD engine B={B}: decode {decode:,.0f} tok/s, TPOT {1000 * B / decode:.2f} ms, "
           f"TTFT {rows[-1]['ttft_ms']:.1f} ms, peak memory {rows[-1]['peak_memory_mib']:.0f} MiB", flush=True)
-print(json.dumps(dict(dtype=f"{str(COMPUTE_DTYPE).replace('torch.', '')} ({COMPUTE_DTYPE_REASON})",
-                      config=config.__dict__, params=sum(p.numel() for p in model.parameters()), rows=rows)))
+dtype = f"{str(COMPUTE_DTYPE).replace('torch.', '')} ({COMPUTE_DTYPE_REASON})"
+print(json.dumps(dict(attention="FA3" if USE_FA3 else "SDPA fallback", dtype=dtype, config=config.__dict__,
+                      params=sum(p.numel() for p in model.parameters()), rows=rows)))

@@ -63,7 +63,8 @@ def test_heads_engine_beside_ours_in_one_table(small_tokenizer_dir, tmp_path):
     assert header, out
     cell = r" ([\d.]+) ms / ([\d,]+) / ([\d.]+) ms / (\d+) MiB \|"
     ours = re.search(r"^\| ours \(eager step, (\w+)\) \|" + cell * 2 + "$", out, re.M)
-    theirs = re.search(rf"^\| HEAD {HEAD_COMMIT} \((\w+), window pattern SSSL\) \|" + cell * 2 + "$", out, re.M)
+    theirs = re.search(rf"^\| HEAD {HEAD_COMMIT} \((\w+), window pattern SSSL, SDPA fallback\) \|" + cell * 2 + "$",
+                       out, re.M)
     assert ours and theirs, out
     assert ours[1] == theirs[1]  # one compute dtype for both
     assert all(float(m[i].replace(",", "")) > 0 for m in (ours, theirs) for i in range(2, 10))
