@@ -7,7 +7,8 @@ depth rounded up to 128-wide heads, kv heads = heads, its window pattern), on th
 own init_weights (random weights, as ours: the speed does not depend on them; its zero-initialised output projections
 and near-zero head are given weight, as bench/engine.py does to ours, so that sampling is not uniform). Its Engine
 needs a tokenizer only for its special tokens (and the calculator, which random weights never reach): a stand-in
-gives the last ids of the vocabulary to them, so HEAD's tokenizer (rustbpe, a trained tokenizer.pkl) is not needed.
+gives the last ids of the vocabulary to them: no trained tokenizer.pkl is needed (HEAD's modules still import
+rustbpe, tiktoken and filelock).
 Its compute dtype is NANOCHAT_DTYPE (bench/engine.py sets it to ours). Per batch size: a warm-up generation of 8
 tokens, then `repeats` generations; time to first token (the generate call to its first column: prefill + first
 sample), decode tokens/s from the first column to the last (B x (columns - 1) / that time), time per output token
