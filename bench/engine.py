@@ -25,10 +25,27 @@ and the peak memory (RSS; on CUDA the GPU's) after each batch size's runs and at
 Also, greedy at batch 1 without the engine around it: decoding through GPT.forward with the KV cache (the generic
 path), and engine.decode_step with the weight matrices as nn.Linear stores them (out, in) and with decode_weights()'
 copies (on CPU stored (in, out)), to show what the lean step and the layout are each worth.
-Random weights (the speed does not depend on them) and a random prompt; the tokenizer (needed for its
-special tokens) is the pydocs one of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench
-directory), trained if missing. The engine runs under autocast in the compute dtype (nanochat/hardware.py), as
-the chat scripts do: bf16 on CUDA and on a CPU with native bf16.
+Random weights (the speed does not depend on them) and a random prompt; the tokenizer (needed for its special
+tokens) is the pydocs one of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench directory), trained if
+missing, once (pydocs is too small for 65,536 tokens: it ends smaller). The engine runs under autocast in the compute
+dtype (nanochat/hardware.py), as the chat scripts do: bf16 on CUDA and on a CPU with native bf16.
+
+--compile_decode=True: the Engine's compiled step (Engine(compile_decode=True), docs/engine.md "The compiled step":
+on CUDA a CUDA graph per step). Each batch size's first steps compile before the measurements (printed: "[compile]");
+on CUDA the end says how many compiled graphs did not become CUDA graphs (0: all did). Its engine keeps its caches
+(up to four shapes) between calls, so a batch size's peak memory includes the others' caches; its attention reads
+the whole cache (rounded up to 128 positions), while the bandwidth figure counts only what a step must read.
+
+--head=PATH (a checkout of karpathy/nanochat, 92d63d4; its commit from git, or from a COMMIT file in it): after ours,
+HEAD's own GPT (its GPTConfig at this depth, its window pattern SSSL, random weights) and Engine, timed the same way
+by bench/head_engine.py in a process of its own (PYTHONPATH=PATH: this process never imports HEAD's code), in our
+compute dtype (NANOCHAT_DTYPE), at the batch sizes, prompt and new tokens here and the last thread count; then one
+table: per batch size, time per output token, decode tokens/s, time to first token and peak memory, ours and HEAD's.
+HEAD's Engine imports its tokenizer module (rustbpe, tiktoken) and filelock: a missing one is named in the error.
+
+    python bench/engine.py --device_type=cuda --depth=20 --vocab_size=65536 --threads=0 --naive=False --head=.head
+    python bench/engine.py --device_type=cuda --depth=20 --vocab_size=65536 --threads=0 --naive=False \
+        --compile_decode=True
 
 Old code against new (--compare=TREE, a checkout of the old code, e.g. `git worktree add /tmp/base-08257cc 08257cc`):
 this benchmark with `repeats=1` and no naive generation, run with that tree's nanochat and with this one's, in turn,
@@ -75,6 +92,8 @@ compare = ""  # comma-separated checkouts of other code to measure against this 
 rounds = 5  # with compare: rounds, each running every tree once
 bandwidth_mib = 1024  # size of the tensor summed to measure the memory bandwidth
 bandwidth_repeats = 5  # sums of it; the best is the bandwidth
+compile_decode = False  # Engine(compile_decode=True): the step under torch.compile (a CUDA graph on CUDA)
+head = ""  # a checkout of karpathy/nanochat (92d63d4): its Engine too, in a process of its own (bench/head_engine.py)
 config = configure(globals())
 
 
@@ -122,10 +141,16 @@ if compare:
 device = torch.device(device_type)
 tok_dir = get_tokenizer_dir()
 tokenizer = Tokenizer.from_directory(tok_dir) if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else None
-if tokenizer is None or tokenizer.get_vocab_size() != vocab_size:
+# pydocs holds too little text for a large vocabulary (65,536): the tokenizer ends smaller, and says what was asked of
+# it in this file, so that the next run does not train it again. The model has vocab_size rows either way.
+asked = os.path.join(tok_dir, "asked_vocab_size")
+trained_for = open(asked).read().strip() if os.path.exists(asked) else None
+if tokenizer is None or (tokenizer.get_vocab_size() != vocab_size and trained_for != str(vocab_size)):
     tokenizer = Tokenizer.train_from_iterator((doc for batch in parquets_iter_batched("train") for doc in batch),
                                               vocab_size)
     tokenizer.save(tok_dir)
+    with open(asked, "w") as f:
+        f.write(f"{vocab_size}\n")
 
 torch.manual_seed(0)
 model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=sequence_len)).to(device)
@@ -135,18 +160,20 @@ with torch.no_grad():  # init_weights zeroes the output projections and the head
         if name.endswith("c_proj.weight") or name == "lm_head.weight":
             p.normal_(std=p.size(1) ** -0.5)
 model.eval()
-engine = Engine(model, tokenizer)
+engine = Engine(model, tokenizer, compile_decode=compile_decode)
 n_special = len(tokenizer.get_special_tokens())
 gen = torch.Generator().manual_seed(0)
-prompt = torch.randint(0, vocab_size - n_special, (prompt_tokens,), generator=gen).tolist()
-long_prompt = torch.randint(0, vocab_size - n_special, (long_prompt_tokens,), generator=gen).tolist()
+ordinary = tokenizer.get_vocab_size() - n_special  # the prompts' ids: ordinary tokens of the tokenizer
+prompt = torch.randint(0, ordinary, (prompt_tokens,), generator=gen).tolist()
+long_prompt = torch.randint(0, ordinary, (long_prompt_tokens,), generator=gen).tolist()
 dtype = autocast_dtype(device_type)
 autocast = torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 print0(f"device {device}, model depth {depth} ({model.num_params() / 1e6:.1f}M params, {weights_mb:.0f} MiB fp32), "
        f"vocab {vocab_size}, context {engine.context_len}, matmul dtype {dtype}, prompt {prompt_tokens} tokens, "
-       f"{new_tokens} new tokens, temperature {temperature}, median of {repeats}")
+       f"{new_tokens} new tokens, temperature {temperature}, median of {repeats}, "
+       f"decode step {'compiled' if compile_decode else 'eager'}")
 
 
 def memory_bandwidth():
@@ -260,7 +287,17 @@ for n_threads in [int(t) for t in threads.split(",")]:
     if n_threads > 0:
         torch.set_num_threads(n_threads)
     label = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
-    run_engine(prompt, 1, 8, seed=0)  # warm-up
+    if not compile_decode:  # warm-up (compiled: the loop below, at the shapes measured, not one more to compile)
+        run_engine(prompt, 1, 8, seed=0)
+    else:  # compile (and record the CUDA graph of) each batch size's step at the cache size measured
+        for B in Bs:
+            t0 = time.perf_counter()
+            with autocast:
+                for _, _ in zip(range(4), engine.generate(prompt, B, max_tokens=new_tokens, temperature=temperature)):
+                    pass
+            sync()
+            print0(f"[compile] B={B}: the first 4 steps (compiling a shape not seen yet) took "
+                   f"{time.perf_counter() - t0:.1f} s")
     bandwidth = memory_bandwidth()
     print0(f"[{label}] memory bandwidth (best sum of a {bandwidth_mib} MiB tensor): {bandwidth / 1e9:.1f} GB/s")
     runs = {B: [] for B in Bs}
@@ -321,6 +358,7 @@ for n_threads in [int(t) for t in threads.split(",")]:
         print0(f"[{label}] B=1 end to end: engine {e2e:,.0f} tok/s, naive {naive_rate:,.1f} tok/s, "
                f"speedup {speedup:.1f}x (runs: {', '.join(f'{e:,.0f}/{nv:,.1f}' for e, nv in pairs)})")
     rows.append((label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup, util, bandwidth))
+    ours = dict(label=label, threads=torch.get_num_threads(), decode=decode, ttft=ttft, peaks=peaks)
 
 print0(f"\npeak {'GPU memory' if device.type == 'cuda' else 'RSS'} of the runs: {max(all_peaks):.0f} MiB\n")
 print0("| threads | " + " | ".join(f"B={B}: decode (per CPU-s) / TPOT / bandwidth used / TTFT" for B in Bs)
@@ -332,4 +370,68 @@ for label, decode, decode_cpu, ttft, long_ttft, e2e, naive_rate, speedup, util, 
                                         f"ms / {100 * util[B]:.0f}% of {bandwidth / 1e9:.1f} GB/s / "
                                         f"{1000 * ttft[B]:.1f} ms" for B in Bs)
            + f" | {1000 * long_ttft:.0f} ms | {naive_cells} |")
+if compile_decode and device.type == "cuda":  # a graph that did not become a CUDA graph ran as compiled kernels
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    print0(f"compiled decode: {skips} compiled graph(s) not run as CUDA graphs (0: every step a CUDA graph)")
 print0(machine_line())
+
+
+def head_commit(path):
+    """The commit of HEAD's checkout: `git rev-parse` in it, else the COMMIT file an archive was given, else unknown."""
+    import subprocess
+    if os.path.exists(os.path.join(path, ".git")):
+        git = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if git.returncode == 0:
+            return git.stdout.strip()
+    commit_file = os.path.join(path, "COMMIT")
+    return open(commit_file).read().strip() if os.path.exists(commit_file) else "unknown commit"
+
+
+def run_head():
+    """HEAD's Engine in a process of its own (bench/head_engine.py), then one table of its figures beside ours."""
+    import json
+    import subprocess
+    import sys
+    path = os.path.abspath(head)
+    if not os.path.exists(os.path.join(path, "nanochat", "engine.py")):
+        print0(f"error: --head={head} is not a checkout of karpathy/nanochat (no nanochat/engine.py in it)")
+        sys.exit(1)
+    commit = head_commit(path)
+    if device.type == "cuda":  # our caches out of the card's way (HEAD's peak is its own process's)
+        torch.cuda.empty_cache()
+    argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "head_engine.py"),
+            f"--depth={depth}", f"--vocab_size={vocab_size}", f"--sequence_len={sequence_len}",
+            f"--prompt_tokens={prompt_tokens}", f"--new_tokens={new_tokens}", f"--batch_sizes={batch_sizes}",
+            f"--temperature={temperature}", f"--repeats={repeats}", f"--device_type={device_type}",
+            f"--threads={ours['threads']}"]
+    # HEAD's nanochat alone on the path, its compute dtype ours
+    env = dict(os.environ, PYTHONPATH=path, NANOCHAT_DTYPE=str(dtype).replace("torch.", ""))
+    env.setdefault("HF_HUB_OFFLINE", "1")  # its FA3 from the hub's cache or not at all: no waiting on a network
+    print0(f"\nHEAD (karpathy/nanochat {commit}): bench/head_engine.py {' '.join(argv[2:])}")
+    result = subprocess.run(argv, cwd=path, env=env, capture_output=True, text=True)
+    lines = result.stdout.rstrip().splitlines()
+    print0("\n".join(lines if result.returncode != 0 else lines[:-1]))  # its last line: the JSON read below
+    if result.returncode != 0:
+        missing = [line for line in result.stderr.splitlines() if "ModuleNotFoundError" in line]
+        hint = f" ({missing[-1]}: HEAD's imports need it, see bench/head_speed.py's docstring)" if missing else ""
+        print0(f"error: HEAD's Engine failed{hint}:\n{result.stderr[-3000:]}")
+        sys.exit(1)
+    theirs = json.loads(result.stdout.splitlines()[-1])
+    cells = {r["batch_size"]: r for r in theirs["rows"]}
+    memory = "peak GPU memory" if device.type == "cuda" else "peak RSS"
+    print0(f"\n| engine, {ours['label']} | " + " | ".join(f"B={B}: TPOT / tok/s / TTFT / {memory}" for B in Bs) + " |")
+    print0("|---" * (len(Bs) + 1) + "|")
+    print0(f"| ours ({'compiled' if compile_decode else 'eager'} step, {str(dtype).replace('torch.', '')}) | "
+           + " | ".join(f"{1000 * B / ours['decode'][B]:.2f} ms / {ours['decode'][B]:,.0f} / "
+                        f"{1000 * ours['ttft'][B]:.1f} ms / {ours['peaks'][B]:.0f} MiB" for B in Bs) + " |")
+    print0(f"| HEAD {commit} ({theirs['dtype'].split(' ')[0]}, window pattern {theirs['config']['window_pattern']}, "
+           f"{theirs['attention']}) | "
+           + " | ".join(f"{cells[B]['tpot_ms']:.2f} ms / {cells[B]['decode_tok_per_sec']:,.0f} / "
+                        f"{cells[B]['ttft_ms']:.1f} ms / {cells[B]['peak_memory_mib']:.0f} MiB" for B in Bs) + " |")
+    print0(f"HEAD = karpathy/nanochat {commit}: its own GPT ({theirs['params'] / 1e6:.1f}M params, "
+           f"{theirs['config']['n_embd']} wide) and Engine, random weights, in a process of its own; ours "
+           f"{model.num_params() / 1e6:.1f}M params; tok/s: decode tokens/s over all rows")
+
+
+if head:
+    run_head()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from nanochat.common import UserError
 from nanochat.execution import use_calculator
-from nanochat.gpt import attention, hidden_states, softcapped, weights_of
+from nanochat.gpt import attention, hidden_states, layer_windows, softcapped, weights_of
 from nanochat.probes import fp32_cache_pays, native_bf16_gemv, onednn_off
 
 # -----------------------------------------------------------------------------
@@ -143,15 +143,19 @@ def regroup(cache, padding, keep, joining, max_len, dtype):
 @torch.no_grad()
 def decode_weights(model, dtype=None, row_major=False):
     """
-    The gpt.Weights decode_step reads. On CUDA the parameters themselves; on CPU copies of the matrices in `dtype`
-    (default the weights') stored column-major, which streams faster through oneDNN and MKL (docs/model.md), or with
-    row_major, for torch's own kernels (probes.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte,
-    value embeddings) are looked up, not multiplied: kept as they are. Copies are stale once the weights change.
+    The gpt.Weights decode_step reads. On CUDA the parameters themselves, or copies in `dtype` where it is not
+    theirs (a bf16 step then reads each matrix once in bf16, instead of reading it in fp32 and writing and reading a
+    bf16 cast of it, autocast's, at every step); on CPU copies of the matrices in `dtype` (default the weights') stored
+    column-major, which streams faster through oneDNN and MKL (docs/model.md), or with row_major, for torch's own
+    kernels (probes.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte, value embeddings) are looked
+    up, not multiplied: kept as they are. Copies are stale once the weights change.
     """
     if model.lm_head.weight.device.type == "cpu":
         if row_major:
             return weights_of(model, lambda w: w.detach().to(dtype or w.dtype, copy=True))
         return weights_of(model, lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t())
+    if dtype is not None and dtype != model.lm_head.weight.dtype:
+        return weights_of(model, lambda w: w.detach().to(dtype))
     return weights_of(model)
 
 
@@ -198,6 +202,44 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
         logits = softcapped(F.linear(x[:, -1], weights.lm_head))
     kv_cache.advance()
     return logits
+
+
+def static_step(weights, idx, column, positions, k_layers, v_layers, cos_table, sin_table, key_mask, config, dtype):
+    """
+    decode_step's arithmetic with every shape fixed and nothing in Python decided by a tensor's value, for
+    torch.compile (Engine(compile_decode=True); on CUDA its mode "reduce-overhead" replays the step as one CUDA graph
+    instead of launching its hundreds of small kernels one by one). idx (B,) each row's newest token; column (1,) long
+    the cache column its keys and values go to (one for every row: rows are right-aligned); positions (B,) long each
+    row's own position (rotary); k_layers, v_layers the cache's per-layer tensors (KVCache.k_layers, v_layers: each
+    (B, n_kv_head, capacity, head_dim)), written at `column` (one tensor per layer, not the (n_layer, ...) whole:
+    torch.compile then writes the column in place; a write into a slice of the whole copied all of it at every
+    layer);
+    cos_table, sin_table the model's (1, rotary_len, 1, head_dim / 2) fp32 tables; key_mask (B, 1, 1, capacity) bool,
+    False on a row's padding, or None; `dtype` the compute dtype, which `weights` (matrices already copies in it)
+    are in. Attention reads every column of the cache, masked to those at or before `column` (and within the layer's
+    window): a masked key still multiplies its value by a zero weight, so the columns never written must hold finite
+    values (zeros). Returns the logits (B, vocab) fp32; the caller advances the cache.
+    """
+    capacity = k_layers[0].size(2)
+    cos = cos_table[0, positions][:, None].to(dtype)  # (B, 1, 1, D/2)
+    sin = sin_table[0, positions][:, None].to(dtype)
+    back = column - torch.arange(capacity, device=idx.device)  # how far back each column is from this token
+    visible = {}  # window -> (B or 1, 1, 1, capacity) bool, made once per step for all the layers sharing it
+    for window in set(layer_windows(config)):
+        seen = (back >= 0) if window is None else (back >= 0) & (back <= window)
+        visible[window] = seen[None, None, None, :] if key_mask is None else seen & key_mask
+
+    def attend(i, q, k, v, window):
+        k_layer = k_layers[i]
+        v_layer = v_layers[i]
+        k_layer.index_copy_(2, column, k.to(k_layer.dtype))
+        v_layer.index_copy_(2, column, v.to(v_layer.dtype))
+        y = F.scaled_dot_product_attention(q.to(k_layer.dtype), k_layer, v_layer, attn_mask=visible[window],
+                                           enable_gqa=q.size(1) != k_layer.size(1))
+        return y.to(q.dtype)
+
+    x = hidden_states(weights, idx[:, None], (cos, sin), attend, config)
+    return softcapped(F.linear(x[:, -1], weights.lm_head))
 
 
 def sample_next_token(logits, rng, temperature=1.0, top_k=None):
@@ -295,10 +337,13 @@ class Engine:
     `model`, `tokenizer`.
     """
 
-    def __init__(self, model, tokenizer, context_len=None):
+    def __init__(self, model, tokenizer, context_len=None, compile_decode=False):
         """
         `context_len`: the longest sequence (prompt + generated) a generation may reach; default
-        model.config.sequence_len, the training length. At most model.rotary_len.
+        model.config.sequence_len, the training length. At most model.rotary_len. `compile_decode`: decode with
+        static_step under torch.compile (mode "reduce-overhead" on CUDA: each step one CUDA graph), over a cache of
+        fixed shape kept between calls (docs/engine.md, "The compiled step"); the first step of each new batch size
+        and cache size compiles.
         """
         self.model = model
         self.tokenizer = tokenizer
@@ -315,23 +360,68 @@ class Engine:
         self.output_start = special("<|output_start|>")
         self.output_end = special("<|output_end|>")
         self._weights = {}  # row_major -> (key, weights): both layouts kept, as a server's batch grows and shrinks
+        if not isinstance(compile_decode, bool):
+            raise UserError(f"compile_decode must be True or False, got {compile_decode!r}")
+        self.compile_decode = compile_decode
+        self._static_caches = {}  # (rows, capacity, dtype) -> KVCache: the compiled step's caches, kept between calls
+        if compile_decode:  # static shapes (dynamic=False): a new batch size or capacity compiles anew, once
+            cuda = model.lm_head.weight.device.type == "cuda"
+            self._static_step = torch.compile(static_step, mode="reduce-overhead" if cuda else None, dynamic=False,
+                                              fullgraph=True)
 
-    def _decode_weights(self, rows=None):
+    def _decode_weights(self, rows=None, static=False):
         """
         decode_weights(model) in the dtype in use, for decoding `rows` rows (row-major copies where
         probes.native_bf16_gemv says so), made again only when the dtype, the layout or a parameter changed since the
-        last call (its identity, or its version counter, which torch bumps at every in-place change).
+        last call (its identity, or its version counter, which torch bumps at every in-place change). static: for
+        static_step, the matrices copied in the compute dtype on any device (its CUDA graph then reads bf16, not fp32
+        weights cast at every step), every tensor marked as a static address (a CUDA graph reads it where it is
+        instead of copying it in at each replay).
         """
         head = self.model.lm_head.weight
         dtype = head.dtype
         if torch.is_autocast_enabled(head.device.type):
             dtype = torch.get_autocast_dtype(head.device.type)
         bf16_cpu = head.device.type == "cpu" and dtype == torch.bfloat16
-        row_major = rows is not None and bf16_cpu and native_bf16_gemv(rows)
+        layout = "static" if static else rows is not None and bf16_cpu and native_bf16_gemv(rows)
         key = (dtype, *((id(p), p._version) for p in self.model.parameters()))
-        if self._weights.get(row_major, (None,))[0] != key:
-            self._weights[row_major] = (key, decode_weights(self.model, dtype, row_major))
-        return self._weights[row_major][1]
+        if self._weights.get(layout, (None,))[0] != key:
+            if static:
+                weights = weights_of(self.model, lambda w: w.detach().to(dtype, copy=True))
+                tensors = [weights.wte, weights.lm_head, weights.resid_lambdas, weights.x0_lambdas,
+                           *(t for layer in weights.layers for t in layer[:6])]
+                for t in tensors:
+                    if t is not None:
+                        torch._dynamo.mark_static_address(t, guard=False)
+            else:
+                weights = decode_weights(self.model, dtype, layout)
+            self._weights[layout] = (key, weights)
+        return self._weights[layout][1]
+
+    def _static_cache(self, rows, capacity, dtype):
+        """
+        An empty KVCache of `rows` rows and `capacity` positions for the compiled step: the one a past generation of
+        that shape left (a CUDA graph replays on the addresses it was recorded with), else a new one, zeros (finite:
+        static_step reads every column). A generation holds it alone until it ends (_keep_static_cache): two at once
+        get two caches.
+        """
+        cache = self._static_caches.pop((rows, capacity, dtype), None)
+        if cache is None:
+            cfg = self.model.config
+            cache = KVCache(rows, cfg.n_kv_head, capacity, cfg.n_embd // cfg.n_head, cfg.n_layer,
+                            self.model.lm_head.weight.device, dtype)
+            cache.k.zero_()
+            cache.v.zero_()
+            for t in cache.k_layers + cache.v_layers:
+                torch._dynamo.mark_static_address(t, guard=False)
+        cache.pos = 0
+        return cache
+
+    def _keep_static_cache(self, cache):
+        """Keep a generation's cache for the next of its shape; at most 4 shapes, the least recently used dropped."""
+        self._static_caches[(cache.batch_size, cache.capacity, cache.k.dtype)] = cache
+        if len(self._static_caches) > 4:
+            self._static_caches.pop(next(iter(self._static_caches)))
 
     def dtypes(self):
         """
@@ -414,8 +504,12 @@ class Engine:
 
         # Each prompt once at batch 1, then copied into its samples' rows, right-aligned (docs/engine.md). The last
         # token sampled is never fed back, hence the - 1.
-        cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, cache_dtype,
-                        capacity=longest + 256)
+        compiled = self.compile_decode
+        if compiled:  # the capacity rounded up to 128 positions: fewer shapes to compile, at most 127 columns more
+            cache = self._static_cache(rows, -(-(longest + steps - 1) // 128) * 128, cache_dtype)
+        else:
+            cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, cache_dtype,
+                            capacity=longest + 256)
         logits = []
         for p, tokens in enumerate(prompts):
             prompt_cache = KVCache(1, cfg.n_kv_head, len(tokens), head_dim, cfg.n_layer, device, dtype)
@@ -440,29 +534,43 @@ class Engine:
         samples = [Sample() for _ in range(rows)]
         in_cache = list(range(rows))
         weights = None
-        for step in range(steps):
-            sampled = dict(zip(in_cache, sample_next_token(logits, rng, temperature, top_k).tolist()))
-            column = []
-            masks = []
-            for i, sample in enumerate(samples):
-                token, mask = self.next_token(sample, sampled.get(i))
-                column.append(token)
-                masks.append(mask)
-            yield column, masks
-            running = [k for k, i in enumerate(in_cache) if samples[i].end_token is None]  # positions in the cache
-            if step == steps - 1 or not running:
-                return
-            if len(running) <= 0.75 * len(in_cache):
-                keep = torch.tensor(running, device=device)
-                cache.keep_rows(keep)
-                padding = None if padding is None else padding[keep]
-                key_mask = None if key_mask is None else key_mask[keep]
-                in_cache = [in_cache[k] for k in running]
-            if weights is None:  # made after the first token is out, so they do not delay it
-                weights = self._decode_weights(len(in_cache))
-            positions = None if padding is None else cache.pos - padding
-            newest = torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device)
-            logits = decode_step(model, newest, cache, weights, positions, key_mask)
+        try:
+            for step in range(steps):
+                sampled = dict(zip(in_cache, sample_next_token(logits, rng, temperature, top_k).tolist()))
+                column = []
+                masks = []
+                for i, sample in enumerate(samples):
+                    token, mask = self.next_token(sample, sampled.get(i))
+                    column.append(token)
+                    masks.append(mask)
+                yield column, masks
+                running = [k for k, i in enumerate(in_cache) if samples[i].end_token is None]  # positions in the cache
+                if step == steps - 1 or not running:
+                    return
+                if len(running) <= 0.75 * len(in_cache) and not compiled:  # compiled: one shape, no recompiling
+                    keep = torch.tensor(running, device=device)
+                    cache.keep_rows(keep)
+                    padding = None if padding is None else padding[keep]
+                    key_mask = None if key_mask is None else key_mask[keep]
+                    in_cache = [in_cache[k] for k in running]
+                if weights is None:  # made after the first token is out, so they do not delay it
+                    weights = self._decode_weights(len(in_cache), static=compiled)
+                positions = None if padding is None else cache.pos - padding
+                newest = torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device)
+                if compiled:
+                    where = torch.tensor([cache.pos], device=device)
+                    positions = where.expand(len(in_cache)) if positions is None else positions
+                    if device.type == "cuda":  # a new step: the last one's graph outputs (its logits) are used up
+                        torch.compiler.cudagraph_mark_step_begin()
+                    with torch.autocast(device.type, enabled=False):  # the weights are copies in the compute dtype
+                        logits = self._static_step(weights, newest, where, positions, cache.k_layers, cache.v_layers,
+                                                   model.cos, model.sin, key_mask, cfg, dtype)
+                    cache.advance()
+                else:
+                    logits = decode_step(model, newest, cache, weights, positions, key_mask)
+        finally:  # the cache free again for the next generation of its shape (none shares it meanwhile)
+            if compiled:
+                self._keep_static_cache(cache)
 
     def next_token(self, sample, sampled):
         """The token sample `sample` gets this step, and its mask; runs the tool when an expression closes."""

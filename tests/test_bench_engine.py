@@ -1,4 +1,8 @@
-"""bench/engine.py's plumbing on CPU, at a tiny size: every batch size's line, the bandwidth, the machine."""
+"""
+bench/engine.py's plumbing on CPU, at a tiny size: every batch size's line, the bandwidth, the machine; with the
+compiled step; and karpathy/nanochat HEAD's Engine beside ours in one table (a checkout from the local mirror, when
+there is one).
+"""
 
 import os
 import re
@@ -6,24 +10,62 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO_ROOT
 
+MIRROR = "/work/.mirror/karpathy+nanochat/repo"  # a bare clone of karpathy/nanochat
+HEAD_COMMIT = "92d63d4"
+TINY = ["--depth=1", "--vocab_size=512", "--sequence_len=256", "--prompt_tokens=8", "--long_prompt_tokens=32",
+        "--new_tokens=6", "--batch_sizes=1,3", "--threads=1", "--repeats=1", "--naive=False", "--bandwidth_mib=16",
+        "--bandwidth_repeats=2"]
 
-def test_the_decode_evaluation_prints_its_figures_per_batch_size(small_tokenizer_dir, tmp_path):
+
+def bench_engine(small_tokenizer_dir, tmp_path, *extra):
     shutil.copytree(small_tokenizer_dir, tmp_path / "tokenizer")
     env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path))
-    args = ["--depth=1", "--vocab_size=512", "--sequence_len=256", "--prompt_tokens=8", "--long_prompt_tokens=32",
-            "--new_tokens=6", "--batch_sizes=1,3", "--threads=1", "--repeats=1", "--naive=False", "--bandwidth_mib=16",
-            "--bandwidth_repeats=2"]
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "engine.py"), *args], cwd=REPO_ROOT,
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "engine.py"), *TINY, *extra],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_decode_evaluation_prints_its_figures_per_batch_size(small_tokenizer_dir, tmp_path, compiled):
+    out = bench_engine(small_tokenizer_dir, tmp_path, f"--compile_decode={compiled}")
     bandwidth = re.search(r"memory bandwidth \(best sum of a 16 MiB tensor\): ([\d.]+) GB/s", out)
     assert bandwidth and float(bandwidth[1]) > 0, out
+    assert f"decode step {'compiled' if compiled else 'eager'}" in out
     for B in (1, 3):
         line = re.search(rf"engine B={B}: decode ([\d,]+) tok/s .*TPOT ([\d.]+) ms, reads ([\d.]+) GB/s = (\d+)% of "
                          rf"the bandwidth, peak RSS (\d+) MiB, TTFT ([\d.]+) ms", out)
         assert line, out
         assert float(line[2]) > 0 and float(line[6]) > 0 and int(line[5]) > 0
+        assert (f"[compile] B={B}: the first 4 steps (compiling a shape not seen yet) took" in out) == compiled
     assert "native bf16 flags:" in out and "| 1 thread | " in out
+
+
+def test_heads_engine_beside_ours_in_one_table(small_tokenizer_dir, tmp_path):
+    """HEAD's own GPT and Engine (bench/head_engine.py, in a process of its own) at the same sizes, one table."""
+    if subprocess.run(["git", "-C", MIRROR, "cat-file", "-e", HEAD_COMMIT], capture_output=True).returncode != 0:
+        pytest.skip(f"no local mirror of karpathy/nanochat with {HEAD_COMMIT} at {MIRROR}")
+    head = tmp_path / "head"
+    head.mkdir()
+    archive = subprocess.run(["git", "-C", MIRROR, "archive", HEAD_COMMIT, "nanochat", "scripts"], capture_output=True,
+                             check=True)
+    subprocess.run(["tar", "-x", "-C", str(head)], input=archive.stdout, check=True)
+    (head / "COMMIT").write_text(HEAD_COMMIT + "\n")  # as bench/head_speed.py's docstring makes .head
+    out = bench_engine(small_tokenizer_dir, tmp_path / "base", f"--head={head}")
+    for B in (1, 3):  # HEAD's own lines, as its process printed them
+        assert re.search(rf"^HEAD engine B={B}: decode [\d,]+ tok/s, TPOT [\d.]+ ms, TTFT [\d.]+ ms, peak memory \d+ "
+                         rf"MiB$", out, re.M), out
+    header = re.search(r"^\| engine, 1 thread \| B=1: TPOT / tok/s / TTFT / peak RSS \| B=3: .* \|$", out, re.M)
+    assert header, out
+    cell = r" ([\d.]+) ms / ([\d,]+) / ([\d.]+) ms / (\d+) MiB \|"
+    ours = re.search(r"^\| ours \(eager step, (\w+)\) \|" + cell * 2 + "$", out, re.M)
+    theirs = re.search(rf"^\| HEAD {HEAD_COMMIT} \((\w+), window pattern SSSL, SDPA fallback\) \|" + cell * 2 + "$",
+                       out, re.M)
+    assert ours and theirs, out
+    assert ours[1] == theirs[1]  # one compute dtype for both
+    assert all(float(m[i].replace(",", "")) > 0 for m in (ours, theirs) for i in range(2, 10))
+    assert f"HEAD = karpathy/nanochat {HEAD_COMMIT}: its own GPT" in out

@@ -132,6 +132,36 @@ def test_greedy_with_several_samples_matches_naive(tiny):
     assert result_masks == [[0] * len(prompt) + [1] * len(body)] * 4
 
 
+def test_the_compiled_step_decodes_what_naive_generation_does(tiny):
+    """
+    Engine(compile_decode=True) (engine.static_step under torch.compile, inductor's default mode on a CPU): greedy,
+    the tokens of naive generation, for one prompt with two samples and for prompts of different lengths decoded
+    together (padding masked out, each row at its own position); the step's logits: tests/test_compiled_decode.py.
+    """
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer, compile_decode=True)
+    prompt = prompts[3][:12]
+    expected = naive_until_end(model, engine, prompt, 40, temperature=0)
+    streams, _ = engine_stream(engine, prompt, num_samples=2, max_tokens=40, temperature=0)
+    assert streams == [expected] * 2 and len(set(expected)) >= 3, expected
+    kept = engine._static_caches[(2, 128, torch.float32)].k  # 12 + 40 - 1 positions, rounded up to 128
+    chosen = [prompts[0][:7], prompts[1][:19]]
+    columns = [column for column, _ in engine.generate_many(chosen, max_tokens=25, temperature=0)]
+    for row, one in enumerate(chosen):
+        wanted = naive_until_end(model, engine, one, 25, temperature=0)
+        assert [column[row] for column in columns][:len(wanted)] == wanted, row
+    again, _ = engine_stream(engine, prompt, num_samples=2, max_tokens=40, temperature=0)  # the kept cache, reused
+    # 2 rows of 128 columns in all three calls: the same cache tensors (a CUDA graph's addresses) every time
+    assert again == streams and list(engine._static_caches) == [(2, 128, torch.float32)]
+    assert engine._static_caches[(2, 128, torch.float32)].k is kept
+    # two generations of one shape at once (interleaved steps): each its own cache, each naive generation's tokens
+    pairs = list(zip(engine.generate(prompt, 2, max_tokens=40, temperature=0),
+                     engine.generate(prompt, 2, max_tokens=40, temperature=0)))
+    assert [a[0][0] for a, _ in pairs] == [b[0][0] for _, b in pairs] == expected[:len(pairs)]
+    with pytest.raises(UserError, match="compile_decode must be True or False"):
+        Engine(model, tokenizer, compile_decode="yes")
+
+
 def test_greedy_up_to_the_context_limit(tiny):
     model, tokenizer, prompts = tiny
     engine = Engine(model, tokenizer)
