@@ -76,7 +76,8 @@ from nanochat.hardware import autocast_dtype
 from nanochat.probes import fp32_cache_pays
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
-depth = 4  # model depth
+depth = 4  # model depth (base_train's default model at this depth: qk_scale 1.2, value embeddings, the 2026 init)
+window_pattern = "L"  # attention windows per layer, as base_train's --window_pattern (HEAD's default: SSSL)
 vocab_size = 8192  # tokenizer / model vocabulary
 sequence_len = 2048  # the model's context (Engine.context_len)
 prompt_tokens = 32  # prompt length for the decode and naive measurements
@@ -153,8 +154,9 @@ if tokenizer is None or (tokenizer.get_vocab_size() != vocab_size and trained_fo
         f.write(f"{vocab_size}\n")
 
 torch.manual_seed(0)
-model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=sequence_len)).to(device)
-model.init_weights()
+model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=sequence_len, qk_scale=1.2, value_embeds=True,
+                              window_pattern=window_pattern)).to(device)
+model.init_weights(recipe="2026")
 with torch.no_grad():  # init_weights zeroes the output projections and the head: give them weight
     for name, p in model.named_parameters():
         if name.endswith("c_proj.weight") or name == "lm_head.weight":

@@ -8,13 +8,15 @@
 #     bash bench/gpu_prepare.sh                      # here, with the package index: .whl/ and .head/ (carry both)
 #     bash bench/gpu_measure.sh head profile         # on the GPU: the parts named, in that order
 #
-# Parts, most wanted first (the first GPU command: head profile; the next: d20 decode; then one lever a command):
+# Parts, most wanted first (the first GPU command: head profile; the next: d20 decode decode_compiled; then
+# one lever a command):
 #   head       item 1: bench/head_speed.py at depth 24 x 16 rows (HEAD's speedrun micro-batch): ours, HEAD with its
 #              runs/speedrun.sh flags (--fp8, SSSL; no FA3 offline: its SDPA fallback, the table says) and HEAD plain
 #   profile    item 2: bench/profile_step.py, our depth-24 step compiled: top kernels, shares, launches, idle gaps
 #   d20        item 1's second bar: ours at depth 20 x 32 rows, bf16 MFU against the peak the run measures
-#   decode     item 3: bench/engine.py at depth 20, 1 / 8 / 32 / 128 sequences: ours, ours with the decode step
-#              compiled (CUDA graphs), HEAD's Engine
+#   decode     item 3: bench/engine.py at depth 20, 1 / 8 / 32 / 128 sequences: ours and HEAD's Engine (its SSSL
+#              model), time per token, bandwidth used, time to first token, peak memory
+#   decode_compiled  the same, ours with the decode step compiled (Engine(compile_decode=True): a CUDA graph a step)
 #   levers     item 2, one change each against plain at depth 24 x 16 rows: --fp8=True
 #   windows    item 2: SSSL windows with SDPA (masked, dense) and with FlexAttention (--attention=flex)
 #   attention  the attention kernels alone at depth 20's and 24's shapes (SDPA's backends, FlexAttention)
@@ -43,10 +45,14 @@ part_profile() {
 part_d20() {
     python3 bench/head_speed.py --depths=20 --rows=32 --runs=ours --engine=False
 }
-part_decode() {
+part_decode() {  # ours (the eager step), then HEAD's Engine in a process of its own
     need_head || return 2
     python3 bench/engine.py --device_type=cuda --depth=20 --vocab_size=65536 --batch_sizes=1,8,32,128 --threads=0 \
-        --naive=False --compare_decode=True --head=.head
+        --naive=False --repeats=3 --head=.head
+}
+part_decode_compiled() {  # ours with the step compiled, a CUDA graph a step (apart: a failed compile keeps decode's)
+    python3 bench/engine.py --device_type=cuda --depth=20 --vocab_size=65536 --batch_sizes=1,8,32,128 --threads=0 \
+        --naive=False --repeats=3 --compile_decode=True
 }
 lever() {  # lever LABEL EXTRA: bench/train_speed.py at depth 24 x 16 rows with EXTRA (HEAD's corpus and tokenizer)
     echo "== depth 24, 16 rows, $1"
@@ -73,11 +79,12 @@ part_quality() {
         --variant=sssl:--window_pattern=SSSL --work=/tmp/nanochat_gpu_quality --out="$OUT_DIR/quality.json"
 }
 
+all_parts=(head profile d20 decode decode_compiled levers windows attention quality)
 parts=("$@")
-[ "${#parts[@]}" -eq 0 ] && parts=(head profile d20 decode levers windows attention quality)
+[ "${#parts[@]}" -eq 0 ] && parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
     if ! declare -F "part_$part" >/dev/null; then
-        echo "error: unknown part '$part'; the parts: head profile d20 decode levers windows attention quality"
+        echo "error: unknown part '$part'; the parts: ${all_parts[*]}"
         exit 2
     fi
 done
