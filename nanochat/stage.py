@@ -330,8 +330,8 @@ class Stage:
             self._claim()
             self.start_step = 0
         model.train()
-        decision = [None]
-        if self.rank == 0:  # which attention the training steps take: SDPA, or the dense kernel where measured faster
+        decision = [(False, f"Attention in training steps: {model.attention_kernel} (base_train --attention)")]
+        if self.rank == 0 and model.attention_kernel == "sdpa":  # SDPA, or the dense kernel where measured faster
             device_type = torch.device(self.device).type
             decision = [dense_attention_pays(model.config, device_type, autocast_dtype(device_type), attention,
                                              dense_attention)]
