@@ -12,10 +12,8 @@ import sys
 
 import pytest
 
-from helpers import REPO_ROOT
+from helpers import HEAD_COMMIT, REPO_ROOT, head_checkout
 
-MIRROR = "/work/.mirror/karpathy+nanochat/repo"  # a bare clone of karpathy/nanochat
-HEAD_COMMIT = "92d63d4"
 TINY = ["--depth=1", "--vocab_size=512", "--sequence_len=256", "--prompt_tokens=8", "--long_prompt_tokens=32",
         "--new_tokens=6", "--batch_sizes=1,3", "--threads=1", "--repeats=1", "--naive=False", "--bandwidth_mib=16",
         "--bandwidth_repeats=2"]
@@ -47,14 +45,7 @@ def test_the_decode_evaluation_prints_its_figures_per_batch_size(small_tokenizer
 
 def test_heads_engine_beside_ours_in_one_table(small_tokenizer_dir, tmp_path):
     """HEAD's own GPT and Engine (bench/head_engine.py, in a process of its own) at the same sizes, one table."""
-    if subprocess.run(["git", "-C", MIRROR, "cat-file", "-e", HEAD_COMMIT], capture_output=True).returncode != 0:
-        pytest.skip(f"no local mirror of karpathy/nanochat with {HEAD_COMMIT} at {MIRROR}")
-    head = tmp_path / "head"
-    head.mkdir()
-    archive = subprocess.run(["git", "-C", MIRROR, "archive", HEAD_COMMIT, "nanochat", "scripts"], capture_output=True,
-                             check=True)
-    subprocess.run(["tar", "-x", "-C", str(head)], input=archive.stdout, check=True)
-    (head / "COMMIT").write_text(HEAD_COMMIT + "\n")  # as bench/head_speed.py's docstring makes .head
+    head = head_checkout(tmp_path / "head")
     out = bench_engine(small_tokenizer_dir, tmp_path / "base", f"--head={head}")
     for B in (1, 3):  # HEAD's own lines, as its process printed them
         assert re.search(rf"^HEAD engine B={B}: decode [\d,]+ tok/s, TPOT [\d.]+ ms, TTFT [\d.]+ ms, peak memory \d+ "

@@ -13,10 +13,8 @@ import sys
 
 import pytest
 
-from helpers import CORES, REPO_ROOT
+from helpers import CORES, HEAD_COMMIT, REPO_ROOT, head_checkout
 
-MIRROR = "/work/.mirror/karpathy+nanochat/repo"  # a bare clone of karpathy/nanochat
-HEAD_COMMIT = "92d63d4"
 
 
 def head_speed(*args, env=None):
@@ -34,14 +32,7 @@ def test_without_a_checkout_head_is_skipped_with_how_to_get_it(tmp_path):
 
 @pytest.mark.slow
 def test_ours_and_head_in_one_table(tmp_path):
-    if subprocess.run(["git", "-C", MIRROR, "cat-file", "-e", HEAD_COMMIT], capture_output=True).returncode != 0:
-        pytest.skip(f"no local mirror of karpathy/nanochat with {HEAD_COMMIT} at {MIRROR}")
-    head = tmp_path / "head"
-    head.mkdir()
-    archive = subprocess.run(["git", "-C", MIRROR, "archive", HEAD_COMMIT, "nanochat", "scripts"], capture_output=True,
-                             check=True)
-    subprocess.run(["tar", "-x", "-C", str(head)], input=archive.stdout, check=True)
-    (head / "COMMIT").write_text(HEAD_COMMIT + "\n")  # as head_speed's docstring makes .head: the table names it
+    head = head_checkout(tmp_path / "head")
     base = tmp_path / "bench"
     result = head_speed(f"--head={head}", "--depths=1", "--rows=1", "--max_seq_len=64", "--device_type=cpu",
                         "--steps=2", "--vocab_size=512", "--runs=ours,speedrun", "--engine=False", f"--base_dir={base}",
