@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from nanochat import attention_kernels
 from nanochat.common import UserError
 from nanochat.execution import use_calculator
 from nanochat.gpt import attention, hidden_states, layer_windows, softcapped, weights_of
@@ -223,11 +224,11 @@ def static_step(weights, idx, column, positions, k_layers, v_layers, cos_table, 
     capacity = k_layers[0].size(2)
     cos = cos_table[0, positions][:, None].to(dtype)  # (B, 1, 1, D/2)
     sin = sin_table[0, positions][:, None].to(dtype)
-    back = column - torch.arange(capacity, device=idx.device)  # how far back each column is from this token
+    columns = torch.arange(capacity, device=idx.device)
     visible = {}  # window -> (B or 1, 1, 1, capacity) bool, made once per step for all the layers sharing it
     for window in set(layer_windows(config)):
-        seen = (back >= 0) if window is None else (back >= 0) & (back <= window)
-        visible[window] = seen[None, None, None, :] if key_mask is None else seen & key_mask
+        seen = attention_kernels.visible(column, columns, window)[None, None, None, :]
+        visible[window] = seen if key_mask is None else seen & key_mask
 
     def attend(i, q, k, v, window):
         k_layer = k_layers[i]

@@ -15,8 +15,8 @@ import pytest
 
 from helpers import REPO_ROOT, one_line_error, run_script
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
-from kernel_kinds import gpu_report, kernel_kind, kind_in_step, read_step, union_and_gaps  # noqa: E402 (bench/ is no package)
+sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))  # bench/ is no package
+from kernel_kinds import gpu_report, kernel_kind, kind_in_step, read_step, union_and_gaps  # noqa: E402
 
 REGIONS = ("forward", "backward", "clipping", "AdamW", "Muon")
 
