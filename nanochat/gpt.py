@@ -70,8 +70,12 @@ def check_shapes(config):
 def layer_windows(config):
     """
     Per layer, how many earlier tokens its attention sees (a query at i sees keys i - w .. i), None for all of them:
-    window_pattern tiled over the layers, the last one L; S = sequence_len / 4 rounded up to 128 (HEAD's rule: 512
-    of 2048).
+    window_pattern tiled over the layers, the last one L. An S layer's w is ceil(sequence_len / 512) * 128, i.e.
+    sequence_len / 4 rounded up to a multiple of 128 (512 at 2048, 256 at 513 to 1024, never under 128). That is
+    karpathy/nanochat HEAD's S window at every sequence_len: its -(-T // 4 // 128) * 128 floors by 4 then by 128,
+    which is one floor by 512 (its comment's "2048 -> 768" is not what it computes). Where HEAD differs: its L layers
+    get a window of sequence_len, so past the training length (a long generation) they see the last sequence_len + 1
+    keys; an L layer here (None) sees every key.
     """
     short = -(-config.sequence_len // 512) * 128
     pattern = [config.window_pattern[i % len(config.window_pattern)] for i in range(config.n_layer - 1)] + ["L"]
