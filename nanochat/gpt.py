@@ -279,6 +279,15 @@ class GPT(nn.Module):
     """
     Built on the meta device, materialised where it will live, initialised once: `with torch.device("meta"): model =
     GPT(config)`, then `model.to_empty(device=device)` and `model.init_weights()`.
+
+    model.train() / model.eval() change nothing in this model's arithmetic: no part reads `self.training` (there is
+    no dropout, no batch norm), so a forward gives the same numbers in either mode. What separates training from
+    evaluation is whether autograd records: the training loops run the model with gradients on; the evaluations
+    (losses.evaluate_bpb, core_eval, scoring), the samples and generation (engine) run under torch.no_grad() or
+    torch.inference_mode(). _final_hidden asks torch.is_grad_enabled() for the one choice that depends on it: with
+    gradients, the training steps' kernels (cpu_kernels' norm and dense attention on a CPU, fp8). The stages still
+    call train() / eval() (checkpoint_manager.build_model's phase, around base_train's evaluations): PyTorch's
+    convention, kept so that a part added later that does read `self.training` (dropout) behaves.
     """
 
     def __init__(self, config):
@@ -374,7 +383,7 @@ class GPT(nn.Module):
         if torch.is_autocast_enabled(idx.device.type):
             dtype = torch.get_autocast_dtype(idx.device.type)
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
-        training = torch.is_grad_enabled()
+        training = torch.is_grad_enabled()  # autograd on = a training step (not self.training: the class says why)
         attend = lambda i, q, k, v, window: attention(q, k, v, window=window)  # training: nothing kept
         dense = self.dense_attention and training and dtype == torch.bfloat16  # evaluation: SDPA
         if dense and self.config.n_kv_head == self.config.n_head:  # the dense kernel has no GQA
