@@ -4,8 +4,10 @@
 # Two profiles, picked automatically (override with NANOCHAT_PROFILE=gpu|cpu):
 #   gpu  one node with CUDA GPUs (made for 8xH100): ClimbMix, vocab 65536, a depth-20 model, CORE, the real chat
 #        mixture, SFT, RL on GSM8K, chat evaluations; every download at the start
-#   cpu  any machine (made for 2 CPU cores, ~20 min for everything): the embedded pydocs corpus, a small tokenizer
-#        and a depth-4 model, the offline tasks for midtraining, SFT, RL and the evaluations; no download.
+#   cpu  any machine (made for 2 CPU cores: 6-11 min for everything on the 2-core VMs of bench/RESULTS.md, e.g.
+#        6m13s alone and 6m09s-6m49s in 6 runs at issue 36, 6m56s-11m10s on an Intel AMX VM at issue 24, 10m41s
+#        beside other jobs at issue 53): the embedded pydocs corpus, a small tokenizer and a depth-4 model, the
+#        offline tasks for midtraining, SFT, RL and the evaluations; no download.
 #        NANOCHAT_DATASET=NAME pretrains on a corpus of your own instead (built first with `python -m
 #        nanochat.dataset --from=PATH --name=NAME`: README, "Train on your own text")
 # Options (environment): WANDB_RUN=<name> logs to wandb (needs `wandb login`); NANOCHAT_BASE_DIR (default

@@ -5,7 +5,7 @@
 #
 #     bash bench/gpu_check.sh        # from anywhere; with $OUT set, the log (smoke.log) and report.md land there
 #
-# Made for a lent GPU machine without network, whose python3 has torch and most of what nanochat needs but neither
+# Made for a GPU machine without network, whose python3 has torch and most of what nanochat needs but neither
 # this project installed (python -m from the repo root needs no install) nor the packages below. They come as
 # wheels in .whl/ at the repo root (git-ignored), installed into /tmp/site (no index, no dependencies resolved) and
 # put first on PYTHONPATH. To download them, on a machine with network, from the repo root (~7.5 MB; three are
@@ -59,7 +59,7 @@ for name in ("numpy", "tiktoken", "pyarrow", "filelock", "requests", "psutil", "
     except Exception as e:
         missing.append(f"{name} ({type(e).__name__}: {e})")
 if missing:
-    sys.exit(f"error: cannot import {'; '.join(missing)}: carry the wheels of bench/gpu_check.sh's list in .whl/")
+    sys.exit(f"error: cannot import {'; '.join(missing)}: put the wheels of bench/gpu_check.sh's list in .whl/")
 EOF
 
 status=0

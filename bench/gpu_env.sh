@@ -1,7 +1,7 @@
-# Sourced by bench/gpu_check.sh and bench/gpu_measure.sh, from the repo root: gpu_env_setup makes a lent GPU
-# machine's python3 able to run this repo. Such a machine has no network and no pip index: the packages nanochat needs
-# beyond its image come as wheels carried in .whl/ (the list and the download command: bench/gpu_check.sh), installed
-# into an empty /tmp/site (one version of each package, no dependencies resolved) put first on PYTHONPATH. Its
+# Sourced by bench/gpu_check.sh and bench/gpu_measure.sh, from the repo root: gpu_env_setup makes a GPU machine's
+# python3 able to run this repo without network or pip index: the packages nanochat needs beyond its image come as
+# wheels copied in .whl/ (the list and the download command: bench/gpu_check.sh), installed into an empty /tmp/site
+# (one version of each package, no dependencies resolved) put first on PYTHONPATH. Its
 # arguments: the wheel files (none: nothing installed; a function, so that it never sees its caller's arguments).
 # Then `python` and `torchrun` on PATH are this python3, whatever else is there (speedrun.sh and the benchmarks call
 # them by those names).

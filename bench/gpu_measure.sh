@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 52's GPU measurements in one prepared command, for a lent GPU machine (offline, 15 minutes of device time a
-# session, at most 10 a command): ours against karpathy/nanochat HEAD in one run, where our step's time goes, our
-# decoding beside HEAD's, and each lever alone against the same baseline. Each part runs under its own time limit and
-# writes its log to $OUT (or /tmp/nanochat_gpu_measure_out), with machine.txt (GPU, driver, torch, both commits); a
-# part that fails or overruns is reported and the next one starts.
+# Issue 52's GPU measurements in one prepared command, for any machine with a CUDA GPU (it needs no network): ours
+# against karpathy/nanochat HEAD in one run, where our step's time goes, our decoding beside HEAD's, and each lever
+# alone against the same baseline. Each part runs under its own time limit (PART_TIMEOUT) and writes its log to $OUT
+# (or /tmp/nanochat_gpu_measure_out), with machine.txt (GPU, driver, torch, both commits); a part that fails or
+# overruns is reported and the next one starts, so a session of limited GPU time can run a few parts a command.
 #
-#     bash bench/gpu_prepare.sh                      # here, with the package index: .whl/ and .head/ (carry both)
+#     bash bench/gpu_prepare.sh                      # with the package index: .whl/ and .head/ (copy both to the GPU
+#                                                    # machine's checkout, if it is another one)
 #     bash bench/gpu_measure.sh head profile         # on the GPU: the parts named, in that order
 #
 # Parts, most wanted first (the first GPU command: head profile; the next: d20 decode decode_compiled; then
@@ -30,7 +31,7 @@ mkdir -p "$OUT_DIR"
 
 need_head() {
     if [ ! -f .head/COMMIT ]; then
-        echo "error: no HEAD checkout in .head: run bash bench/gpu_prepare.sh where there is network, and carry .head"
+        echo "error: no HEAD checkout in .head: bash bench/gpu_prepare.sh makes it (network or NANOCHAT_HEAD_REPO)"
         return 2
     fi
 }

@@ -34,15 +34,16 @@ run time: offline or without that package it falls back to SDPA, and says so; th
 Its --fp8 is CUDA only (on CPU it prints that it ignores it). Its base_train imports wandb at module level (and
 calls it only without --run=dummy): if `import wandb` fails, a stub module stands in and the notes say so.
 
-On the lent GPU machine (Python 3.12, no network): bench/gpu_check.sh's wheels in .whl/ plus these in .whl/head/
-(a folder of their own: gpu_check.sh installs .whl/*.whl only), which `import wandb` needs beyond those and the
-image's packages (20.8 MB; protobuf too, since wandb imports only with majors 5 to 7 and the image's is unknown):
+On a GPU machine without network (these wheels: Python 3.12): bench/gpu_check.sh's wheels in .whl/ plus these in
+.whl/head/ (a folder of their own: gpu_check.sh installs .whl/*.whl only), which `import wandb` needs beyond those and
+the image's packages (20.8 MB; protobuf too, since wandb imports only with majors 5 to 7 and the image's is unknown):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl/head wandb==0.31.0 platformdirs==4.14.8 protobuf==7.36.2
 
-and HEAD's code in the repo, ignored (/.head/ in .gitignore) and carried with .whl: mkdir .head &&
+and HEAD's code in the repo, ignored (/.head/ in .gitignore) and copied there with .whl (bench/gpu_prepare.sh makes
+both; from NANOCHAT_HEAD_REPO, a clone of karpathy/nanochat, if set): mkdir .head &&
 git -C /path/to/karpathy-nanochat archive 92d63d4 nanochat scripts | tar -x -C .head && echo 92d63d4 > .head/COMMIT
 (0.3 MB; COMMIT names the commit in the table). Then there (or `bash bench/gpu_measure.sh head`):
 

@@ -13,9 +13,9 @@ window).
 Rules. Each kernel computes what transformers' attn_implementation of the same name computes, the same ops in the same
 order ("eager": matmul, add 0 or float's min, softmax(dtype=float32), matmul; "flex": the same block mask, the same
 compiled call): our model run with one gives an exported model's logits under that implementation to the bit (fp32;
-tests/test_export_remote.py). Between kernels the rounding differs (fp32: within 1e-5 of SDPA's, tests/test_gpt.py).
-Full-context calls only: q, k and v of the same T (training, evaluation without a cache); decoding keeps SDPA.
-GPT.attention_kernel picks one ("sdpa" by default; base_train --attention).
+tests/test_export_remote.py). Between kernels the rounding differs (fp32: within 1e-5 of SDPA's,
+tests/test_attention.py). Full-context calls only: q, k and v of the same T (training, evaluation without a cache);
+decoding keeps SDPA. GPT.attention_kernel picks one ("sdpa" by default; base_train --attention).
 """
 
 from functools import lru_cache

@@ -5,11 +5,12 @@ A Worker is one Engine on one device with a thread of its own that decodes a bat
 of them at a time. A request joins the running batch of a worker (the one with the fewest rows) with its own prompt
 length, sampling settings (temperature, top_k), seed (a torch.Generator of its own: its sampled tokens do not depend
 on the rows beside it), max_tokens and stop, and leaves it when its reply ends. Between two steps the worker takes
-the new requests, drops the rows that ended, and prefills one chunk of the oldest new prompt (prefill_chunk
-tokens: a long prompt stalls the others by one chunk per step); a complete prompt's keys and values join the batch,
-rows right-aligned at the longest (engine.regroup), each at its own position, its padding masked out. A lone
-request is decoded exactly as Engine.generate decodes it; a row in a batch gets the same tokens up to float
-rounding (equal in fp32). Tokens go to the event loop as soon as they are sampled.
+the new requests, drops the rows that ended, and prefills the waiting prompts, oldest first, up to prefill_chunk
+tokens in all (several short prompts in one step, a long one a chunk per step: the rows decoding wait at most one
+chunk's prefill per step); a complete prompt's keys and values join the batch, rows right-aligned at the longest
+(engine.regroup), each at its own position, its padding masked out. A lone request is decoded exactly as
+Engine.generate decodes it; a row in a batch gets the same tokens up to float rounding (equal in fp32). Tokens go
+to the event loop as soon as they are sampled.
 
 Limits (WorkerPool, chat_web's settings): a worker holds at most max_batch rows, and max_tokens_in_flight tokens of
 prompt + max_tokens (its KV cache); a request that finds no room waits in a queue, oldest first, and is refused
@@ -68,10 +69,12 @@ class Row:
 class Worker:
     """
     One Engine on one device, with one thread of its own that decodes a batch of replies (Row) step by step. Before
-    each step it takes the new requests, drops the rows whose request ended or left, and prefills one chunk
-    (`prefill_chunk` tokens) of the oldest waiting prompt: a prompt that arrives while others decode stalls them by
-    one chunk per step, and joins the batch (engine.regroup) once all of it is in. A prompt that finds the batch
-    empty is prefilled whole, as Engine.generate does.
+    each step it takes the new requests, drops the rows whose request ended or left, and prefills the waiting
+    prompts, oldest first, within a budget of `prefill_chunk` tokens: the rest of the oldest, then the next ones while
+    tokens are left, so several short prompts go in one step and a long one takes a chunk per step (prompts that
+    arrive while others decode stall them by at most one chunk per step). A prompt joins the batch (engine.regroup)
+    once all of it is in. When no row is decoding (nobody to stall), the oldest prompt is prefilled whole, as
+    Engine.generate does.
     """
 
     def __init__(self, index, engine, prefill_chunk=256):

@@ -113,9 +113,11 @@ def setup_default_logging(level=logging.INFO):
 # If every rank printed, each log line would be written N times to that filesystem (NFS, Lustre, Ceph), which every
 # job of the cluster shares: N processes appending small writes, one per line (flush=True puts each line in the log
 # at once, so a crash loses none), contention on file servers that other jobs wait on too, and in the merged stream
-# N interleaved copies of every line. Rank 0 alone prints because the ranks run the same step with the same numbers
-# (those logged are reduced over the ranks): its line stands for all. What differs per rank is printed on purpose,
-# prefixed "[rank r]" (each rank's first batch; a UserError, by _user_error_hook).
+# N interleaved copies of every line. Rank 0 alone prints because the ranks run the same step: its line stands for
+# all. Of a step line's numbers, the loss and the grad norm are over all ranks (the mean of the ranks' losses, the norm
+# of the averaged gradient); dt, tok/s and MFU are rank 0's own timing (the ranks wait for each other in every step's
+# collectives, so theirs is close to it) and the peak memory is rank 0's alone. What differs per rank is printed on
+# purpose, prefixed "[rank r]" (each rank's first batch; a UserError, by _user_error_hook).
 def print0(s="", **kwargs):
     """print() on rank 0 only, at any time (it reads $RANK): under torchrun every rank runs the script."""
     if int(os.environ.get("RANK", 0)) == 0:

@@ -18,7 +18,8 @@ defined before the call is a config key. Rules:
 - a key given twice on the command line is an error (which one was meant?); a `--key` after a config file
   overrides the file's value;
 - floats must be finite (nan and inf are refused);
-- `--help` lists every key with its type, default and comment, and exits 0;
+- `--help` lists every key with its type, default and comment (whole: a comment continued on the indented `#`
+  lines below it), and exits 0;
 - an argument without `--` is a python file of assignments (`depth = 12`), applied in command-line order;
 - `--` alone is skipped: under torchrun it ends torchrun's own options (`torchrun ... -m scripts.base_train --
   --run=d20`; without it torchrun reads `--run=d20` as an ambiguous abbreviation of its --run-path), and a
@@ -89,16 +90,23 @@ def _check_python_value(key, value, default, source):
 
 def _comments(path):
     """
-    Trailing `# comments` of the `key = value` lines of the script, shown by --help (a comment line below is not
-    read).
+    The `# comments` of the script's `key = value` lines, shown by --help. A comment continues on the `#` lines
+    right below it whose text is indented (`#` then two spaces or more, aligned under the text above), so a long
+    comment is shown whole; a `# ` line with one space opens a section of the script and is not part of it.
     """
-    comments = {}
+    comments, current = {}, None
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             for line in f:
+                more = re.match(r"^#\s{2,}(\S.*)$", line.rstrip())
+                if current is not None and more:
+                    comments[current] += " " + more.group(1).strip()
+                    continue
+                current = None
                 m = re.match(r"^([A-Za-z]\w*)\s*=.*?#\s*(.*)$", line)
                 if m and m.group(1) not in comments:
-                    comments[m.group(1)] = m.group(2).strip()
+                    current = m.group(1)
+                    comments[current] = m.group(2).strip()
     return comments
 
 

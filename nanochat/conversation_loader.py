@@ -104,7 +104,9 @@ class ConversationLoader:
     def progress(self, step, num_iterations):
         """
         How far a run is, for its schedule: (step, num_iterations) for a run of num_iterations steps, else (-1: one
-        epoch) (conversations of this rank's share of the epoch read so far, the epoch's size).
+        epoch) (the dataset index of this rank's next conversation, or `size` once its epoch is done; `size`, the
+        conversations of the whole mixture that the loader reads). Not a count: rank r reads r, r + W, ..., so the
+        index runs over the whole mixture and the ratio is how far through the epoch this rank is.
         """
         if num_iterations > 0:
             return step, num_iterations

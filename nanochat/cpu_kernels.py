@@ -1,10 +1,12 @@
 """
 The CPU training kernels: the norms as one autograd Function, and attention's scores in batched matmuls by blocks.
 
-Training steps on a CPU run these in place of gpt.py's own ops: GPT._final_hidden gives them to gpt.hidden_states as
-its `norm` and its `attend`. Each computes what gpt.py's ops compute, in fewer passes over memory (the norms) or in
-larger matmuls (attention); evaluation, decoding, torch.compile and the exported model run gpt.py's ops. Why:
-docs/model.md ("Training on a CPU: the norms as one Function"), docs/hardware.md ("Attention in training on a CPU").
+Training steps on a CPU run these in place of gpt.py's own ops: GPT._final_hidden gives them to gpt.hidden_states as its
+`norm` (uncompiled only: torch.compile fuses the separate ops itself, and its tracing failed on the Function's writes
+into slices) and its `attend` (in bf16 where Stage.start's probe found it faster, compiled or not: a compiled step
+traces dense_attention). Each computes what gpt.py's ops compute, in fewer passes over memory (the norms) or in larger
+matmuls (attention); evaluation, decoding and the exported model run gpt.py's ops. Why: docs/model.md ("Training on a
+CPU: the norms as one Function"), docs/hardware.md ("Attention in training on a CPU").
 """
 
 import torch

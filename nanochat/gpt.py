@@ -70,8 +70,12 @@ def check_shapes(config):
 def layer_windows(config):
     """
     Per layer, how many earlier tokens its attention sees (a query at i sees keys i - w .. i), None for all of them:
-    window_pattern tiled over the layers, the last one L; S = sequence_len / 4 rounded up to 128 (HEAD's rule: 512
-    of 2048).
+    window_pattern tiled over the layers, the last one L. An S layer's w is ceil(sequence_len / 512) * 128, i.e.
+    sequence_len / 4 rounded up to a multiple of 128 (512 at 2048, 256 at 513 to 1024, never under 128). That is
+    karpathy/nanochat HEAD's S window at every sequence_len: its -(-T // 4 // 128) * 128 floors by 4 then by 128,
+    which is one floor by 512 (its comment's "2048 -> 768" is not what it computes). Where HEAD differs: its L layers
+    get a window of sequence_len, so past the training length (a long generation) they see the last sequence_len + 1
+    keys; an L layer here (None) sees every key.
     """
     short = -(-config.sequence_len // 512) * 128
     pattern = [config.window_pattern[i % len(config.window_pattern)] for i in range(config.n_layer - 1)] + ["L"]
@@ -275,6 +279,15 @@ class GPT(nn.Module):
     """
     Built on the meta device, materialised where it will live, initialised once: `with torch.device("meta"): model =
     GPT(config)`, then `model.to_empty(device=device)` and `model.init_weights()`.
+
+    model.train() / model.eval() change nothing in this model's arithmetic: no part reads `self.training` (there is
+    no dropout, no batch norm), so a forward gives the same numbers in either mode. What separates training from
+    evaluation is whether autograd records: the training loops run the model with gradients on; the evaluations
+    (losses.evaluate_bpb, core_eval, scoring), the samples and generation (engine) run under torch.no_grad() or
+    torch.inference_mode(). _final_hidden asks torch.is_grad_enabled() for the one choice that depends on it: with
+    gradients, the training steps' kernels (cpu_kernels' norm and dense attention on a CPU, fp8). The stages still
+    call train() / eval() (checkpoint_manager.build_model's phase, around base_train's evaluations): PyTorch's
+    convention, kept so that a part added later that does read `self.training` (dropout) behaves.
     """
 
     def __init__(self, config):
@@ -370,7 +383,7 @@ class GPT(nn.Module):
         if torch.is_autocast_enabled(idx.device.type):
             dtype = torch.get_autocast_dtype(idx.device.type)
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
-        training = torch.is_grad_enabled()
+        training = torch.is_grad_enabled()  # autograd on = a training step (not self.training: the class says why)
         attend = lambda i, q, k, v, window: attention(q, k, v, window=window)  # training: nothing kept
         dense = self.dense_attention and training and dtype == torch.bfloat16  # evaluation: SDPA
         if dense and self.config.n_kv_head == self.config.n_head:  # the dense kernel has no GQA

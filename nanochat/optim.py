@@ -8,7 +8,11 @@ Under torchrun every rank holds the whole model and computes a full gradient on 
 optimizer is sharded (its state and the update's arithmetic): reduce_scatter the gradients (each rank receives the
 rank-averaged gradient of the part it owns), update the owned part, all_gather the updated parts. Gradients are
 averaged in clip_grad_norm_ when clipping is on, else in optimizer.step(); losses are never summed across ranks.
-How and why: docs/optimizers.md. The optimizer state's checkpoint format: nanochat/checkpoint_manager.py.
+So gradients cross ranks once per step, not at each micro-step (nothing to skip: no no_sync()), and the model has no
+DistributedDataParallel wrapper: DDP would all_reduce every gradient in the backward (as many bytes as the
+reduce_scatter and the all_gather together) to give every rank the whole averaged gradient, of which each rank here
+updates only its own part. How and why: docs/optimizers.md. The optimizer state's checkpoint format:
+nanochat/checkpoint_manager.py.
 """
 
 import torch
@@ -44,6 +48,7 @@ class ShardedGradients:
     _pending = None
 
     def reduce_gradients(self):
+        # the step's one exchange of gradients between ranks, after all its micro-steps' backwards (the top says why)
         if self._pending is None:
             self._pending = self._launch_reduce_scatters()
 

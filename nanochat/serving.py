@@ -1,8 +1,8 @@
 """
 Serve a model over HTTP: the checks every request passes, a request's row in a batch, and the FastAPI app.
 
-The app (create_app) serves nanochat's own API and the OpenAI-compatible one (nanochat/openai_api.py) on the same
-workers.
+The app (create_app) serves nanochat's own API; scripts/chat_web.py mounts the OpenAI-compatible one on it
+(nanochat/openai_api.py's mount), on the same workers.
 
 Requests are decoded in batches (nanochat/batching.py: a worker per device, a row of its batch per request). Job
 holds a request's row: the pool's limits are asked when the request arrives, before a stream starts (429 while its

@@ -274,7 +274,8 @@ class Stage:
         self.data_settings = None
         self.meta = None
         self._stopped_early = None
-        # saves every save_every_minutes of wall time; each replaces the one before it (SAVE_KIND "periodic")
+        # saves every save_every_minutes of wall time; each replaces the one before it (its meta's save_kind is
+        # "periodic", set by should_save: save() deletes the earlier ones so marked)
         self.save_every_minutes = config.get("save_every_minutes", -1)
         self.save_due = False
         self._save_kind = "kept"

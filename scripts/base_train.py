@@ -299,6 +299,9 @@ while True:
     # ---- one optimizer step ----
     t0 = device_time(device)
     step_loss = torch.zeros((), device=device)  # this rank's mean loss over its micro-steps, for logging
+    # No gradient leaves this rank during the micro-steps: the model is not wrapped in DistributedDataParallel (which
+    # all_reduces during every backward, hence its no_sync() for accumulation), so each backward adds into this rank's
+    # own .grad only; the ranks exchange gradients once per step, in step_optimizers below (nanochat/optim.py)
     for micro_step in range(grad_accum_steps):
         with autocast_ctx:
             loss = model(x, y)

@@ -18,8 +18,8 @@ The API (nanochat's; the page uses nothing else, so other clients can do what it
           ("gpu": the worker that generated it.) A failure during generation sends data: {"error": "..."}
           before the done event; the server goes on serving.
       400 {"detail": "<field>: what is wrong"}: a bad request, refused before anything is generated.
-    GET /health   {"status": "ok", "workers": N}
       429 {"detail": "the server is busy: ..."}: --max_queue requests wait already (retry later).
+    GET /health   {"status": "ok", "workers": N}
     GET /stats    workers, busy, queue, rows in each worker's batch, tokens in flight, requests served (and
                   cancelled, failed, refused), tokens generated, tokens/s
     GET /         the chat page (nanochat/ui.html: one file, no external resources, relative URLs)

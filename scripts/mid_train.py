@@ -214,8 +214,10 @@ while True:
             loss, loss_sum = supervised_loss(model, x, y, step_targets, ddp_world_size)
         step_loss_sum += loss_sum
         loss.backward()  # .backward() adds into .grad: the micro-steps' parts add up to the step's gradient
-    # The schedule follows how far the run is where this step's data began: in steps, or for a run of one epoch, in
-    # conversations of this rank's share read before it (a file that fits in one step still trains at lr 1)
+    # The schedule follows how far the run is where this step's data began: in steps, or for a run of one epoch, as
+    # the dataset index of this rank's next conversation against the whole mixture's size (rank r reads r, r + W,
+    # ...: the ratio is the fraction of the epoch read; ConversationLoader.progress). A file that fits in one step
+    # still trains at lr 1
     done, total = step_start
     step_start = train_loader.progress(step + 1, num_iterations)
     next_data_state, step_batches = train_loader.next_step(grad_accum_steps)  # fetched while the device works

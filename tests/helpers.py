@@ -535,21 +535,25 @@ def save_random_model(config, tokenizer, model_tag, recipe="2026", step=7):
     save_checkpoint(checkpoint_dir_for("base", model_tag), step, model.state_dict(), None, meta)
 
 
-HEAD_MIRROR = "/work/.mirror/karpathy+nanochat/repo"  # a bare clone of karpathy/nanochat, where this machine has one
+HEAD_REPO_VARIABLE = "NANOCHAT_HEAD_REPO"  # a git clone (or bare repo) of karpathy/nanochat, as bench/gpu_prepare.sh
 HEAD_COMMIT = "92d63d4"  # the commit the benchmarks beside HEAD were written against
 
 
 def head_checkout(directory):
     """
     karpathy/nanochat HEAD_COMMIT's nanochat/ and scripts/ extracted into `directory` with a COMMIT file, as
-    bench/gpu_prepare.sh makes .head (the benchmarks' tables name the commit from it); a skip, with the reason, where
-    there is no mirror holding the commit.
+    bench/gpu_prepare.sh makes .head (the benchmarks' tables name the commit from it), from the git repo that
+    $NANOCHAT_HEAD_REPO names (a test never clones: it runs without network). A skip, with a one-line reason naming the
+    variable, where it is unset or its repo lacks the commit.
     """
     import subprocess
-    if subprocess.run(["git", "-C", HEAD_MIRROR, "cat-file", "-e", HEAD_COMMIT], capture_output=True).returncode:
-        pytest.skip(f"no local mirror of karpathy/nanochat with {HEAD_COMMIT} at {HEAD_MIRROR}")
+    repo = os.environ.get(HEAD_REPO_VARIABLE, "")
+    if not repo:
+        pytest.skip(f"{HEAD_REPO_VARIABLE} is not set (a git clone of karpathy/nanochat holding {HEAD_COMMIT})")
+    if subprocess.run(["git", "-C", repo, "cat-file", "-e", HEAD_COMMIT], capture_output=True).returncode:
+        pytest.skip(f"{HEAD_REPO_VARIABLE}={repo} is not a git repo holding karpathy/nanochat's {HEAD_COMMIT}")
     os.makedirs(directory)
-    archive = subprocess.run(["git", "-C", HEAD_MIRROR, "archive", HEAD_COMMIT, "nanochat", "scripts"],
+    archive = subprocess.run(["git", "-C", repo, "archive", HEAD_COMMIT, "nanochat", "scripts"],
                              capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(directory)], input=archive.stdout, check=True)
     with open(os.path.join(directory, "COMMIT"), "w") as f:

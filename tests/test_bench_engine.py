@@ -1,7 +1,7 @@
 """
 bench/engine.py's plumbing on CPU, at a tiny size: every batch size's line, the bandwidth, the machine; with the
-compiled step; and karpathy/nanochat HEAD's Engine beside ours in one table (a checkout from the local mirror, when
-there is one).
+compiled step; and karpathy/nanochat HEAD's Engine beside ours in one table (HEAD's code from the clone that
+NANOCHAT_HEAD_REPO names: helpers.head_checkout; skipped without it).
 """
 
 import os

@@ -2,13 +2,16 @@
 The configurator's tests (nanochat/configurator.py): `--key=value` parsed and checked, config files, --help.
 """
 
+import copy
+import logging
 import os
+import sys
 
 import pytest
 
-from helpers import run_script
+from helpers import REPO_ROOT, run_in_process, run_script
 from nanochat.common import UserError
-from nanochat.configurator import configure, parse_args
+from nanochat.configurator import configure, format_help, parse_args
 
 KEYS = dict(depth=20, lr=0.02, run="dummy", compile=True, total_batch_size=524288)
 
@@ -123,3 +126,44 @@ def test_only_settings_are_keys_and_each_is_given_once():
         configure(dict(scope), ["--depth=2", "--depth=3"])
     with pytest.raises(UserError, match="finite"):
         configure(dict(scope), ["--lr=nan"])
+
+
+def test_help_shows_a_comment_continued_below_whole(tmp_path):
+    """
+    A comment continues on the indented `#` lines right below its key (--help shows it whole); a `# ` line with one
+    space opens the next section and belongs to no key.
+    """
+    script = tmp_path / "toy.py"
+    script.write_text('rerun = "no"  # auto: skip if done,\n'
+                      '#                replace what other settings made\n'
+                      'depth = 4  # model depth\n'
+                      '# batch\n'
+                      'lr = 0.1\n')
+    listed = {line.split()[0]: line for line in format_help(dict(rerun="no", depth=4, lr=0.1), str(script))
+              .splitlines() if line.startswith("  --")}
+    assert listed["--rerun"].endswith("  auto: skip if done, replace what other settings made")
+    assert listed["--depth"].endswith("  model depth")
+    assert listed["--lr"].endswith("0.1")
+
+
+@pytest.mark.parametrize("module, key", [("scripts.base_train", "rerun"), ("scripts.mid_train", "rerun"),
+                                         ("scripts.chat_sft", "rerun"), ("scripts.chat_rl", "rerun"),
+                                         ("scripts.base_train", "attention")])
+def test_scripts_help_shows_continued_comments_whole(module, key, monkeypatch, capsys):
+    """
+    The training scripts' --help line for a setting whose comment runs onto the next `#` line ends with both
+    lines' text, read from the script's source (it stopped at the end of the first line).
+    """
+    source = open(os.path.join(REPO_ROOT, *module.split(".")) + ".py", encoding="utf-8").read().splitlines()
+    at = next(i for i, line in enumerate(source) if line.startswith(f"{key} = "))
+    continued = source[at + 1]
+    assert continued.startswith("#  "), continued  # the case this test is about: a comment continued below
+    expected = source[at].split("#", 1)[1].strip() + " " + continued.lstrip("#").strip()
+    logger = logging.getLogger("nanochat")
+    for obj, name in ((sys, "excepthook"), (logger, "handlers"), (logger, "propagate"), (logger, "level")):
+        monkeypatch.setattr(obj, name, copy.copy(getattr(obj, name)))  # configure() sets up a script's logging
+    with pytest.raises(SystemExit) as done:
+        run_in_process(module, "--help", monkeypatch=monkeypatch)
+    assert done.value.code == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"  --{key} "))
+    assert line.endswith(expected), (line, expected)

@@ -1,5 +1,5 @@
 """
-bench/gpu_measure.sh, the prepared command a lent GPU machine runs (issue 52): what it can be checked for without a
+bench/gpu_measure.sh, the prepared command a GPU machine runs (issue 52): what it can be checked for without a
 GPU. Every benchmark command in its parts names a script that exists and settings that script takes (a setting
 renamed here would otherwise be found on the GPU, in minutes that are counted), base_train's settings passed through
 --extra included; an unknown part and a machine without a GPU are refused with one line, exit status 2.

@@ -1,9 +1,10 @@
 """
 bench/head_speed.py's plumbing on CPU, at a tiny size.
 
-Our scripts.base_train and karpathy/nanochat HEAD's (a checkout from the local mirror, when there is one) at a tiny
-size, with the table and the notes it prints. HEAD's torch.compile is turned off (TORCHDYNAMO_DISABLE): its compile
-takes a minute here and the test is about the plumbing, not the speed.
+Our scripts.base_train and karpathy/nanochat HEAD's (from the clone that NANOCHAT_HEAD_REPO names:
+helpers.head_checkout; skipped without it) at a tiny size, with the table and the notes it prints. HEAD's
+torch.compile is turned off (TORCHDYNAMO_DISABLE): its compile takes a minute here and the test is about the plumbing,
+not the speed.
 """
 
 import os

@@ -1,5 +1,5 @@
 """
-Tests of the server's batching (nanochat/serving.py's Worker and WorkerPool): requests that arrive while others
+Tests of the server's batching (nanochat/batching.py's Worker and WorkerPool): requests that arrive while others
 decode join the worker's running batch and leave it when done.
 
 Against the session's real uvicorn server (web/conftest.py), with OpenAI's own client in threads and in asyncio and
