@@ -48,7 +48,7 @@ from nanochat.tokenizer import get_token_bytes, get_tokenizer
 run = "dummy"  # wandb run name ("dummy" = no wandb)
 device_type = ""  # cuda | cpu | mps; empty = autodetect
 # model (gpt.GPTConfig). With qk_scale != 1, layer_scalars, value_embeds or windows it exports with remote code only
-# (README)
+# (docs/export.md)
 depth = 20  # the one size dial: width 64*depth, heads 128 wide; odd depths: others (7 -> 4 of 112: config_from_depth)
 max_seq_len = 2048  # tokens per row (context length)
 rope_base = 10000.0  # rotary base (HEAD: 100000; no gain measured at 512 tokens of context)

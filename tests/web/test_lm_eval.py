@@ -1,9 +1,9 @@
 """
-EleutherAI's lm-evaluation-harness scores the tiny base model as nanochat does, on both of the README's paths.
+EleutherAI's lm-evaluation-harness scores the tiny base model as nanochat does, on both paths of docs/serving.md.
 
-The real harness (`python -m lm_eval`, a dev dependency) scores the session's tiny base model through both paths the
-README shows: the OpenAI-compatible server (scripts.chat_web, the README's `--model local-completions` command) and
-`--model hf` on the exported directory (with the README's setting for each kind of task). Every log-likelihood
+The real harness (`python -m lm_eval`, a dev dependency) scores the session's tiny base model through both paths
+docs/serving.md shows: the OpenAI-compatible server (scripts.chat_web, its `--model local-completions` command) and
+`--model hf` on the exported directory (with its setting for each kind of task). Every log-likelihood
 the harness logs (--log_samples) must equal our own scoring of the same text within 1e-3: the tokenizer's ids after
 one <|bos|>, the model's fp32 forward pass, the sum of the log-probabilities of the continuation's tokens (of the
 whole document, for rolling perplexity).
@@ -31,7 +31,7 @@ pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install 
 
 TASKS = os.path.join(REPO_ROOT, "tests", "fixtures", "lm_eval")
 TOLERANCE = 1e-3  # nats, per request
-# The README's commands, as written there (a model of context 2048; the tiny model's is 512)
+# The commands of docs/serving.md, as written there (a model of context 2048; the tiny model's is 512)
 SERVER_ARGS = ("model=nanochat,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,"
                "max_length=2047,num_concurrent=1")
 SERVER_COMMAND = (f"lm_eval --model local-completions --tasks arc_easy,hellaswag,wikitext --model_args \\\n"
@@ -95,8 +95,9 @@ def tasks(ours, chat_web_base, tmp_path_factory):
 
 def run_lm_eval(command, tasks, out, **env):
     """
-    Run a README command of lm_eval (its text, with `python -m lm_eval` for `lm_eval`) on the fixture tasks, offline,
-    with per-sample logs in `out`. Returns {task: [(context, continuation, the harness's log-likelihood)]}.
+    Run a command of lm_eval from docs/serving.md (its text, with `python -m lm_eval` for `lm_eval`) on the fixture
+    tasks, offline, with per-sample logs in `out`. Returns {task: [(context, continuation, the harness's
+    log-likelihood)]}.
     """
     args = command.replace("\\\n", " ").split()[1:]
     args += ["--include_path", str(tasks), "--log_samples", "--output_path", str(out)]
@@ -126,8 +127,8 @@ def differences(ours, logged):
 
 @pytest.mark.slow
 def test_lm_eval_through_the_server_scores_as_nanochat(ours, tasks, chat_web_base, tmp_path):
-    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
-    assert SERVER_COMMAND in readme
+    serving = open(os.path.join(REPO_ROOT, "docs", "serving.md"), encoding="utf-8").read()
+    assert SERVER_COMMAND in serving
     port = free_port()
     server = start_script("-m", "scripts.chat_web", "--source=base", "--device_type=cpu", f"--port={port}",
                           env={"NANOCHAT_BASE_DIR": chat_web_base, "NANOCHAT_DTYPE": "float32"},
@@ -150,7 +151,7 @@ def test_lm_eval_through_the_server_scores_as_nanochat(ours, tasks, chat_web_bas
 
 @pytest.fixture(scope="module")
 def exported(chat_web_base, tmp_path_factory):
-    """The tiny base model exported in fp32, as the README exports it."""
+    """The tiny base model exported in fp32, as docs/serving.md exports it."""
     out = tmp_path_factory.mktemp("export") / "hf"
     result = run_script("-m", "scripts.export_model", "--source=base", f"--out={out}", "--dtype=float32",
                         env={"NANOCHAT_BASE_DIR": chat_web_base})
@@ -166,10 +167,10 @@ def exported(chat_web_base, tmp_path_factory):
     # without it, the rolling window's prefix token is the one <|bos|>, and the contexts have none
     (HF_ROLLING_COMMAND, "nanochat_docs", "nanochat_choice"),
 ], ids=["multiple choice", "rolling perplexity"])
-def test_lm_eval_on_the_export_scores_as_nanochat_with_the_readmes_setting(ours, tasks, exported, tmp_path, command,
-                                                                            right, wrong):
-    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
-    assert command in readme
+def test_lm_eval_on_the_export_scores_as_nanochat_with_the_docs_setting(ours, tasks, exported, tmp_path, command,
+                                                                        right, wrong):
+    serving = open(os.path.join(REPO_ROOT, "docs", "serving.md"), encoding="utf-8").read()
+    assert command in serving
     command = command.replace("pretrained=nanochat-d20-base", f"pretrained={exported}")
     command = command.replace("arc_easy,hellaswag", "nanochat_choice,nanochat_docs")
     command = command.replace("wikitext", "nanochat_choice,nanochat_docs")
