@@ -45,9 +45,16 @@ if [ -z "${NANOCHAT_SKIP_SETUP:-}" ]; then
     if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
         if [ "$NANOCHAT_PROFILE" = cpu ] && [ "$(uname -s)" = Linux ]; then
             # PyPI's Linux wheel of torch bundles CUDA (~5 GB installed); the CPU-only build is ~0.7 GB. Take it from
-            # NANOCHAT_TORCH_INDEX (default: PyTorch's CPU index), or from the configured package index if that fails.
-            .venv/bin/pip install torch==2.13.0 --index-url "${NANOCHAT_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
-                || .venv/bin/pip install torch==2.13.0
+            # NANOCHAT_TORCH_INDEX (default: PyTorch's CPU index), or from the configured package index where that
+            # index cannot be reached (asked once, briefly: pip retries an unreachable index for ~2 minutes)
+            TORCH_INDEX="${NANOCHAT_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+            if python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=15)" \
+                "$TORCH_INDEX" >/dev/null 2>&1; then
+                .venv/bin/pip install torch==2.13.0 --index-url "$TORCH_INDEX"
+            else
+                echo "speedrun: PyTorch's CPU index ($TORCH_INDEX) cannot be reached: torch from the configured index"
+                .venv/bin/pip install torch==2.13.0
+            fi
         elif [ "$NANOCHAT_PROFILE" = cpu ]; then
             .venv/bin/pip install torch==2.13.0  # macOS: PyPI's wheel is the CPU/MPS build
         else
@@ -76,7 +83,7 @@ SECONDS=0
 stage() { echo "speedrun: $1 (at $((SECONDS / 60))m $((SECONDS % 60))s)"; }
 if [ "$NANOCHAT_PROFILE" = gpu ]; then
     # One process per GPU. NPROC=2 on a machine without one runs the same torchrun launches as 2 CPU processes (gloo,
-    # torch.compile off by its "auto" rule): how the tests run this profile's smoke (tests/test_gpu_smoke.py)
+    # torch.compile off by its "auto" rule): how the tests run this profile's smoke (tests/test_rerun.py)
     if [ -z "${NPROC:-}" ]; then
         NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
         if [ "$NPROC" -lt 1 ]; then

@@ -20,10 +20,24 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """
-    The slow tests first (a stable sort): with several test processes, the long runs start at once and the short
-    tests fill in around them, instead of one long run starting last while the other processes sit idle.
+    The slow tests first in each test process's share. pytest-xdist's worksteal hands each of its N processes a
+    contiguous Nth of the items, and cannot steal from a process down to its last two: sorted slow-first alone, the
+    first process got every long run, and the suite ended on it while the other sat idle. So the slow tests are dealt
+    out in turn, each share starting with its own, the short tests filling the shares to xdist's sizes. Order kept
+    within each group; the same order in every process, as xdist requires.
     """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    sizes = [(k + 1) * len(items) // n - k * len(items) // n for k in range(n)]  # xdist's split
+    shares = [slow[k::n] for k in range(n)]
+    if any(len(share) > size for share, size in zip(shares, sizes)):  # more slow tests than a share holds
+        items[:] = slow + fast
+        return
+    items[:] = []
+    for share, size in zip(shares, sizes):
+        items += share + fast[:size - len(share)]
+        fast = fast[size - len(share):]
 
 
 @pytest.fixture(autouse=True)

@@ -194,7 +194,9 @@ def test_every_attention_implementation_gives_our_logits(recipe_base, exports, t
     interface: each implementation computes, over the full context, the fp32 logits of our model run with the kernel
     of the same arithmetic (GPT.attention_kernel: "sdpa" our default, "eager", "flex": nanochat/attention_kernels.py)
     to the bit, and our default's within 1e-5 (the kernels round differently: measured up to 2.4e-6 here); through
-    its Cache (windowed layers keep only their window) our greedy tokens.
+    its Cache (windowed layers keep only their window) our greedy tokens, with sdpa and eager: flex_attention is
+    compiled afresh at every shape a generation steps through (minutes of a CPU), and its cache path is transformers'
+    own, the same for every implementation.
     """
     model, tokenizer, _ = ours(recipe_base, tag)
     hf = load_export(exports(tag), tmp_path, attn_implementation=attention)
@@ -213,6 +215,9 @@ def test_every_attention_implementation_gives_our_logits(recipe_base, exports, t
         assert (model(ids) - theirs).abs().max().item() == 0.0
         model.attention_kernel = "sdpa"
         assert (logits - theirs).abs().max().item() <= 1e-5
+    if attention == "flex_attention":
+        return
+    with torch.no_grad():
         cut = model.config.sequence_len - 20  # past the window in "win"
         first = hf(ids[:, :cut], use_cache=True)
         one = hf(ids[:, cut:cut + 1], cache=first.cache, use_cache=True)

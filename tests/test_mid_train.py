@@ -1,5 +1,6 @@
 """
-Midtraining (scripts/mid_train) end to end on CPU from the session's tiny base model; the reduced CPU speedrun.
+Midtraining (scripts/mid_train) end to end on CPU from the session's tiny base model; the CPU speedrun's
+smoke: tests/test_rerun.py.
 
 The offline mixture, per-rank batches, disjoint conversations across ranks, ranks with unequal data stopping
 together, the held-out loss going down, SIGTERM and an exact resume (on the same number of processes only), steps
@@ -13,8 +14,8 @@ import re
 import pytest
 import torch
 
-from helpers import (CORES, REPO_ROOT, assert_same_weights, check_steps_without_targets, run_script, run_signalled,
-                     speedrun_env, with_defaults)
+from helpers import (assert_same_weights, check_steps_without_targets, run_script, run_signalled,
+                     with_defaults)
 
 pytestmark = pytest.mark.slow  # every test here runs mid_train or the pipeline
 
@@ -122,35 +123,3 @@ def test_steps_without_targets_change_nothing(base_model):
     _, skipped, _ = check_steps_without_targets(result, ckpt, 14)
     section = (base_model / "report" / "midtraining.md").read_text()
     assert f"- Steps without targets (skipped): {len(skipped)}\n" in section
-
-
-def test_cpu_speedrun_smoke(pydocs_corpus, isolated_env, tmp_path):
-    """
-    The cpu profile of speedrun.sh end to end, shrunk to seconds (NANOCHAT_SMOKE=1), run from another directory,
-    pretraining on a corpus of your own (NANOCHAT_DATASET=tutor: the Vim tutors, tests/fixtures/own_text), which
-    `python -m nanochat.dataset` checks against its files. The same profile on pydocs, the corpus the tests use
-    everywhere else, differs only in that name; the gpu profile's smoke runs on pydocs (test_gpu_smoke).
-    """
-    built = run_script("-m", "nanochat.dataset", f"--from={os.path.join(REPO_ROOT, 'tests', 'fixtures', 'own_text')}",
-                       "--name=tutor", "--split=paragraph")
-    assert built.returncode == 0, built.stderr[-2000:]
-    repo_report = os.path.join(REPO_ROOT, "report.md")
-    repo_report_before = os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None
-    result = run_script(os.path.join(REPO_ROOT, "speedrun.sh"), cwd=tmp_path,
-                        env=speedrun_env(OMP_NUM_THREADS=CORES, NANOCHAT_DATASET="tutor"), timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = (isolated_env / "report" / "report.md").read_text()
-    assert "- dataset: tutor" in report and "| tutor val " in report  # the tokenizer learned and was measured on it
-    for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss",
-                    "## Base model evaluation", "## Midtraining", "## Chat evaluation mid", "## Chat SFT",
-                    "## Chat evaluation sft", "## Chat RL", "## Chat evaluation rl", "### Report card",
-                    "| Tokenizer bytes/token (val) |", "| Chat val bpb, base model |",
-                    "| Chat val bpb, after midtraining |", "| pydocs-CORE |", "| Offline ChatCORE |"):
-        assert section in report, section
-    assert "python -m scripts.chat_cli --source=rl" in result.stdout
-    assert "python -m scripts.chat_web --source=rl" in result.stdout
-    # this run's report, copied into the directory speedrun.sh was run from (a fresh one), with its curves
-    assert (tmp_path / "report.md").read_text() == report and f"report: {tmp_path}/report.md" in result.stdout
-    assert (tmp_path / "report_base-model-training_loss.png").exists()
-    # the checkout untouched
-    assert (os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None) == repo_report_before

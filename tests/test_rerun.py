@@ -6,10 +6,17 @@ done before are skipped, the interrupted one resumes from its last checkpoint, a
 equal those of a run never interrupted, with every report section once. Then a run after a complete one skips
 everything, and a changed setting runs its stage and the ones after it again. The same interruptions, in other
 places, under torchrun on 2 CPU processes (the gpu profile's smoke, NPROC=2), against a run never interrupted.
+
+Each run never interrupted is also that profile's smoke, checked for what it makes: the cpu profile on a corpus of
+your own (NANOCHAT_DATASET=tutor: the Vim tutors, tests/fixtures/own_text) run from another directory, its report
+copied there; the gpu profile with every stage through torchrun on 2 CPU processes (gloo), as on a GPU node but
+without torch.compile (its "auto" leaves it off on a CPU), chat_web answering through OpenAI's client, and the
+report's one line per stage. What only a GPU run (bench/gpu_check.sh) checks: CUDA, NCCL and torch.compile.
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,10 +28,13 @@ from helpers import REPO_ROOT, run_script, speedrun_env, start_script
 
 # Steps of every training stage, all different (so that a step line says which stage printed it); a periodic save
 # after every step (SAVE_MINUTES), so that a SIGKILL finds a checkpoint to resume from
-SIZES = dict(BASE_STEPS="6", MID_STEPS="5", SFT_STEPS="4", RL_STEPS="3", NANOCHAT_DTYPE="float32")
+SIZES = dict(BASE_STEPS="6", MID_STEPS="5", SFT_STEPS="4", RL_STEPS="3", NANOCHAT_DTYPE="float32",
+             NANOCHAT_DATASET="tutor")
 STAGES = ["Tokenizer training", "Tokenizer evaluation", "Base model training", "Base model loss",
           "Base model evaluation", "Midtraining", "Chat evaluation mid", "Chat SFT", "Chat evaluation sft", "Chat RL",
           "Chat evaluation rl"]
+# Every address a stage downloads from, pointed at a closed port: a stage that tried to download would fail
+NO_NETWORK = dict.fromkeys(("NANOCHAT_DATA_URL", "NANOCHAT_EVAL_BUNDLE_URL", "NANOCHAT_HF_URL"), "http://127.0.0.1:9")
 TRAINING = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints",
             "rl": "chatrl_checkpoints"}
 
@@ -79,14 +89,71 @@ def assert_same_weights(a, b):
             assert torch.equal(a[stage][name], b[stage][name]), f"{stage}: {name} differs"
 
 
+def assert_the_cpu_smoke(base_dir, cwd, out, repo_report_before):
+    """What the cpu profile's smoke made, on the corpus of your own: every section, the report card, the report."""
+    report = (base_dir / "report" / "report.md").read_text()
+    assert "- dataset: tutor" in report and "| tutor val " in report  # the tokenizer learned and was measured on it
+    for section in ("## Tokenizer training", "## Tokenizer evaluation", "## Base model training", "## Base model loss",
+                    "## Base model evaluation", "## Midtraining", "## Chat evaluation mid", "## Chat SFT",
+                    "## Chat evaluation sft", "## Chat RL", "## Chat evaluation rl", "### Report card",
+                    "| Tokenizer bytes/token (val) |", "| Chat val bpb, base model |",
+                    "| Chat val bpb, after midtraining |", "| pydocs-CORE |", "| Offline ChatCORE |"):
+        assert section in report, section
+    assert "python -m scripts.chat_cli --source=rl" in out and "python -m scripts.chat_web --source=rl" in out
+    # this run's report, copied into the directory speedrun.sh was run from (a fresh one), with its curves
+    assert (cwd / "report.md").read_text() == report and f"report: {cwd}/report.md" in out
+    assert (cwd / "report_base-model-training_loss.png").exists()
+    # the checkout untouched
+    repo_report = os.path.join(REPO_ROOT, "report.md")
+    assert (os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None) == repo_report_before
+
+
+def assert_the_gpu_smoke(base_dir, cwd, out):
+    """What the gpu profile's smoke made on 2 CPU processes: every stage on 2 ranks, chat_web, one line a stage."""
+    assert "speedrun: profile gpu" in out and "speedrun: done" in out
+    # every training stage and evaluation ran on 2 ranks, without compiling (a CPU), from the pydocs corpus
+    sections = {path.name: path.read_text() for path in (base_dir / "report").glob("*.md")}
+    assert ("- DDP: True" in sections["base-model-training.md"]
+            and "- torch.compile: False" in sections["base-model-training.md"])
+    for name in ("midtraining.md", "chat-sft.md", "chat-rl.md"):
+        assert re.search(r"^- (World size|Gradient accumulation steps): ", sections[name], re.MULTILINE), name
+    for stage in ("mid", "sft", "rl"):
+        assert ("- world size: 2" in sections[f"chat-evaluation-{stage}.md"]
+                and "- tasks: offline" in sections[f"chat-evaluation-{stage}.md"])
+    assert ("- bundle: offline" in sections["base-model-evaluation.md"]
+            and "- dataset: pydocs" in sections["tokenizer-training.md"])
+    assert "- World size: 2" in sections["chat-sft.md"] and "- World size: 2" in sections["chat-rl.md"]
+    # chat_web answered through OpenAI's client and was stopped cleanly
+    assert "chat_web_check: the rl model answered through OpenAI's client" in out and "stopped cleanly" in out
+    assert "## Chat web" in (cwd / "report.md").read_text()
+    # the summary: one line per stage, in the order they ran, with its wall time and headline number
+    stages = STAGES + ["Chat web"]
+    summary = out.split("Stages (wall time from the end of the one before; headline number):\n", 1)[1].splitlines()
+    lines = summary[:len(stages)]
+    assert [line.split("  ")[1].strip() for line in lines] == stages, summary
+    assert all(re.search(r" \d+ s", line) for line in lines), lines
+    for stage, key in (("Base model training", "Final validation bpb"), ("Base model evaluation", "pydocs-CORE metric"),
+                       ("Chat evaluation rl", "Offline ChatCORE"), ("Chat RL", "Mean reward, last steps"),
+                       ("Chat web", "Reply tokens")):
+        assert f"{key}: " in lines[stages.index(stage)], lines
+
+
 @pytest.mark.slow
 def test_the_cpu_pipeline_interrupted_everywhere_and_rerun(pydocs_corpus, isolated_env, tmp_path):
-    # the pipeline never interrupted, in a base dir of its own (the same corpus)
+    # a corpus of your own, which `python -m nanochat.dataset` checks against its files (the offline tasks and CORE
+    # bundle still come from the pydocs records)
+    built = run_script("-m", "nanochat.dataset", f"--from={os.path.join(REPO_ROOT, 'tests', 'fixtures', 'own_text')}",
+                       "--name=tutor", "--split=paragraph")
+    assert built.returncode == 0, built.stderr[-2000:]
+    # the pipeline never interrupted, in a base dir of its own (the same corpora), run from a directory of its own
     reference = tmp_path / "reference"
     shutil.copytree(isolated_env / "base_data", reference / "base_data")
     (tmp_path / "ref_cwd").mkdir()
+    repo_report = os.path.join(REPO_ROOT, "report.md")
+    repo_report_before = os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None
     code, out = speedrun(tmp_path / "ref_cwd", speedrun_env(NANOCHAT_BASE_DIR=str(reference), **SIZES))
     assert code == 0, out[-3000:]
+    assert_the_cpu_smoke(reference, tmp_path / "ref_cwd", out, repo_report_before)
 
     env = speedrun_env(SAVE_MINUTES="0.0001", **SIZES)
     # SIGTERM to base_train in its loop: it saves, exits 75, the pipeline stops there
@@ -131,9 +198,9 @@ def test_the_cpu_pipeline_interrupted_everywhere_and_rerun(pydocs_corpus, isolat
     assert "Midtraining: " in out and "made from other settings or inputs: they are replaced" in out
     assert "deleted the checkpoints of step(s) 5" in out  # named before they go
 
-    # FRESH=1 starts over, naming what it deletes
-    code, out = speedrun(tmp_path, dict(env, FRESH="1"))
-    assert code == 0 and f"deleting {isolated_env / 'report'}" in out and "done at" not in out, out[-3000:]
+    # FRESH=1 starts over, naming what it deletes: the tokenizer is trained again (stopped once it is)
+    code, out = interrupted(tmp_path, dict(env, FRESH="1"), "speedrun: base model", signal.SIGTERM)
+    assert f"deleting {isolated_env / 'report'}" in out and "done at" not in out, out[-3000:]
     assert len(json.loads((isolated_env / "report" / "runs.json").read_text())) == 1
 
 
@@ -144,31 +211,27 @@ def test_the_gpu_pipeline_on_two_processes_interrupted_everywhere_and_rerun(pydo
     sizes = dict(VOCAB="512", DEPTH="1", SEQ="128", ROWS="4", BASE_STEPS="30", MID_STEPS="40", SFT_STEPS="20",
                  RL_STEPS="3", EVAL_STEPS="1", CORE_EXAMPLES="4", CHAT_PROBLEMS="4", RL_SAMPLES="2",
                  MAX_NEW_TOKENS="32", NANOCHAT_DTYPE="float32", NPROC="2")
-    offline = dict.fromkeys(("NANOCHAT_DATA_URL", "NANOCHAT_EVAL_BUNDLE_URL", "NANOCHAT_HF_URL"), "http://127.0.0.1:9")
     reference = tmp_path / "reference"
     shutil.copytree(isolated_env / "base_data", reference / "base_data")
     (tmp_path / "ref_cwd").mkdir()
     code, out = speedrun(tmp_path / "ref_cwd", speedrun_env("gpu", NANOCHAT_BASE_DIR=str(reference), **sizes,
-                                                           **offline))
+                                                           **NO_NETWORK))
     assert code == 0, out[-3000:]
+    assert_the_gpu_smoke(reference, tmp_path / "ref_cwd", out)
 
-    env = speedrun_env("gpu", SAVE_MINUTES="0.0001", **sizes, **offline)
+    env = speedrun_env("gpu", SAVE_MINUTES="0.0001", **sizes, **NO_NETWORK)
     # Ctrl-C (SIGINT to torchrun, both ranks and the shell) in base training
     code, out = interrupted(tmp_path, env, "step 00002/00030", signal.SIGINT)
     assert code != 0 and "got SIGINT" in out, out[-3000:]
     # SIGTERM to midtraining's torchrun, which passes it to both ranks: they save and stop
     code, out = interrupted(tmp_path, env, "step 00002 (", signal.SIGTERM, stage="mid_train")
     assert code != 0 and "Base model training: resuming from step" in out and "got SIGTERM" in out, out[-3000:]
-    # SIGKILL to everything in SFT (midtraining resumes first, its step lines going on after the step it stopped at)
+    # SIGKILL to everything in SFT (midtraining resumes first, its step lines going on after the step it stopped at);
+    # RL and the evaluations interrupted: the cpu pipeline's test, the same code on one process
     code, out = interrupted(tmp_path, env, "step 00002 (", signal.SIGKILL)
     assert code != 0 and "Midtraining: resuming from step" in out, out[-3000:]
-    # SIGKILL to everything in RL, then SIGTERM to everything in the last evaluation
-    code, out = interrupted(tmp_path, env, "step 00002/00003", signal.SIGKILL)
-    assert code != 0 and "Chat SFT: resuming from step" in out, out[-3000:]
-    code, out = interrupted(tmp_path, env, "Evaluating rl model", signal.SIGTERM)
-    assert code != 0 and "Chat SFT: done at" in out, out[-3000:]
     code, out = speedrun(tmp_path, env)
-    assert code == 0 and "speedrun: done" in out and "Chat RL: done at" in out, out[-3000:]
+    assert code == 0 and "speedrun: done" in out and "Chat SFT: resuming from step" in out, out[-3000:]
     assert_same_weights(final_weights(isolated_env), final_weights(reference))
     report = (tmp_path / "report.md").read_text()
     assert [report.count(f"\n## {stage}\n") for stage in STAGES] == [1] * len(STAGES), report[-3000:]
@@ -247,3 +310,26 @@ def test_rerun_and_save_every_minutes_are_checked(isolated_env):
     for bad in (0, -2, -0.5):
         with pytest.raises(UserError, match="--save_every_minutes must be > 0, or -1"):
             check_stage_settings(dict(config, save_every_minutes=bad))
+
+
+def test_stage_lines_time_each_section_from_the_one_before(isolated_env):
+    """
+    The run's summary (report.stage_lines): sections in the order they were written, whatever their names, each
+    timed from the one before (the first from the report's start), with the first HEADLINES key it holds.
+    """
+    from nanochat import report
+    directory = report.report_dir()
+    with open(os.path.join(directory, "header.md"), "w") as f:
+        f.write("# nanochat training report\n\nStarted: 2025-01-01 10:00:00\n")
+    for slug, title, stamp, lines in [("chat-rl", "Chat RL", "10:02:30",
+                                       ["- pass@1: 0.1", "- Mean reward, last steps: 0.2500"]),
+                                      ("base-model-training", "Base model training", "10:01:05",
+                                       ["- CORE metric: 0.2", "- Final validation bpb: 1.2345"]),
+                                      ("tokenizer-training", "Tokenizer training", "10:00:07", ["- vocab_size: 512"])]:
+        with open(os.path.join(directory, f"{slug}.md"), "w") as f:
+            f.write(f"## {title}\ntimestamp: 2025-01-01 {stamp}\n\n" + "\n".join(lines) + "\n")
+    assert report.stage_lines(directory) == [
+        "  Tokenizer training           7 s",
+        "  Base model training         58 s  Final validation bpb: 1.2345",
+        "  Chat RL                     85 s  Mean reward, last steps: 0.2500",
+    ]
