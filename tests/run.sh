@@ -13,6 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "tests/run.sh: $*"; }
+export PIP_DISABLE_PIP_VERSION_CHECK=1  # a newer pip is no concern of the tests
 TORCH_INDEX="${NANOCHAT_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 
 # PyTorch's CPU index is asked once, with a short timeout: pip retries an unreachable index for ~2 minutes per package
@@ -34,7 +35,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
         .venv/bin/pip install -q torch==2.13.0
     fi
 fi
-if [ "$(.venv/bin/python -c 'import torch; print(torch.version.cuda is not None)')" = True ]; then
+if [ "$(.venv/bin/python -c 'import torch; print(torch.version.cuda is not None)' 2>/dev/null)" = True ]; then
     say "no CPU build of torch could be had: .venv holds a CUDA build (~5 GB); the tests run on the CPU all the same"
 fi
 .venv/bin/pip install -q -e '.[dev]'
