@@ -39,7 +39,6 @@ import torch
 os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "nanochat_bench"))
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
-from nanochat.common import compute_init, print0
 from nanochat.configurator import configure
 from nanochat.cpu_kernels import dense_attention
 from nanochat.dataloader import tokenizing_distributed_data_loader
@@ -47,7 +46,9 @@ from nanochat.dataset import parquets_iter_batched
 from nanochat.gpt import GPT, attention, config_from_depth
 from nanochat.hardware import autocast_dtype, get_peak_flops
 from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum
+from nanochat.output import print0
 from nanochat.probes import dense_attention_pays
+from nanochat.processes import compute_init
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth

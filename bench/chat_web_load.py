@@ -41,11 +41,12 @@ import httpx
 import torch
 
 from nanochat.checkpoint_manager import checkpoint_dir_for, save_checkpoint
-from nanochat.common import get_base_dir, print0
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
 from nanochat.engine import Engine
+from nanochat.files import get_base_dir
 from nanochat.gpt import GPT, config_from_depth
+from nanochat.output import print0
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth

@@ -23,11 +23,12 @@ import torch
 os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "nanochat_bench"))
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
-from nanochat.common import compute_init, print0
 from nanochat.configurator import configure
 from nanochat.core_eval import evaluate_core, prepare_bundle
 from nanochat.dataset import parquets_iter_batched
 from nanochat.gpt import GPT, config_from_depth
+from nanochat.output import print0
+from nanochat.processes import compute_init
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
 depth = 4  # model depth

@@ -18,9 +18,9 @@ import time
 os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "nanochat_bench"))
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
-from nanochat.common import print0
 from nanochat.configurator import configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
+from nanochat.output import print0
 from nanochat.tokenizer import get_tokenizer
 
 device_batch_size = 8  # B

@@ -67,12 +67,12 @@ os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
 from ab import machine_line  # bench/ab.py: the CPU model and its bf16 flags
-from nanochat.common import print0
 from nanochat.configurator import configure
 from nanochat.dataset import parquets_iter_batched
 from nanochat.engine import Engine, KVCache, decode_step, decode_weights, generate_naive
 from nanochat.gpt import GPT, config_from_depth, layer_windows, weights_of
 from nanochat.hardware import autocast_dtype
+from nanochat.output import print0
 from nanochat.probes import fp32_cache_pays
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 

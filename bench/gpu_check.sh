@@ -53,7 +53,7 @@ print(f"gpu_check: C compiler {compiler or 'none'}, Python.h {'found' if python_
       f"launcher with them: torch.compile fails without; COMPILE=false runs the rest)")
 missing = []
 for name in ("numpy", "tiktoken", "pyarrow", "filelock", "requests", "psutil", "matplotlib", "yaml", "jinja2",
-             "rustbpe", "fastapi", "uvicorn", "pydantic", "openai", "nanochat.common", "scripts", "tasks.registry"):
+             "rustbpe", "fastapi", "uvicorn", "pydantic", "openai", "nanochat.processes", "scripts", "tasks.registry"):
     try:
         importlib.import_module(name)
     except Exception as e:

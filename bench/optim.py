@@ -29,9 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, get_dist_info, print0
 from nanochat.configurator import configure
 from nanochat.gpt import GPT, config_from_depth
+from nanochat.output import print0
+from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init, get_dist_info
 
 depths = "4,8"  # comma-separated model depths
 vocab_size = 8192  # vocabulary size of the benchmarked model (the real one has 65536)

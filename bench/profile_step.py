@@ -41,7 +41,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ab import machine_line  # bench/ab.py
 from kernel_kinds import gpu_report  # bench/kernel_kinds.py
 from nanochat import attention_kernels
-from nanochat.common import UserError, compute_init, print0
 from nanochat.configurator import check_config, configure
 from nanochat.cpu_kernels import dense_attention
 from nanochat.dataloader import grad_accum_steps_for
@@ -50,7 +49,9 @@ from nanochat.gpt import attention as sdpa_attention
 from nanochat.hardware import autocast_context, compile_model, compute_dtype_line, get_peak_flops
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, clip_grad_norm_,
                             decay_by_depth)
+from nanochat.output import UserError, print0
 from nanochat.probes import dense_attention_pays
+from nanochat.processes import compute_init
 
 device_type = ""  # cuda | cpu; empty: cuda where there is one, else cpu
 depth = 4  # model depth

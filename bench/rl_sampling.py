@@ -25,10 +25,10 @@ import torch
 
 from ab import machine_line  # bench/ab.py
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import print0
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, decode_step, decode_weights
 from nanochat.hardware import autocast_context, compute_dtype_line
+from nanochat.output import print0
 
 source = "mid"  # the chat model to sample from: mid | sft | rl
 model_tag = ""  # which model of that stage (needed only if there are several)

@@ -36,8 +36,8 @@ import time
 
 import tiktoken
 
-from nanochat.common import UserError, print0
 from nanochat.configurator import configure
+from nanochat.output import UserError, print0
 from nanochat.tokenizer import Tokenizer
 
 langs = "en:/tmp/corpora/en,zh:/tmp/corpora/zh"  # comma-separated name:directory of *.txt files

@@ -14,8 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import is_distributed
 from nanochat.optim import ShardedGradients, all_gather_single, reduce_scatter_single, rows_of, zero_pad_rows
+from nanochat.ranks import is_distributed
 
 
 def adamw_update_(p, g, exp_avg, exp_avg_sq, t, lr, betas, eps, weight_decay):

@@ -28,9 +28,9 @@ from concurrent.futures import Future
 
 import torch
 
-from nanochat.common import UserError
 from nanochat.engine import KVCache, Sample, decode_step, regroup, sample_next_token
 from nanochat.hardware import autocast_context
+from nanochat.output import UserError
 
 logger = logging.getLogger("nanochat.batching")
 

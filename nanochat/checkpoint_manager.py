@@ -9,7 +9,7 @@ A checkpoint of step N in a directory like $NANOCHAT_BASE_DIR/base_checkpoints/d
                               settings, dataloader and loop state; written LAST, by rank 0, after every rank
                               has finished its files. It is the completion marker: a step without its meta
                               file is incomplete and ignored.
-Every file is written through common.atomic_write (a temporary name, then a rename), so a crash never leaves
+Every file is written through files.atomic_write (a temporary name, then a rename), so a crash never leaves
 a half-written file under a real name, and a crash before the meta file never leaves a checkpoint that looks
 complete. A write that fails (a full disk) fails the save on every rank, in one line, and removes its files; the
 earlier checkpoints stay as they were, and the next run removes what a save cut off by a kill left. The directory
@@ -31,8 +31,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanochat.common import (DiskFull, UserError, atomic_write, format_bytes, gather_from_ranks, get_base_dir,
-                             is_distributed, out_of_space, print0)
+from nanochat.files import DiskFull, atomic_write, get_base_dir, out_of_space
+from nanochat.output import UserError, format_bytes, print0
+from nanochat.ranks import gather_from_ranks, is_distributed
 
 SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints",
            "rl": "chatrl_checkpoints"}

@@ -35,7 +35,7 @@ import os
 import re
 import sys
 
-from nanochat.common import UserError, print0, setup_default_logging
+from nanochat.output import UserError, print0, setup_default_logging
 
 SIMPLE_TYPES = (bool, int, float, str)
 

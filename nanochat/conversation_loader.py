@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from nanochat.common import UserError, print0
+from nanochat.output import UserError, print0
 
 
 def padded_batch(rows, pad_id, device):

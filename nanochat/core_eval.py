@@ -23,8 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from filelock import FileLock
 
-from nanochat.common import (Interrupted, UserError, download_file_with_lock, duration, get_base_dir, interruptible,
-                             is_distributed, print0)
+from nanochat.downloads import download_file_with_lock
+from nanochat.files import get_base_dir
+from nanochat.interrupt import Interrupted, interruptible
+from nanochat.output import UserError, duration, print0
+from nanochat.ranks import is_distributed
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 BUNDLE_KINDS = ("dclm", "offline")

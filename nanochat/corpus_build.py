@@ -35,7 +35,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.common import DiskFull, UserError, atomic_write, file_sha256, format_bytes, get_base_dir, out_of_space
+from nanochat.files import DiskFull, atomic_write, file_sha256, get_base_dir, out_of_space
+from nanochat.output import UserError, format_bytes
 from nanochat.pydocs import pydocs_documents
 
 logger = logging.getLogger("nanochat.corpus_build")  # not __name__: that is "__main__" under `python -m`

@@ -62,8 +62,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from nanochat.common import UserError, print0
 from nanochat.dataset import list_row_groups, read_row_group
+from nanochat.output import UserError, print0
 
 BESTFIT_BUFFER = 1000  # pieces of documents a best-fit (bos_aligned) slot chooses from
 
@@ -424,7 +424,7 @@ def tokenizing_distributed_data_loader(B, T, split, device="cpu", *, tokenizer=N
     Micro-batches of (B, T) tokens of `split` for this rank. `total_batch_size` (tokens per optimizer
     step across all ranks) defines the data slots; None means one slot per rank (evaluation).
     """
-    from nanochat.common import get_dist_info
+    from nanochat.processes import get_dist_info
     from nanochat.tokenizer import get_tokenizer
     _, rank, _, world_size = get_dist_info()
     tokenizer = tokenizer or get_tokenizer()

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
-from nanochat.common import (DiskFull, UserError, download_file_with_lock, file_sha256, get_base_dir,
-                             setup_default_logging)
 from nanochat.configurator import closest
 from nanochat.corpus_build import (SHARD_RE, SPLITS, build_own_corpus, build_pydocs, check_shard, read_checksums,
                                    read_manifest, record_checksums, shard_name)
+from nanochat.downloads import download_file_with_lock
+from nanochat.files import DiskFull, file_sha256, get_base_dir
+from nanochat.output import UserError, setup_default_logging
 
 logger = logging.getLogger("nanochat.dataset")  # not __name__: that is "__main__" under `python -m`
 

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from nanochat import attention_kernels
-from nanochat.common import UserError
 from nanochat.execution import use_calculator
 from nanochat.gpt import attention, hidden_states, layer_windows, softcapped, weights_of
+from nanochat.output import UserError
 from nanochat.probes import fp32_cache_pays, native_bf16_gemv, onednn_off
 
 # -----------------------------------------------------------------------------

@@ -19,10 +19,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat import attention_kernels, cpu_kernels
-from nanochat.common import UserError, is_distributed, print0
 from nanochat.fp8 import fp8_fits, fp8_linear
 from nanochat.hardware import autocast_dtype
 from nanochat.losses import next_token_loss, softcapped_cross_entropy
+from nanochat.output import UserError, print0
+from nanochat.ranks import is_distributed
 
 # ============================= ARCHITECTURE (export_model copies from here to its end) =============================
 # It uses torch, nn, F, namedtuple, dataclass, asdict and partial alone (what the exported file imports)

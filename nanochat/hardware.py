@@ -15,8 +15,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, is_distributed
+from nanochat.output import UserError
 from nanochat.probes import bf16_probe, cpu_model_name, kept_per_machine, measure_matmul_flops, sysctl
+from nanochat.ranks import is_distributed
 
 # CPU flags of native bf16 matmuls: x86 AVX512-BF16, AMX-BF16; Arm's BF16 (macOS: FEAT_BF16). docs/hardware.md
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")

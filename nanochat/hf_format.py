@@ -19,8 +19,9 @@ from dataclasses import fields
 
 import torch
 
-from nanochat.common import DiskFull, UserError, out_of_space
+from nanochat.files import DiskFull, out_of_space
 from nanochat.gpt import GPT, RMS_EPS, SOFTCAP, GPTConfig
+from nanochat.output import UserError
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 GPT_FIELDS = {field.name: field for field in fields(GPTConfig)}  # rope_base's default: HF's default rope_theta too

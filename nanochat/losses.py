@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from nanochat.common import Interrupted, any_rank, interruptible, is_distributed, per_rank
+from nanochat.interrupt import Interrupted, interruptible
+from nanochat.ranks import any_rank, is_distributed, per_rank
 
 
 class _SoftcappedCrossEntropy(torch.autograd.Function):
@@ -115,7 +116,7 @@ def evaluate_bpb(model, batches, steps, token_bytes, stop=None):
     A split smaller than `steps` batches (a corpus of your own) is counted once, not again and again: when `batches`
     is the pretraining loader, the evaluation ends when it has started reading its split again on every rank.
     Every rank makes the same collectives whenever it stops: a rank's Interrupted is held to the end of its batches
-    (common.interruptible: one any_rank there); with the pretraining loader, whose batches each end in an any_rank,
+    (interrupt.interruptible: one any_rank there); with the pretraining loader, whose batches each end in an any_rank,
     the stop joins that one, so that every rank leaves at the same batch (a rank that left alone would meet the
     others' next batch with interruptible's any_rank, and leave them waiting in the one after for ever).
     """

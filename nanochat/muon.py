@@ -12,8 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import is_distributed
 from nanochat.optim import ShardedGradients
+from nanochat.ranks import is_distributed
 
 
 def zeropower_via_newtonschulz5(G, steps=5, dtype=torch.float32):

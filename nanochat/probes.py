@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from filelock import FileLock
 
-from nanochat.common import atomic_write, get_base_dir
+from nanochat.files import atomic_write, get_base_dir
 
 # -----------------------------------------------------------------------------
 # The machine, its kept answers, and the timing loop

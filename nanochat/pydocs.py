@@ -261,7 +261,7 @@ def _pydocs_entries_cached():
 
     from filelock import FileLock
 
-    from nanochat.common import atomic_write, file_sha256, get_base_dir
+    from nanochat.files import atomic_write, file_sha256, get_base_dir
     path = os.path.join(get_base_dir(), "pydocs_entries.json")
     key = f"{sys.version} {_stdlib_dir()} {file_sha256(__file__)}"
     with FileLock(path + ".lock"):

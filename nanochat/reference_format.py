@@ -30,8 +30,8 @@ import re
 
 import torch
 
-from nanochat.common import UserError
 from nanochat.hf_format import MODEL_CONFIG_KEYS, check_weight_names
+from nanochat.output import UserError
 from nanochat.tokenizer import Tokenizer
 
 

@@ -25,7 +25,8 @@ import socket
 import subprocess
 import sys
 
-from nanochat.common import atomic_write, format_value, get_base_dir
+from nanochat.files import atomic_write, get_base_dir
+from nanochat.output import format_value
 from nanochat.probes import cpu_model_name
 
 # stage sections in pipeline order; sections not listed here come after them, alphabetically

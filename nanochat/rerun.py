@@ -25,8 +25,9 @@ import shutil
 import sys
 
 from nanochat.checkpoint_manager import SOURCES, checkpoint_dir_for, complete_steps, find_checkpoint_dir, read_meta
-from nanochat.common import UserError, get_base_dir, print0
 from nanochat.dataset import dataset_name, list_parquet_files
+from nanochat.files import get_base_dir
+from nanochat.output import UserError, print0
 from nanochat.report import parse_section, section_path
 from nanochat.tokenizer import get_tokenizer
 

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from nanochat.common import Interrupted, duration, print0
+from nanochat.interrupt import Interrupted
+from nanochat.output import duration, print0
 
 
 def letter_token(tokenizer, letter):
@@ -28,7 +29,7 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
     -> the logits (B, vocab) at position last[b] of each row: GPT.last_logits); the answer is the allowed letter with
     the largest logit. Returns one (passed, letter chosen) per problem.
     A prompt longer than the training context is read whole; one longer than model.rotary_len fails (letter None).
-    stop: asked before every batch: Interrupted on this rank (callers with collectives: common.interruptible).
+    stop: asked before every batch: Interrupted on this rank (callers with collectives: interrupt.interruptible).
     """
     pad = tokenizer.encode_special("<|assistant_end|>")  # any id does: nothing real comes after it
     limit = getattr(model, "rotary_len", None) or float("inf")

@@ -31,7 +31,7 @@ continues exactly as the uninterrupted one. log() writes one set of names to eve
 finish() returns the exit code (speedrun.sh stops at anything but 0): 0 = the stage reached its last step and
 ran its final evaluations; EXIT_STOPPED_EARLY = a stop request (SIGTERM, Ctrl-C; on any rank) cut the training,
 an evaluation or a sampling short, and a checkpoint to resume from is saved. A user error (one line says what
-to do) exits with 1 on its own (nanochat/common.py). Every rank agrees on when to stop and on the exit code.
+to do) exits with 1 on its own (nanochat/output.py). Every rank agrees on when to stop and on the exit code.
 """
 
 import contextlib
@@ -50,13 +50,15 @@ from nanochat.checkpoint_manager import (SOURCES, check_data_settings, check_mod
                                          claim_checkpoint_dir, complete_steps, delete_checkpoint, find_checkpoint_dir,
                                          load_for_resume, load_model, load_optimizer_shards, optimizer_shard,
                                          read_meta, save_checkpoint)
-from nanochat.common import (DiskFull, Interrupted, UserError, any_rank, atomic_write, autodetect_device_type,
-                             compute_cleanup, compute_init, gather_from_ranks, is_distributed, out_of_space, print0,
-                             print_banner)
 from nanochat.cpu_kernels import dense_attention
+from nanochat.files import DiskFull, atomic_write, out_of_space
 from nanochat.gpt import attention
 from nanochat.hardware import autocast_dtype, compute_dtype_line
+from nanochat.interrupt import Interrupted
+from nanochat.output import UserError, print0, print_banner
 from nanochat.probes import dense_attention_pays
+from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init
+from nanochat.ranks import any_rank, gather_from_ranks, is_distributed
 from nanochat.report import get_report
 from nanochat.rerun import RERUN_CHOICES, TRAINING_SECTIONS, fingerprint, training_plan
 from nanochat.tokenizer import carry_tokenizer
@@ -71,7 +73,7 @@ class StopRequest:
     """
     Stop a training stage cleanly on SIGTERM (a scheduler's "your time is up", `kill`) or SIGINT (Ctrl-C), within
     seconds, in any phase: a training step finishes; an evaluation or sampling stops at once (the phases take
-    `stop=stage.stop` and ask it between items: nanochat.common.Interrupted); then a checkpoint is saved (one
+    `stop=stage.stop` and ask it between items: nanochat.interrupt.Interrupted); then a checkpoint is saved (one
     already saved stays as it is) and the stage exits with EXIT_STOPPED_EARLY. A second signal kills at once.
     The handlers are installed by listen() (Stage.resume: before it there is nothing to save, a signal kills).
 

@@ -17,7 +17,8 @@ import sys
 import tiktoken
 import torch
 
-from nanochat.common import UserError, _use_color, atomic_write, get_base_dir
+from nanochat.files import atomic_write, get_base_dir
+from nanochat.output import UserError, _use_color
 
 logger = logging.getLogger(__name__)
 

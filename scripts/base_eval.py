@@ -16,10 +16,11 @@ Prints a table per task (accuracy, centered accuracy) and the score, and writes 
 import sys
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0, print_banner
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.hardware import autocast_context, compute_dtype_line
+from nanochat.output import print0, print_banner
+from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init
 from nanochat.report import get_report
 from nanochat.rerun import RERUN_CHOICES, checkpoint_input, done_before, fingerprint
 

@@ -8,12 +8,13 @@ Evaluate a base model checkpoint: bits per byte on the train and val splits, plu
 import sys
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.engine import generate_naive
 from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.losses import evaluate_bpb
+from nanochat.output import print0
+from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init
 from nanochat.report import get_report
 from nanochat.rerun import RERUN_CHOICES, checkpoint_input, done_before, fingerprint
 from nanochat.tokenizer import get_token_bytes

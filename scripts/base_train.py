@@ -26,7 +26,6 @@ import torch
 
 from nanochat import attention_kernels
 from nanochat.checkpoint_manager import check_model_tag
-from nanochat.common import Interrupted, UserError, format_value, per_rank, print0
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
 from nanochat.dataloader import grad_accum_steps_for, tokenizing_distributed_data_loader
@@ -35,9 +34,12 @@ from nanochat.engine import generate_naive
 from nanochat.fp8 import fp8_supported
 from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
+from nanochat.interrupt import Interrupted
 from nanochat.losses import evaluate_bpb, smoothed_loss
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth,
                             lr_multiplier, muon_momentum, step_optimizers)
+from nanochat.output import UserError, format_value, print0
+from nanochat.ranks import per_rank
 from nanochat.rerun import corpus_input, tokenizer_input, training_done
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes, get_tokenizer

@@ -24,10 +24,11 @@ import signal
 import sys
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError, autodetect_device_type, compute_init, setup_default_logging
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine, TextStreamer
 from nanochat.hardware import autocast_context, compute_dtype_line
+from nanochat.output import UserError, setup_default_logging
+from nanochat.processes import autodetect_device_type, compute_init
 
 
 def prompt_flag_to_key(argv):

@@ -46,7 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, duration, print0
+from nanochat.output import UserError, duration, print0
 from nanochat.scoring import Progress, score_categorical, score_generative
 from tasks.registry import build_tasks, build_use, chatcore_baselines, find, report_card_labels, uses
 
@@ -154,7 +154,8 @@ def card_labels():
 
 def main(argv=None):
     from nanochat.checkpoint_manager import load_model
-    from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, setup_default_logging
+    from nanochat.output import setup_default_logging
+    from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init
     from nanochat.configurator import check_config, configure
     from nanochat.engine import Engine
     from nanochat.hardware import autocast_context, compute_dtype_line

@@ -24,15 +24,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.common import Interrupted, UserError, format_value, interruptible, print0, sum_over_ranks
 from nanochat.configurator import check_config, configure
 from nanochat.conversation_loader import padded_batch
 from nanochat.engine import Engine
 from nanochat.hardware import autocast_context, compile_model, device_time
+from nanochat.interrupt import Interrupted, interruptible
 from nanochat.losses import count_step_targets, group_advantages, policy_gradient_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
-from nanochat.scoring import Progress
+from nanochat.output import UserError, format_value, print0
+from nanochat.ranks import sum_over_ranks
 from nanochat.rerun import checkpoint_input, training_done
+from nanochat.scoring import Progress
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from tasks.registry import stage_mixture
 

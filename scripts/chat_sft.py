@@ -29,14 +29,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, format_value, gather_from_ranks, interruptible, print0
 from nanochat.configurator import check_config, configure
 from nanochat.conversation_loader import ConversationLoader, chat_train_loader
 from nanochat.hardware import autocast_context, compile_model, device_time
+from nanochat.interrupt import interruptible
 from nanochat.losses import count_step_targets, evaluate_bpb, logged_step_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
-from nanochat.scoring import score_categorical
+from nanochat.output import UserError, format_value, print0
+from nanochat.ranks import gather_from_ranks
 from nanochat.rerun import checkpoint_input, file_input, training_done
+from nanochat.scoring import score_categorical
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes
 from tasks.registry import check_conversations, conversations_split, stage_mixture, stage_tasks

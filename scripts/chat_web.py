@@ -43,13 +43,14 @@ import socket
 
 import uvicorn
 
+from nanochat.batching import Worker, WorkerPool, worker_devices
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError, autodetect_device_type, compute_init, print0
 from nanochat.configurator import check_config, configure
 from nanochat.engine import Engine
 from nanochat.hardware import compute_dtype_line
 from nanochat.openai_api import mount as mount_openai_api
-from nanochat.batching import Worker, WorkerPool, worker_devices
+from nanochat.output import UserError, print0
+from nanochat.processes import autodetect_device_type, compute_init
 from nanochat.serving import Settings, create_app
 
 # -----------------------------------------------------------------------------

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from nanochat.common import UserError
 from nanochat.configurator import check_config, configure
+from nanochat.output import UserError
 from nanochat.report import get_report
 
 source = "sft"  # which stage's model chat_web serves: base | mid | sft | rl

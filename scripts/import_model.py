@@ -21,11 +21,11 @@ import json
 import os
 
 from nanochat.checkpoint_manager import SOURCES, check_model_tag, checkpoint_dir_for, model_from_state, save_checkpoint
-from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
 from nanochat.hf_format import (REMOTE_MODEL_TYPE, check_weight_names, gpt_weight_names, load_safetensors_dir,
                                 model_config_from_hf, model_config_from_remote, rename_weights, staged_directory,
                                 tokenizer_from_json)
+from nanochat.output import UserError, print0
 from nanochat.reference_format import find_steps, read_checkpoint
 from nanochat.tokenizer import TOKENIZER_SUBDIR
 

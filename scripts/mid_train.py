@@ -26,13 +26,14 @@ import sys
 
 import torch
 
-from nanochat.common import UserError, format_value, gather_from_ranks, print0
 from nanochat.configurator import check_config, configure
 from nanochat.conversation_loader import ConversationLoader, chat_train_loader
 from nanochat.dataloader import grad_accum_steps_for
 from nanochat.hardware import autocast_context, compile_model, device_time, get_peak_flops
 from nanochat.losses import count_step_targets, evaluate_bpb, logged_step_loss, step_losses, supervised_loss
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
+from nanochat.output import UserError, format_value, print0
+from nanochat.ranks import gather_from_ranks
 from nanochat.rerun import checkpoint_input, file_input, training_done
 from nanochat.stage import Stage, check_stage_settings, start_compute
 from nanochat.tokenizer import get_token_bytes

@@ -19,9 +19,9 @@ import threading
 
 import tiktoken
 
-from nanochat.common import print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataset import dataset_name, parquets_iter_batched
+from nanochat.output import print0
 from nanochat.report import get_report
 from nanochat.rerun import RERUN_CHOICES, corpus_input, done_before, fingerprint, tokenizer_input
 from nanochat.tokenizer import get_tokenizer

@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-from nanochat.common import UserError, print0
 from nanochat.configurator import check_config, configure
 from nanochat.dataset import dataset_name, parquets_iter_batched
+from nanochat.output import UserError, print0
 from nanochat.report import get_report
 from nanochat.rerun import RERUN_CHOICES, corpus_input, done_before, fingerprint
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer, get_tokenizer_dir

@@ -29,7 +29,7 @@ can repeat (the template space is finite).
 import hashlib
 import random
 
-from nanochat.common import UserError
+from nanochat.output import UserError
 from tasks.common import Task, assistant_text, extract_answer, check_choice
 
 SPLITS = ("train", "test")

@@ -13,7 +13,8 @@ import os
 import random
 import re
 
-from nanochat.common import UserError, download_file_with_lock
+from nanochat.downloads import download_file_with_lock
+from nanochat.output import UserError
 
 
 class Task:

@@ -29,7 +29,7 @@ max(1, n // 20) of its n conversations are held out for validation (tasks/regist
 import json
 import os
 
-from nanochat.common import UserError
+from nanochat.output import UserError
 from tasks.common import Task
 
 PART_TYPES = ("text", "python", "python_output")

@@ -25,7 +25,8 @@ import os
 import random
 import re
 
-from nanochat.common import UserError, atomic_write
+from nanochat.files import atomic_write
+from nanochat.output import UserError
 from tasks.common import Task, check_choice
 
 SPLITS = ("train", "test")

@@ -16,7 +16,7 @@ flattened on load, and either layout is accepted for every file.
 
 
 
-from nanochat.common import UserError
+from nanochat.output import UserError
 from tasks.common import Task, hf_parquet, render_mc, check_choice
 
 REPO = "cais/mmlu"

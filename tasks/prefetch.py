@@ -11,7 +11,7 @@ Each file goes through download_file_with_lock (locked, atomic, skipped when pre
 will read it; running it again does nothing. A failure names the file and the command to run again.
 """
 
-from nanochat.common import setup_default_logging
+from nanochat.output import setup_default_logging
 
 
 def main():

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
-from nanochat.common import UserError, get_base_dir
+from nanochat.files import get_base_dir
+from nanochat.output import UserError
 from tasks import arc, gsm8k, humaneval, mmlu, smoltalk
 from tasks.arc import ARC
 from tasks.arithmetic import Arithmetic
@@ -459,7 +460,7 @@ def show(name, n, split, **settings):
 
 
 def main(argv=None):
-    from nanochat.common import setup_default_logging
+    from nanochat.output import setup_default_logging
     setup_default_logging()  # a UserError prints one line
     parser = argparse.ArgumentParser(
         prog="python -m tasks.registry",

@@ -35,7 +35,7 @@ import functools
 import random
 import re
 
-from nanochat.common import UserError
+from nanochat.output import UserError
 from tasks.common import Task, assistant_text, extract_answer, check_choice
 
 SPLITS = ("train", "test")

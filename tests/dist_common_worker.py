@@ -6,8 +6,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.common import compute_cleanup, compute_init
 from nanochat.hardware import compute_dtype
+from nanochat.processes import compute_cleanup, compute_init
 
 ddp, rank, local_rank, world_size, device = compute_init("cpu")
 # every rank contributes its rank: the sum proves the gloo process group really connects them

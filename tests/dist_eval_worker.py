@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import ToyModel  # noqa: E402
 
-from nanochat.common import Interrupted
+from nanochat.interrupt import Interrupted
 from nanochat.losses import evaluate_bpb
 
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from nanochat.adamw import AdamW, DistAdamW
 from nanochat.checkpoint_manager import load_optimizer_shards, optimizer_shard
-from nanochat.common import UserError
 from nanochat.hardware import autocast_dtype
 from nanochat.muon import DistMuon, Muon
+from nanochat.output import UserError
 
 # Muon matrices. Shape groups of 5, 2, 1 and 3 matrices: 5 and 1 divide by neither 2 nor 3, 2 does not
 # divide by 3, 3 does not divide by 2, so the padded last block is exercised for both world sizes.

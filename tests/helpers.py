@@ -160,7 +160,7 @@ def refusal_in_process(module, *args):
     import logging
     import runpy
 
-    from nanochat import common, stage
+    from nanochat import output, processes, stage
     logger = logging.getLogger("nanochat")
     saved = sys.argv, sys.excepthook, list(logger.handlers), logger.propagate, logger.level
 
@@ -169,11 +169,11 @@ def refusal_in_process(module, *args):
 
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(common, "compute_init", no_work)
+            mp.setattr(processes, "compute_init", no_work)
             mp.setattr(stage, "start_compute", no_work)
             sys.argv = [module, *args]
             runpy.run_module(module, run_name="__main__")
-    except common.UserError as e:
+    except output.UserError as e:
         return e
     finally:
         sys.argv, sys.excepthook, logger.handlers[:], logger.propagate = saved[:4]

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import run_script
-from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.output import UserError
 from nanochat.scoring import Progress, score_categorical, score_generative
 from nanochat.tokenizer import Tokenizer
 from scripts.chat_eval import expand_short_flags, load_tasks, mean_centered, scores

@@ -8,8 +8,8 @@ import torch
 
 from nanochat.checkpoint_manager import (build_model, complete_steps, find_model_tag, load_checkpoint, load_for_resume,
                                          load_optimizer_shards, optimizer_shard, save_checkpoint)
-from nanochat.common import UserError
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.output import UserError
 
 
 def trained_model_and_optimizers():

@@ -1,4 +1,7 @@
-"""What every script needs first (nanochat/common.py): compute_init, errors, logging, print0, downloads, ranks."""
+"""
+What every script needs first: compute_init (nanochat/processes.py), errors, logging and print0 (output.py), the
+base directory (files.py), downloads (downloads.py), ranks agreeing (ranks.py).
+"""
 
 import hashlib
 import json
@@ -15,9 +18,12 @@ import pytest
 import torch
 
 from helpers import run_script, start_script
-from nanochat import common
-from nanochat.common import (ColoredFormatter, UserError, any_rank, compute_init, download_file_with_lock,
-                             gather_from_ranks, get_base_dir, get_dist_info, per_rank, print0, sum_over_ranks)
+from nanochat import output
+from nanochat.downloads import download_file_with_lock
+from nanochat.files import get_base_dir
+from nanochat.output import ColoredFormatter, UserError, print0
+from nanochat.processes import compute_init, get_dist_info
+from nanochat.ranks import any_rank, gather_from_ranks, per_rank, sum_over_ranks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,7 +44,7 @@ def test_compute_init_keeps_freed_memory_on_a_cpu():
     # from the heap and its memory stays there when freed (docs/hardware.md, "Freed memory on a CPU").
     code = """
 import ctypes, torch
-from nanochat.common import compute_init
+from nanochat.processes import compute_init
 class MallInfo(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int)
                 for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
@@ -108,7 +114,7 @@ def test_incomplete_torchrun_env_is_a_clear_error(monkeypatch):
 
 
 def test_incomplete_env_in_a_script_prints_one_line(tmp_path):
-    result = run_script("-c", "from nanochat.common import compute_init; compute_init('cpu')",
+    result = run_script("-c", "from nanochat.processes import compute_init; compute_init('cpu')",
                         env={"RANK": "0", "LOCAL_RANK": None})
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
@@ -117,7 +123,7 @@ def test_incomplete_env_in_a_script_prints_one_line(tmp_path):
 
 def test_out_of_memory_in_a_script_prints_one_line_that_says_what_to_lower():
     # torch's OutOfMemoryError (a GPU's; raised here as the allocator raises it): a size to change, not a traceback
-    code = ("from nanochat.common import setup_default_logging; import torch; setup_default_logging(); raise "
+    code = ("from nanochat.output import setup_default_logging; import torch; setup_default_logging(); raise "
             "torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
             "79.19 GiB of which 1.03 GiB is free.\\nIncluding non-PyTorch memory...')")
     result = run_script("-c", code, env={"RANK": "1", "WORLD_SIZE": "8"})
@@ -151,9 +157,11 @@ def test_importing_nanochat_leaves_root_logger_alone():
     code = (
         "import logging\n"
         "root = logging.getLogger(); before = (list(root.handlers), root.level)\n"
-        "import nanochat.common, nanochat.configurator, nanochat.gpt, nanochat.checkpoint_manager, nanochat.report\n"
+        "import nanochat.output, nanochat.files, nanochat.downloads, nanochat.processes, nanochat.ranks\n"
+        "import nanochat.interrupt, nanochat.configurator, nanochat.gpt, nanochat.checkpoint_manager, nanochat.report\n"
         "assert (list(root.handlers), root.level) == before, 'import changed the root logger'\n"
-        "nanochat.common.setup_default_logging()\n"
+        "assert [type(h) for h in logging.getLogger('nanochat').handlers] == [logging.NullHandler]\n"
+        "nanochat.output.setup_default_logging()\n"
         "assert (list(root.handlers), root.level) == before, 'setup_default_logging changed the root logger'\n"
         "assert logging.getLogger('nanochat').handlers\n"
     )
@@ -180,11 +188,11 @@ def test_no_color_and_non_tty_disable_colors(monkeypatch):
         def isatty(self):
             return True
     monkeypatch.delenv("NO_COLOR", raising=False)
-    assert common._use_color(FakeTTY())
+    assert output._use_color(FakeTTY())
     monkeypatch.setenv("NO_COLOR", "")
-    assert not common._use_color(FakeTTY())
+    assert not output._use_color(FakeTTY())
     monkeypatch.delenv("NO_COLOR")
-    assert not common._use_color(open(os.devnull, "w"))
+    assert not output._use_color(open(os.devnull, "w"))
 
 
 def test_print0_only_on_rank_zero(monkeypatch, capsys):
@@ -234,7 +242,7 @@ def test_download_killed_with_sigkill_leaves_nothing_then_completes(file_server,
     open(os.path.join(file_server.root, "big.bin"), "wb").write(data)
     file_server.slow_paths["/big.bin"] = 0.05
     final = isolated_env / "dl" / "big.bin"
-    code = ("from nanochat.common import download_file_with_lock; "
+    code = ("from nanochat.downloads import download_file_with_lock; "
             f"download_file_with_lock('{file_server.url}/big.bin', 'dl/big.bin')")
     proc = start_script("-c", code)
     deadline = time.time() + 60

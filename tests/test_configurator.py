@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from helpers import REPO_ROOT, run_in_process, run_script
-from nanochat.common import UserError
 from nanochat.configurator import configure, format_help, parse_args
+from nanochat.output import UserError
 
 KEYS = dict(depth=20, lr=0.02, run="dummy", compile=True, total_batch_size=524288)
 

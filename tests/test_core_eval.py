@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from helpers import REPO_ROOT, build_once, run_script
-from nanochat.common import UserError
 from nanochat.core_eval import (PAD_SLACK, continuation_rows, evaluate_core, evaluate_task, fewshot_indices,
                                 load_bundle, load_task_data, pack_rows, prepare_bundle, render_prompts)
+from nanochat.output import UserError
 from nanochat.tokenizer import Tokenizer
 
 FIXTURE = os.path.join(REPO_ROOT, "tests", "fixtures", "core_bundle")

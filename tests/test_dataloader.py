@@ -247,7 +247,7 @@ def test_best_fit_drops_only_when_documents_outgrow_rows(tok, corpus, monkeypatc
 
 def test_positions_of_the_other_mode(tok, corpus):
     """A bos_aligned position saved before best fit (a document start) loads; the stream refuses a best-fit one."""
-    from nanochat.common import UserError
+    from nanochat.output import UserError
     old = {"slots": {"0": [0, 1, 3, 0]}, "micro": 0}
     loader = make(tok, state=old, bos_aligned=True)
     next(loader)
@@ -274,6 +274,6 @@ def test_cuda_path_or_skip(tok, corpus):
 
 
 def test_indivisible_total_batch_is_a_user_error(tok, corpus):
-    from nanochat.common import UserError
+    from nanochat.output import UserError
     with pytest.raises(UserError, match="not a multiple"):
         make(tok, world_size=2, total=3 * 2 * 16)

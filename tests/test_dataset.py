@@ -14,11 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import nanochat.common
+import nanochat.downloads
+import nanochat.files
 from helpers import run_script
 from nanochat import corpus_build, dataset, pydocs
-from nanochat.common import UserError
 from nanochat.corpus_build import ROW_GROUP_SIZE
+from nanochat.output import UserError
 
 
 
@@ -54,7 +55,7 @@ def tiny_hub(request, file_server, monkeypatch):
 
 
 def _local(s):
-    return os.path.join(nanochat.common.get_base_dir(), "base_data", dataset.dataset_name(), dataset.shard_name(s))
+    return os.path.join(nanochat.files.get_base_dir(), "base_data", dataset.dataset_name(), dataset.shard_name(s))
 
 
 # -----------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_pydocs_built_on_demand_once_under_concurrency(monkeypatch):
 def test_pydocs_interrupted_build_never_looks_complete(monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATASET", "pydocs")
     _small_pydocs(monkeypatch)
-    final = os.path.join(nanochat.common.get_base_dir(), "base_data", "pydocs")
+    final = os.path.join(nanochat.files.get_base_dir(), "base_data", "pydocs")
     real_write = corpus_build._write_pydocs
 
     def crashing_write(directory):
@@ -266,7 +267,7 @@ def test_damaged_local_shard_is_reported_and_replaced(tiny_hub):
 
 
 def test_damaged_download_is_rejected_before_it_lands(tiny_hub, monkeypatch):
-    monkeypatch.setattr(nanochat.common.time, "sleep", lambda s: None)  # no retry backoff in tests
+    monkeypatch.setattr(nanochat.downloads.time, "sleep", lambda s: None)  # no retry backoff in tests
     with open(os.path.join(tiny_hub.root, dataset.shard_name(1)), "wb") as f:
         f.write(b"<html>not a parquet file</html>")
     with pytest.raises(UserError) as e:

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from helpers import REPO_ROOT, TINY, run_in_process, run_script, weights, with_defaults
-from nanochat import common, corpus_build, dataset
+from nanochat import corpus_build, dataset, downloads, files
 from nanochat.checkpoint_manager import complete_steps, load_checkpoint, optimizer_shard, save_checkpoint
-from nanochat.common import DiskFull, download_file_with_lock
+from nanochat.downloads import download_file_with_lock
+from nanochat.files import DiskFull
 from nanochat.gpt import GPT, GPTConfig
 from write_fault import FaultyFile
 
@@ -136,7 +137,7 @@ def test_checkpoint_write_that_runs_out_of_space(tmp_path, monkeypatch, where, f
     model, optimizers = model_and_optimizers(0)
     ckpt = tmp_path / "ckpt"  # not tmp_path itself: it holds this test's base dir
     save(ckpt, 1, model, optimizers)
-    monkeypatch.setattr(common, "open", faulty_open(where, 100, fault), raising=False)  # atomic_write's open
+    monkeypatch.setattr(files, "open", faulty_open(where, 100, fault), raising=False)  # atomic_write's open
     other, other_opts = model_and_optimizers(1)
     with pytest.raises(DiskFull) as failed:
         save(ckpt, 2, other, other_opts)
@@ -150,7 +151,7 @@ def test_checkpoint_write_that_runs_out_of_space(tmp_path, monkeypatch, where, f
 
 def test_first_checkpoint_that_runs_out_of_space(tmp_path, monkeypatch):
     model, optimizers = model_and_optimizers(0)
-    monkeypatch.setattr(common, "open", faulty_open("model_", 100), raising=False)
+    monkeypatch.setattr(files, "open", faulty_open("model_", 100), raising=False)
     with pytest.raises(DiskFull) as failed:
         save(tmp_path / "ckpt", 1, model, optimizers)
     assert_disk_full_line(str(failed.value), tmp_path / "ckpt", "free space, then run the same command again")
@@ -307,13 +308,13 @@ def test_download_that_runs_out_of_space_fails_at_once(file_server, isolated_env
     data = os.urandom(2_000_000)
     with open(os.path.join(file_server.root, "big.bin"), "wb") as f:
         f.write(data)
-    monkeypatch.setattr(common, "open", faulty_open(r"big\.bin\.tmp", 500_000), raising=False)
+    monkeypatch.setattr(downloads, "open", faulty_open(r"big\.bin\.tmp", 500_000), raising=False)
     with pytest.raises(DiskFull) as failed:
         download_file_with_lock(f"{file_server.url}/big.bin", "dl/big.bin", backoff=0.01)
     assert_disk_full_line(str(failed.value), isolated_env / "dl", "big.bin", "it needs about 1.9 MB")
     assert file_server.requests["/big.bin"] == 1  # not retried: another attempt would fill the disk again
     assert os.listdir(isolated_env / "dl") == ["big.bin.lock"]
-    monkeypatch.delattr(common, "open")  # space freed
+    monkeypatch.delattr(downloads, "open")  # space freed
     path = download_file_with_lock(f"{file_server.url}/big.bin", "dl/big.bin")
     assert open(path, "rb").read() == data
 
@@ -325,7 +326,7 @@ def test_shard_downloads_that_run_out_of_space_stop_in_one_line(file_server, mon
     monkeypatch.setenv("NANOCHAT_DATA_URL", file_server.url)
     monkeypatch.setenv("NANOCHAT_DATA_SHARDS", "4")
     monkeypatch.delenv("NANOCHAT_DATASET", raising=False)
-    monkeypatch.setattr(common, "open", faulty_open(r"shard_00001\.parquet\.tmp", 1000), raising=False)
+    monkeypatch.setattr(downloads, "open", faulty_open(r"shard_00001\.parquet\.tmp", 1000), raising=False)
     with pytest.raises(DiskFull) as failed:
         dataset.download_shards(3, workers=1)
     assert_disk_full_line(str(failed.value), dataset.data_dir(), "shard_00001.parquet",
@@ -333,7 +334,7 @@ def test_shard_downloads_that_run_out_of_space_stop_in_one_line(file_server, mon
     names = os.listdir(dataset.data_dir())
     assert "shard_00000.parquet" in names and "shard_00001.parquet" not in names, names
     assert not [n for n in names if ".tmp" in n], names
-    monkeypatch.delattr(common, "open")  # space freed
+    monkeypatch.delattr(downloads, "open")  # space freed
     dataset.download_shards(3, workers=1)  # what is missing, nothing twice
     assert file_server.requests == {f"/{dataset.shard_name(s)}": 2 if s == 1 else 1 for s in range(4)}
     assert dataset.list_parquet_files("train") == [os.path.join(dataset.data_dir(), dataset.shard_name(s))

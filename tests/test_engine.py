@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import bigram_model, build_once, engine_stream
-from nanochat.common import UserError
+from nanochat.output import UserError
 import nanochat.engine as engine_module
 from nanochat.engine import (Engine, KVCache, TextStreamer, decode_step, decode_weights, generate_naive,
                              sample_next_token)

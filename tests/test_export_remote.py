@@ -17,10 +17,10 @@ import torch._dynamo
 
 from helpers import one_line_error, run_in_process, run_script, save_random_model
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError
 from nanochat.engine import Engine, generate_naive
 from nanochat.gpt import GPTConfig
 from nanochat.hf_format import MODELING_FILE, modeling_source
+from nanochat.output import UserError
 from nanochat.tokenizer import get_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -21,7 +21,8 @@ import torch
 import torch._dynamo
 
 from helpers import one_line_error, run_in_process, run_script
-from nanochat.common import UserError, file_sha256
+from nanochat.files import file_sha256
+from nanochat.output import UserError
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,7 +19,7 @@ import torch
 
 from helpers import REPO_ROOT, one_line_error, run_script, with_defaults
 from nanochat import corpus_build, dataset
-from nanochat.common import UserError
+from nanochat.output import UserError
 
 OWN_TEXT = os.path.join(REPO_ROOT, "tests", "fixtures", "own_text")
 

@@ -301,7 +301,7 @@ def test_forget_names_what_it_deletes_and_keeps_the_data(isolated_env, capsys):
 
 
 def test_rerun_and_save_every_minutes_are_checked(isolated_env):
-    from nanochat.common import UserError
+    from nanochat.output import UserError
     from nanochat.stage import check_stage_settings
     config = dict(resume_from_step=-1, warmup_ratio=0.0, warmdown_ratio=0.2, model_tag="")
     check_stage_settings(dict(config, rerun="auto", save_every_minutes=0.5))

@@ -12,7 +12,8 @@ import signal
 import pytest
 import torch
 
-from nanochat.common import Interrupted, UserError
+from nanochat.interrupt import Interrupted
+from nanochat.output import UserError
 from nanochat.stage import EXIT_STOPPED_EARLY, Stage, check_stage_settings
 from nanochat.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from helpers import REPO_ROOT, run_script
-from nanochat.common import UserError
+from nanochat.output import UserError
 from nanochat.tokenizer import get_tokenizer
 from tasks import registry
 from tasks.common import Task, hf_download

@@ -15,7 +15,7 @@ import re
 import pytest
 
 from helpers import run_script
-from nanochat.common import UserError
+from nanochat.output import UserError
 from nanochat.pydocs import pydocs_entries
 from nanochat.tokenizer import get_tokenizer
 from tasks.arithmetic import Arithmetic, assistant_text, extract_answer

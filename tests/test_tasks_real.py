@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import TASK_FIXTURES, run_script
-from nanochat.common import UserError
+from nanochat.output import UserError
 from nanochat.tokenizer import Tokenizer
 from tasks import arc, gsm8k, mmlu, smoltalk
 from tasks.arc import ARC

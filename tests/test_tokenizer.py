@@ -16,7 +16,7 @@ import rustbpe
 from pydoc_data.topics import topics
 
 from helpers import REPO_ROOT, run_script
-from nanochat.common import UserError
+from nanochat.output import UserError
 from nanochat.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, get_token_bytes, get_tokenizer,
                                 get_tokenizer_dir)
 

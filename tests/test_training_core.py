@@ -21,7 +21,7 @@ import torch
 from helpers import (REPO_ROOT, TINY, TINY_SIZES, base_train, metrics, one_line_error, refusal_in_process, run_script,
                      speedrun_env, start_script, train_losses, wait_for_steps, weights, with_defaults)
 
-from nanochat.common import UserError
+from nanochat.output import UserError
 
 
 def refused_in_process(module, args, *fragments):
@@ -162,7 +162,7 @@ def test_non_finite_loss_stops_without_saving_anything_newer(trained_tokenizer, 
 
 
 def test_report_figures_have_sensible_precision_and_never_show_inf():
-    from nanochat.common import format_value
+    from nanochat.output import format_value
     assert format_value(87.6195) == "87.6" and format_value(1.741234) == "1.7412" and format_value(12345.6) == "12,346"
     assert format_value(float("inf")) == "n/a" and format_value(float("-inf")) == "n/a"
     assert format_value(float("nan")) == "n/a"
@@ -324,7 +324,7 @@ def _writable(directory):
 
 
 def test_unreachable_host_fails_fast_with_the_command_to_retry(isolated_env):
-    from nanochat.common import download_file_with_lock
+    from nanochat.downloads import download_file_with_lock
     t0 = time.time()
     with pytest.raises(UserError) as e:
         download_file_with_lock("http://127.0.0.1:9/shard.parquet", "x/shard.parquet",
