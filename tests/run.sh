@@ -72,7 +72,8 @@ else
     fi
 fi
 
-# 4. The code's shape (pyproject.toml's ruff settings), then the tests: two processes fill two cores (most tests wait
-# on one-thread subprocesses); worksteal lets a process that runs out of tests take over half of the other's
+# 4. The code's shape (pyproject.toml's ruff settings), then the tests: -rs lists each skip with its reason (an
+# optional part that did not run says why); two processes fill two cores (most tests wait on one-thread
+# subprocesses), and worksteal lets a process that runs out of tests take over half of the other's
 .venv/bin/ruff check
-exec .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
+exec .venv/bin/python -m pytest -q -rs -n 2 --dist worksteal "$@"
