@@ -67,6 +67,7 @@ BAD_REQUESTS = {
     "no messages": ({"messages": []}, "messages:"),
     "messages missing": ({"temperature": 1}, "messages:"),
     "messages not a list": ({"messages": "hi"}, "messages:"),
+    "a message not an object": ({"messages": ["hi"]}, "messages[0]:"),
     "unknown role": ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role:"),
     "starts with assistant": ({"messages": [{"role": "assistant", "content": "x"}]}, "messages[0].role:"),
     "two users in a row": ({"messages": [HELLO[0], HELLO[0]]}, "messages[1].role:"),
@@ -88,6 +89,8 @@ BAD_REQUESTS = {
     "max_tokens too large": ({"messages": HELLO, "max_tokens": 4097}, "max_tokens:"),
     "max_tokens fractional": ({"messages": HELLO, "max_tokens": 1.5}, "max_tokens:"),
     "seed negative": ({"messages": HELLO, "seed": -1}, "seed:"),
+    "seed too large": ({"messages": HELLO, "seed": 2**63}, "seed:"),
+    "max_tokens a string": ({"messages": HELLO, "max_tokens": "5"}, "max_tokens:"),
     "body a list": ([HELLO[0]], "body:"),
 }
 
@@ -103,13 +106,22 @@ def test_a_bad_request_gets_400_naming_the_field(server, name):
     assert server.stats()["requests_served"] == served_before  # refused before any generation
 
 
-@pytest.mark.parametrize("raw", [b'{"messages": [', b"", b"not json",
-                                 b'{"messages": [{"role": "user", "content": "hi"}],}'])
-def test_malformed_json_gets_400(server, raw):
+@pytest.mark.parametrize("raw, field", [
+    (b'{"messages": [', "body:"), (b"", "body:"), (b"not json", "body:"), (b'"text"', "body:"),
+    (b'{"messages": [{"role": "user", "content": "hi"}],}', "body:"),
+    (b"[" * 100_000, "body:"),  # nested too deep for the parser
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature:"),
+])
+def test_malformed_json_gets_400(server, raw, field):
     response = server.http.post(server.url + "/chat/completions", content=raw,
                                 headers={"Content-Type": "application/json"}, timeout=10)
     assert response.status_code == 400, response.text
-    assert response.json()["detail"].startswith("body:")
+    assert response.json()["detail"].startswith(field)
+
+
+def test_fields_it_does_not_know_are_ignored(server):
+    status, events = post_chat(server.url, {"messages": HELLO, "max_tokens": 2, "colour": "blue", "stream": False})
+    assert status == 200 and events[-1] == {"done": True}
 
 
 def test_the_reply_streams_what_the_engine_generates_then_done(server):

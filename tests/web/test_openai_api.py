@@ -117,6 +117,7 @@ def test_a_stop_string_ends_the_reply_before_it(chat_web_server, client):
 
 BAD_CHATS = {  # the openai client's arguments, and the field the 400 names
     "no messages": (dict(messages=[]), "messages"),
+    "a message not an object": (dict(messages=["hi"]), "messages[0]"),
     "an unknown role": (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages[0].role"),
     "system after the first message": (dict(messages=[*HELLO, {"role": "system", "content": "x"}]), "messages[1].role"),
     "two users in a row": (dict(messages=[HELLO[0], HELLO[0]]), "messages[1].role"),
@@ -130,6 +131,7 @@ BAD_CHATS = {  # the openai client's arguments, and the field the 400 names
     "temperature too high": (dict(temperature=2.5), "temperature"),
     "temperature a string": (dict(extra_body={"temperature": "hot"}), "temperature"),
     "top_p below 1": (dict(top_p=0.9), "top_p"),
+    "top_p zero": (dict(top_p=0), "top_p"),
     "top_k beyond the vocabulary": (dict(extra_body={"top_k": 10**6}), "top_k"),
     "two choices": (dict(n=2), "n"),
     "max_tokens zero": (dict(max_tokens=0), "max_tokens"),
@@ -139,7 +141,13 @@ BAD_CHATS = {  # the openai client's arguments, and the field the 400 names
     "logprobs": (dict(logprobs=True), "logprobs"),
     "a penalty": (dict(presence_penalty=1.0), "presence_penalty"),
     "too many stop strings": (dict(extra_body={"stop": ["a"] * 17}), "stop"),
+    "a stop string too long": (dict(stop=["x" * 101]), "stop[0]"),
     "stream not a bool": (dict(extra_body={"stream": "yes"}), "stream"),
+    "include_usage not a bool": (dict(stream=True, stream_options={"include_usage": "yes"}),
+                                 "stream_options.include_usage"),
+    "a tool call in a message": (dict(messages=[HELLO[0], {"role": "assistant", "content": "x", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, HELLO[0]]),
+                                 "messages[1].tool_calls"),
 }
 
 
@@ -153,11 +161,16 @@ def test_a_bad_chat_request_is_a_400_naming_the_field(chat_web_server, client, n
     assert chat_web_server.stats()["requests_served"] == served  # refused before anything was generated
 
 
-@pytest.mark.parametrize("raw", [b'{"messages": [', b"", b"[1, 2]", b'"text"'])
+@pytest.mark.parametrize("raw", [b'{"messages": [', b"", b"[1, 2]", b'"text"', b"[" * 100_000])
 def test_a_body_that_is_not_a_json_object_is_a_400(chat_web_server, raw):
     response = chat_web_server.http.post(chat_web_server.url + "/v1/chat/completions", content=raw)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "body" and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_fields_it_does_not_know_are_ignored(client):
+    answer = chat(client, max_tokens=2, user="someone", extra_body={"colour": "blue", "top_k": -1})
+    assert answer.choices[0].message.role == "assistant"  # top_k -1: the whole vocabulary, as vLLM's
 
 
 def test_another_model_or_path_is_a_404(chat_web_server, client):
@@ -342,6 +355,9 @@ BAD_COMPLETIONS = {
     "a prompt longer than the context": (dict(prompt=[5] * 600, max_tokens=0), "prompt"),
     "a prompt that fills the context": (dict(prompt=[5] * 512, max_tokens=1), "prompt"),
     "a prompt that fills it with the <|bos|> read first": (dict(prompt=[5] * 511, max_tokens=1), "prompt"),
+    "too many prompts": (dict(prompt=["x"] * 65), "prompt"),
+    "a prompt neither text nor token ids": (dict(prompt=[[1], 2.5]), "prompt[1]"),
+    "max_tokens negative": (dict(prompt="x", max_tokens=-1), "max_tokens"),
     "too many logprobs": (dict(prompt="x", logprobs=21), "logprobs"),
     "streaming": (dict(prompt="x", stream=True), "stream"),
     "best_of": (dict(prompt="x", best_of=3), "best_of"),
@@ -373,3 +389,5 @@ def test_the_tokenizer_endpoints_serve_lm_evals_remote_tokenizer(chat_web_server
     assert detokenized == {"prompt": text}
     refused = http.post(url + "/detokenize", json={"tokens": [10**6]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    refused = http.post(url + "/tokenize", json={"add_special_tokens": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
