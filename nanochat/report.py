@@ -130,8 +130,8 @@ class Report:
         path = os.path.join(self.dir, _slug(section))
         state = dict(section=section, timestamp=_now(), run=max(1, len(runs())), made_from=made_from, data=data,
                      card_labels=card_labels)
-        text = json.dumps(state, default=str)  # a value JSON does not hold (a dtype) as its markdown prints it
-        with atomic_write(path + ".md", "w") as f:
+        text = json.dumps(state, default=str)  # a value JSON cannot hold (a torch dtype): the text the markdown shows
+        with atomic_write(path + ".md", "w") as f:  # rendered from the JSON, as report.md is: the same text
             f.write(render(json.loads(text)))
         with atomic_write(path + ".json", "w") as f:  # last: a section without its state was never written
             f.write(text)

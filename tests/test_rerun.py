@@ -287,7 +287,7 @@ def test_rerun_reads_the_state_not_the_markdown(isolated_env):
     assert made_before("Midtraining")[0] == "a" * 16 and not done_before("Midtraining", "b" * 16)
     (report / "midtraining.md").unlink()
     assert done_before("Midtraining", "a" * 16)
-    (report / "chat-sft.md").write_text("## Chat SFT\ntimestamp: 2025-01-01 10:00:00\n\n- Made from: aaaaaaaaaaaaaaaa\n")
+    (report / "chat-sft.md").write_text("## Chat SFT\n\n- Made from: aaaaaaaaaaaaaaaa\n")  # no state: never written
     assert made_before("Chat SFT") is None
 
 
