@@ -2,10 +2,10 @@
 Converts models to and from the Hugging Face `NanoChat` format (transformers >= 5.0), for export and import.
 
 For export_model and import_model: config.json (transformers' NanoChat, or our own modeling file: the remote
-layout), the weights' names, tokenizer.json and the chat template, safetensors files read and written without the
-`safetensors` package, and directories written all or nothing. Pure data mapping, no transformers import: exporting
-needs none of the Hugging Face libraries. How each part maps, and the two differences that remain in the tokenizer:
-docs/export.md.
+layout), the weights' names, tokenizer.json and the chat template, the model card (README.md, from the run report's
+state), safetensors files read and written without the `safetensors` package, and directories written all or
+nothing. Pure data mapping, no transformers import: exporting needs none of the Hugging Face libraries. How each
+part maps, and the two differences that remain in the tokenizer: docs/export.md.
 """
 
 import contextlib
@@ -19,9 +19,10 @@ from dataclasses import fields
 
 import torch
 
-from nanochat.files import DiskFull, out_of_space
+from nanochat.files import DiskFull, get_base_dir, out_of_space
 from nanochat.gpt import GPT, RMS_EPS, SOFTCAP, GPTConfig
 from nanochat.output import UserError
+from nanochat.report import report_card, states, values
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 GPT_FIELDS = {field.name: field for field in fields(GPTConfig)}  # rope_base's default: HF's default rope_theta too
@@ -355,6 +356,118 @@ def generation_config(tokenizer):
 # (docs/export.md)
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja"), encoding="utf-8") as _f:
     CHAT_TEMPLATE = _f.read()
+
+
+# -----------------------------------------------------------------------------
+# README.md, the model card: what an exported model is, how it was trained and how it scored, from what this machine
+# recorded (the checkpoint's meta file and those it was trained from, the run report's state); whatever is not
+# recorded says "not recorded", nothing is estimated.
+
+NOT_RECORDED = "not recorded"
+
+
+def trained_on(stage, meta):
+    """One line: how much this stage trained on, from its meta file's step count and batch settings."""
+    if meta is None:
+        return f"{NOT_RECORDED} (its checkpoint is not on this machine)"
+    if "imported_from" in meta:
+        origin = meta["imported_from"]
+        name = os.path.basename(str(origin.get("path")))  # not the full path: a model card gets published
+        return f"imported from a {origin.get('format')} directory ({name}); its training is {NOT_RECORDED} here"
+    config = meta.get("user_config") or {}
+    step = meta.get("step")
+    units = {"base": ("total_batch_size", "tokens"), "mid": ("total_batch_size", "tokens"),
+             "sft": ("examples_per_step", "conversations"), "rl": ("prompts_per_step", "problems")}
+    key, unit = units.get(stage, (None, None))
+    if not isinstance(step, int) or key not in config:
+        return NOT_RECORDED
+    return f"{step:,} steps x {config[key]:,} {unit} = {step * config[key]:,} {unit}"
+
+
+def evaluation_lines():
+    """The run report's card (nanochat.report.report_card) and the model each evaluation section names, or []."""
+    sections = states(os.path.join(get_base_dir(), "report"))
+    card = report_card(sections)
+    if not card:
+        return []
+    found = {name: values(state) for name, state in sorted(sections.items())}
+    evaluated = [f"- {name}: {section['model']}" for name, section in found.items()
+                 if "evaluation" in name and "model" in section]
+    return ["From the run report (`$NANOCHAT_BASE_DIR/report/`): the latest evaluation of each stage logged there.", "",
+            *card, "", "The evaluated models:", *evaluated]
+
+
+def model_card(meta, lineage, model, tokenizer, dtype, layout):
+    """
+    The README.md text. meta: load_model's meta of the exported checkpoint; lineage: lineage() of it (this checkpoint
+    first, then the models it was trained from).
+    """
+    c = model.config
+    source = lineage[0][0]
+    name = f"nanochat {source} {meta.get('model_tag')} step {meta.get('step')}"
+    lines = [
+        f"# {name}",
+        "",
+        "A small chat model trained from scratch with nanochat, exported by `python -m scripts.export_model`.",
+        "",
+        "## Model",
+        "",
+        "| parameters | layers | width | query heads | key/value heads | context | vocabulary | weights |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {model.num_params():,} | {c.n_layer} | {c.n_embd} | {c.n_head} | {c.n_kv_head} | {c.sequence_len} | "
+        f"{c.vocab_size:,} | {dtype} |",
+        "",
+        "## Training",
+        "",
+        "| stage | model | trained on |",
+        "| --- | --- | --- |",
+        *[f"| {stage} | {tag} step {step} | {trained_on(stage, m)} |" for stage, tag, step, m in lineage],
+        "",
+        "## Evaluation",
+        "",
+        *(evaluation_lines() or [f"{NOT_RECORDED} (no report card in this machine's run report)"]),
+        "",
+    ]
+    trust = ", trust_remote_code=True" if layout == "remote" else ""  # the tokenizer too: it reads config.json's class
+    code = ["```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "path = \"path/to/this/directory\"",
+            f"tokenizer = AutoTokenizer.from_pretrained(path{trust})",
+            f"model = AutoModelForCausalLM.from_pretrained(path{trust})",
+            "messages = [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}]",
+            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+            "return_dict=True)",
+            "output = model.generate(**inputs, max_new_tokens=128)",
+            "print(tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
+            "```",
+            ""]
+    if layout == "mlx":
+        lines += ["## Use", "",
+                  "This directory keeps nanochat's weight names, which mlx-lm's `nanochat` model reads:", "",
+                  "    mlx_lm.generate --model path/to/this/directory --prompt \"Hello\"", "",
+                  "transformers cannot load it (it expects `model.layers.*` names): "
+                  "export with `--layout=hf` for that.", ""]
+    elif layout == "remote":
+        lines += ["## Use", "",
+                  "This model has parts transformers' NanoChat model lacks (q/k scale, layer scalars, value",
+                  "embeddings or sliding windows), so its code comes with it: `modeling_nanochat_gpt.py` here, which",
+                  "transformers runs with `trust_remote_code=True` (it is code: read it first), and so does vLLM's",
+                  "Transformers backend: `vllm serve path/to/this/directory --trust-remote-code --model-impl",
+                  "transformers`. mlx-lm cannot run this model.", "", *code]
+    else:
+        lines += ["## Use", "", "transformers >= 5.0 loads it with no custom code:", "", *code]
+    lines += [
+        "## Differences from nanochat's own chat",
+        "",
+        "- nanochat's Engine runs the calculator tool (`<|python_start|>...<|python_end|>`) and writes its result into",
+        "  the reply; other tools do not, so answers that use the tool differ.",
+        "- The tokenizer here turns special-token strings typed in text (e.g. `<|bos|>`) into special tokens;",
+        "  nanochat encodes them as plain text.",
+        f"- Vocabulary: {tokenizer.get_vocab_size():,} tokens, <|bos|> = {tokenizer.get_bos_token_id()} starts every "
+        "sequence (the tokenizer adds it); generation stops at <|assistant_end|> or <|bos|>.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------

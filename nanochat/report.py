@@ -1,17 +1,20 @@
 """
-The run report: one markdown file that says what ran, on what, and what came out.
+The run report: each stage's state as data, and the markdown it renders: what ran, on what, what came out.
 
     python -m nanochat.report reset      # start a new report: header with environment facts
     python -m nanochat.report start      # the same the first time; then a rerun: earlier sections stay
-    ... every stage appends its own section (get_report().log(section, data)) ...
-    python -m nanochat.report generate   # assemble report.md (+ training curves), copy it to the cwd
+    ... every stage writes its own section (get_report().log(section, data)) ...
+    python -m nanochat.report generate   # render report.md (+ training curves), copy it to the cwd
 
-Everything lives in $NANOCHAT_BASE_DIR/report/: header.md, runs.json (when each run of the pipeline started), one
-<section>.md per stage, and the generated report.md and PNG curves. A section is written once per stage and replaced
-when the stage runs again, so a pipeline interrupted and rerun ends with the sections of an uninterrupted one; each
-says which run made it and, where the stage fingerprints its work (nanochat/rerun.py), what it was made from.
-The per-step metrics of a training run live with its checkpoints (<checkpoint dir>/metrics.jsonl); its report section
-names that file, and `generate` plots it.
+Everything lives in $NANOCHAT_BASE_DIR/report/: header.json (when the report started, the environment), runs.json
+(when each run of the pipeline started) and one <section>.json per stage, its state: its title, when it was written,
+which run of the pipeline wrote it, what it was made from (its fingerprint, nanochat/rerun.py), its data in order
+(key: value entries, the stage's headline numbers among them, and lines of text) and, for a chat evaluation, the
+labels of the report card's task rows. Code reads only these (rerun, the summary, the report card, the model card);
+the <section>.md beside each is its markdown for people, and report.md is rendered from the JSON. A section is
+written once per stage and replaced when the stage runs again, so a pipeline interrupted and rerun ends with the
+sections of an uninterrupted one. The per-step metrics of a training run live with its checkpoints
+(<checkpoint dir>/metrics.jsonl); its section names that file, and `generate` plots it.
 """
 
 import datetime
@@ -49,16 +52,33 @@ SUMMARY_METRICS = [
 # The report card under the summary: each stage's headline evaluations side by side, one column per stage, "-"
 # where a stage was not evaluated. The base column holds the base model's CORE-style score(s) (see _base_scores);
 # the chat stages' columns hold keys of their "Chat evaluation <stage>" sections: the accuracies of the tasks that
-# the section's CARD_LABELS line puts on the card ({task: label} in JSON, in the card's order: scripts/chat_eval.py
-# writes it from tasks/registry.py, which the library never imports), then these scores:
+# the section's card labels put on the card ({task: label}, in the card's order: scripts/chat_eval.py gives them from
+# tasks/registry.py, which the library never imports), then these scores:
 REPORT_CARD_STAGES = ("mid", "sft", "rl")
-CARD_LABELS = "report card labels"
 REPORT_CARD_SCORES = [("ChatCORE", "ChatCORE"), ("Offline ChatCORE", "Offline ChatCORE")]  # (key in the section, label)
 GPU_HOUR_USD = float(os.environ.get("NANOCHAT_GPU_HOUR_USD", "3.0"))  # rough on-demand price of one H100-class GPU hour
+STAMP = "%Y-%m-%d %H:%M:%S"  # how the report writes a time
 
 
 def _slug(section):
     return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+
+
+def _now():
+    return f"{datetime.datetime.now():{STAMP}}"
+
+
+def _time(stamp):
+    return datetime.datetime.strptime(stamp, STAMP)
+
+
+def _load(path):
+    """The JSON file at `path`, or None if there is none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def report_dir():
@@ -67,49 +87,55 @@ def report_dir():
     return path
 
 
-def section_path(section):
-    """The file of the section titled `section` (it may not exist yet)."""
-    return os.path.join(report_dir(), f"{_slug(section)}.md")
-
-
 def runs():
     """When each run of the pipeline started ([] before `start`): the first run, then every rerun."""
-    try:
-        with open(os.path.join(report_dir(), "runs.json"), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return []
+    return _load(os.path.join(report_dir(), "runs.json")) or []
 
 
-def run_label():
-    """Which run of the pipeline this is, as a section's "Run" line says it: "1 (first run)", "2 (rerun)", ..."""
-    n = max(1, len(runs()))
-    return f"{n} ({'first run' if n == 1 else 'rerun'})"
+def run_label(run):
+    """Which run of the pipeline `run` (1, 2, ...) is, as a section's "Run" line says: "1 (first run)", "2 (rerun)"."""
+    return f"{run} ({'first run' if run == 1 else 'rerun'})"
+
+
+def read_state(section):
+    """The state of the section titled `section` (what Report.log wrote), or None if it is not there."""
+    return _load(os.path.join(report_dir(), f"{_slug(section)}.json"))
+
+
+def values(state):
+    """{key: value} of the entries of a section's state (a key given twice: its later value, as its markdown reads)."""
+    return {k: v for item in state["data"] if isinstance(item, dict) for k, v in item.items()}
+
+
+def render(state):
+    """A section's markdown: title, when it was written, the run that wrote it, what it was made from, its data."""
+    lines = [f"## {state['section']}", f"timestamp: {state['timestamp']}", "", f"- Run: {run_label(state['run'])}"]
+    if state["made_from"]:
+        lines.append(f"- Made from: {state['made_from']}")
+    for item in state["data"]:
+        lines += [item] if isinstance(item, str) else [f"- {k}: {format_value(v)}" for k, v in item.items()]
+    return "\n".join(lines) + "\n\n"
 
 
 class Report:
     def __init__(self, directory):
         self.dir = directory
 
-    def log(self, section, data, made_from=None):
+    def log(self, section, data, made_from=None, card_labels=None):
         """
-        Write one section: `data` is a list of dicts (key -> value) or strings, written in order, after the run of the
-        pipeline that wrote it and `made_from` (the stage's fingerprint, nanochat/rerun.py) when given.
+        Write one section: its state (<slug>.json) and its markdown (<slug>.md). `data` is a list of dicts
+        (key -> value) or strings, in order; `made_from` the stage's fingerprint (nanochat/rerun.py) when it has one;
+        `card_labels` {task: label} of the report card's task rows (a chat evaluation's). Returns the state's path.
         """
-        path = os.path.join(self.dir, f"{_slug(section)}.md")
-        lines = [f"## {section}", f"timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}", ""]
-        lines.append(f"- Run: {run_label()}")
-        if made_from:
-            lines.append(f"- Made from: {made_from}")
-        for item in data:
-            if isinstance(item, str):
-                lines.append(item)
-                continue
-            for k, v in item.items():
-                lines.append(f"- {k}: {format_value(v)}")
-        with atomic_write(path, "w") as f:
-            f.write("\n".join(lines) + "\n\n")
-        return path
+        path = os.path.join(self.dir, _slug(section))
+        state = dict(section=section, timestamp=_now(), run=max(1, len(runs())), made_from=made_from, data=data,
+                     card_labels=card_labels)
+        text = json.dumps(state, default=str)  # a value JSON cannot hold (a torch dtype): the text the markdown shows
+        with atomic_write(path + ".md", "w") as f:  # rendered from the JSON, as report.md is: the same text
+            f.write(render(json.loads(text)))
+        with atomic_write(path + ".json", "w") as f:  # last: a section without its state was never written
+            f.write(text)
+        return path + ".json"
 
 
 class DummyReport:
@@ -122,6 +148,12 @@ def get_report():
     if int(os.environ.get("RANK", 0)) == 0:
         return Report(report_dir())
     return DummyReport()
+
+
+def states(directory):
+    """{section slug: its state} of every stage section in `directory`."""
+    found = {os.path.basename(p)[:-5]: _load(p) for p in glob.glob(os.path.join(directory, "*.json"))}
+    return {name: state for name, state in found.items() if name not in ("header", "runs") and state}
 
 
 # -----------------------------------------------------------------------------
@@ -153,7 +185,8 @@ def _code_size():
     return chars, lines, files
 
 
-def header_text():
+def environment():
+    """The header's facts: {name: value}."""
     import psutil
     import torch
     commit = _run(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
@@ -162,39 +195,25 @@ def header_text():
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     chars, lines, files = _code_size()
-    out = [
-        "# nanochat training report", "",
-        f"Generated: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}", "",
-        "## Environment", "",
-        f"- Git commit: {commit}{' (dirty: uncommitted changes)' if dirty else ''}",
-        f"- Host: {socket.gethostname()} ({platform.system()} {platform.release()})",
-        f"- CPU: {cpu_model_name()}, {psutil.cpu_count(logical=False)} cores / {psutil.cpu_count()} threads",
-        f"- Memory: {psutil.virtual_memory().total / 2**30:.1f} GiB",
-        f"- GPUs: {len(gpus)} x {gpus[0]}" if gpus else "- GPUs: none",
-        f"- GPU count: {len(gpus)}",
-        f"- Python: {platform.python_version()}, PyTorch: {torch.__version__}",
-        f"- Code: {chars:,} characters, {lines:,} lines, {files} files (~{chars // 4:,} tokens)",
-        "",
-    ]
-    return "\n".join(out) + "\n"
+    return {
+        "Git commit": f"{commit}{' (dirty: uncommitted changes)' if dirty else ''}",
+        "Host": f"{socket.gethostname()} ({platform.system()} {platform.release()})",
+        "CPU": f"{cpu_model_name()}, {psutil.cpu_count(logical=False)} cores / {psutil.cpu_count()} threads",
+        "Memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "GPUs": f"{len(gpus)} x {gpus[0]}" if gpus else "none",
+        "GPU count": len(gpus),
+        "Python": f"{platform.python_version()}, PyTorch: {torch.__version__}",
+        "Code": f"{chars:,} characters, {lines:,} lines, {files} files (~{chars // 4:,} tokens)",
+    }
+
+
+def header(directory):
+    """The header's state: when the report started and its environment (made now, "Generated", if never reset)."""
+    return _load(os.path.join(directory, "header.json")) or dict(Generated=_now(), environment=environment())
 
 
 # -----------------------------------------------------------------------------
 # generate
-
-
-def parse_section(text):
-    """{key: value} of the `- key: value` lines of a section."""
-    return dict(m.groups() for m in re.finditer(r"^- ([^:\n]+): (.*)$", text, re.MULTILINE))
-
-
-def _timestamps(texts):
-    stamps = []
-    for text in texts:
-        for m in re.finditer(r"^(?:timestamp|Generated|Started): (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)$", text,
-                             re.MULTILINE):
-            stamps.append(datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
-    return stamps
 
 
 # The curves of a training stage: (key in its metrics file, label)
@@ -204,15 +223,15 @@ CURVES = [("loss", "train loss (EMA)"), ("val_bpb", "validation bits per byte"),
 def plot_curves(directory, sections):
     """
     Training curves (loss, val bpb, tokens/s per step) of each training stage, as PNG files in `directory`.
-    A stage's section names its metrics file (`- Metrics file: <path>`, the run's checkpoint directory keeps
-    it). Returns the names of the PNG files.
+    A stage's section names its metrics file (its "Metrics file" entry, the run's checkpoint directory keeps
+    it). `sections`: {slug: state}. Returns the names of the PNG files.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     written = []
-    for stage, text in sections.items():
-        path = parse_section(text).get("Metrics file")
+    for stage, state in sections.items():
+        path = values(state).get("Metrics file")
         if not path or not os.path.exists(path):
             continue
         rows = []
@@ -227,8 +246,8 @@ def plot_curves(directory, sections):
             if not series[key]:
                 continue
             fig, ax = plt.subplots(figsize=(6, 3.5))
-            steps, values = zip(*series[key])
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
+            steps, points = zip(*series[key])
+            ax.plot(steps, points, marker="o" if len(steps) < 30 else None)
             ax.set_xlabel("step")
             ax.set_ylabel(label)
             ax.set_title(f"{stage}: {label}")
@@ -249,68 +268,61 @@ def _base_scores(section):
     return [k for k in section if k == "CORE metric" or k.endswith("score") or k.endswith("CORE metric")]
 
 
-def report_card(parsed):
+def report_card(sections):
     """
     The report card as markdown lines ([] when nothing has been evaluated): rows are metrics, columns the base model
     and the chat stages (REPORT_CARD_STAGES), "-" where a stage lacks the metric. A metric no stage has is left out.
-    `parsed`: {section slug: {key: value}}.
+    `sections`: {section slug: its state}.
     """
-    labels = {}  # {task: label} of the chat evaluation sections' CARD_LABELS lines, in their order
+    labels = {}  # {task: label} of the chat evaluation sections' card labels, in their order
     for stage in REPORT_CARD_STAGES:
-        labels.update(json.loads(parsed.get(f"chat-evaluation-{stage}", {}).get(CARD_LABELS, "{}")))
-    base = parsed.get("base-model-evaluation", {})
+        labels.update(sections.get(f"chat-evaluation-{stage}", {}).get("card_labels") or {})
+    found = {name: values(state) for name, state in sections.items()}
+    base = found.get("base-model-evaluation", {})
     rows = [(key.removesuffix(" metric"), [base[key]] + ["-"] * len(REPORT_CARD_STAGES)) for key in _base_scores(base)]
     for key, label in list(labels.items()) + REPORT_CARD_SCORES:
-        values = [parsed.get(f"chat-evaluation-{stage}", {}).get(key, "-") for stage in REPORT_CARD_STAGES]
-        if any(v != "-" for v in values):
-            rows.append((label, ["-"] + values))
+        cells = [found.get(f"chat-evaluation-{stage}", {}).get(key, "-") for stage in REPORT_CARD_STAGES]
+        if any(v != "-" for v in cells):
+            rows.append((label, ["-"] + cells))
     if not rows:
         return []
-    header = ["metric", "base", *REPORT_CARD_STAGES]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return lines + [f"| {label} | {' | '.join(values)} |" for label, values in rows]
-
-
-def read_sections(directory):
-    """{section slug: its markdown} of every stage section in `directory` (not header.md, not report.md)."""
-    sections = {}
-    for path in glob.glob(os.path.join(directory, "*.md")):
-        name = os.path.basename(path)[:-3]
-        if name not in ("header", "report"):
-            with open(path, encoding="utf-8") as f:
-                sections[name] = f.read()
-    return sections
+    header_row = ["metric", "base", *REPORT_CARD_STAGES]
+    lines = ["| " + " | ".join(header_row) + " |", "|" + " --- |" * len(header_row)]
+    return lines + [f"| {label} | {' | '.join(str(format_value(v)) for v in cells)} |" for label, cells in rows]
 
 
 def generate(copy_to=None):
-    """Assemble report.md from the header and the sections; returns its path. Copies report + PNGs to `copy_to`."""
+    """Render report.md from the header and the sections; returns its path. Copies report + PNGs to `copy_to`."""
     directory = report_dir()
-    header_path = os.path.join(directory, "header.md")
-    header = open(header_path, encoding="utf-8").read() if os.path.exists(header_path) else header_text()
-    sections = read_sections(directory)
+    head = header(directory)
+    sections = states(directory)
     order = [s for s in SECTION_ORDER if s in sections] + sorted(s for s in sections if s not in SECTION_ORDER)
 
-    parsed = {name: parse_section(text) for name, text in sections.items()}
-    rows = [(label, parsed[s][k]) for s, k, label in SUMMARY_METRICS if s in parsed and k in parsed[s]]
-    stamps = _timestamps([header] + list(sections.values()))
-    wall = (max(stamps) - min(stamps)).total_seconds() if len(stamps) >= 2 else 0.0
-    gpu_count = int(m.group(1)) if (m := re.search(r"^- GPU count: (\d+)$", header, re.MULTILINE)) else 0
+    found = {name: values(state) for name, state in sections.items()}
+    rows = [(label, format_value(found[s][k])) for s, k, label in SUMMARY_METRICS if s in found and k in found[s]]
+    word = "Started" if "Started" in head else "Generated"
+    start = head[word]
+    stamps = [_time(start)] + [_time(state["timestamp"]) for state in sections.values()]
+    wall = (max(stamps) - min(stamps)).total_seconds()
+    gpu_count = head["environment"]["GPU count"]
 
-    out = [header.rstrip(), "", "## Summary", ""]
+    out = ["# nanochat training report", "", f"{word}: {start}", "", "## Environment", ""]
+    out += [f"- {k}: {v}" for k, v in head["environment"].items()]
+    out += ["", "## Summary", ""]
     out += ["| metric | value |", "| --- | --- |"] + [f"| {label} | {value} |" for label, value in rows]
     out.append(f"| Total wall time | {wall / 3600:.2f} h ({wall / 60:.1f} min) |")
     if gpu_count:
         out.append(f"| Estimated cost | ${wall / 3600 * gpu_count * GPU_HOUR_USD:,.2f} "
                    f"({gpu_count} GPUs x ${GPU_HOUR_USD:.2f}/GPU-hour, NANOCHAT_GPU_HOUR_USD) |")
     out.append("")
-    card = report_card(parsed)
+    card = report_card(sections)
     if card:
         out += ["### Report card", ""] + card + [""]
     images = plot_curves(directory, {name: sections[name] for name in order})
     if images:
         out += ["## Training curves", ""] + [f"![{name}]({name})" for name in images] + [""]
     for name in order:
-        out.append(sections[name].rstrip())
+        out.append(render(sections[name]).rstrip())
         out.append("")
     report_path = os.path.join(directory, "report.md")
     with atomic_write(report_path, "w") as f:
@@ -333,23 +345,19 @@ def stage_lines(directory):
     start-up and imports included, in whole seconds) and its headline number (HEADLINES). What `generate` prints, so
     that a run ends with a summary.
     """
-    header_path = os.path.join(directory, "header.md")
-    start = _timestamps([open(header_path, encoding="utf-8").read()]) if os.path.exists(header_path) else []
-    run_starts = [datetime.datetime.strptime(s, "%Y-%m-%d %H:%M:%S") for s in runs()]
-    written = sorted((_timestamps([text])[0], text) for text in read_sections(directory).values()
-                     if _timestamps([text]))
+    head = _load(os.path.join(directory, "header.json"))
+    previous = _time(head["Started"]) if head else None
+    run_starts = [_time(s) for s in runs()]
     lines = []
-    previous = start[0] if start else None
-    for stamp, text in written:
-        run = re.search(r"^- Run: (\d+)", text, re.MULTILINE)
-        if run and int(run.group(1)) <= len(run_starts):  # a rerun's first stage: timed from the rerun's start
-            previous = max(previous or stamp, run_starts[int(run.group(1)) - 1])
-        title = text.split("\n", 1)[0].removeprefix("## ")
+    for state in sorted(states(directory).values(), key=lambda s: s["timestamp"]):
+        stamp, run = _time(state["timestamp"]), state["run"]
+        if run <= len(run_starts):  # a rerun's first stage: timed from the rerun's start
+            previous = max(previous or stamp, run_starts[run - 1])
         took = f"{(stamp - previous).total_seconds():5.0f} s" if previous else "    ? s"
-        parsed = parse_section(text)
-        key = next((k for k in HEADLINES if k in parsed), None)
-        rerun = f"  (run {run.group(1)})" if run and run.group(1) != "1" else ""
-        lines.append(f"  {title:<24} {took}" + (f"  {key}: {parsed[key]}" if key else "") + rerun)
+        found = values(state)
+        key = next((k for k in HEADLINES if k in found), None)
+        headline = f"  {key}: {format_value(found[key])}" if key else ""
+        lines.append(f"  {state['section']:<24} {took}{headline}" + (f"  (run {run})" if run != 1 else ""))
         previous = stamp
     return lines
 
@@ -360,17 +368,17 @@ def reset():
     for path in glob.glob(os.path.join(directory, "*")):
         if os.path.isfile(path):
             os.remove(path)
-    with atomic_write(os.path.join(directory, "header.md"), "w") as f:
-        f.write(header_text().replace("Generated: ", "Started: ", 1))
+    with atomic_write(os.path.join(directory, "header.json"), "w") as f:
+        json.dump(dict(Started=_now(), environment=environment()), f)
     _add_run()
     return directory
 
 
 def start():
     """A run of the pipeline starts: reset() the first time; after that a rerun, which keeps the earlier sections."""
-    if not os.path.exists(os.path.join(report_dir(), "header.md")):
+    if not os.path.exists(os.path.join(report_dir(), "header.json")):
         reset()
-        return f"Report started: {report_dir()}/header.md (run 1)"
+        return f"Report started: {report_dir()}/header.json (run 1)"
     _add_run()
     return (f"Report: run {len(runs())} of this pipeline (a rerun) in {report_dir()}: the sections of earlier runs "
             f"stay, a stage that runs again replaces its own")
@@ -378,7 +386,7 @@ def start():
 
 def _add_run():
     with atomic_write(os.path.join(report_dir(), "runs.json"), "w") as f:
-        json.dump(runs() + [f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}"], f)
+        json.dump(runs() + [_now()], f)
 
 
 def main(argv):
@@ -386,7 +394,7 @@ def main(argv):
         print("usage: python -m nanochat.report reset|start|generate", file=sys.stderr)
         return 2
     if argv[0] == "reset":
-        print(f"Report reset: {reset()}/header.md")
+        print(f"Report reset: {reset()}/header.json")
     elif argv[0] == "start":
         print(start())
     else:
@@ -395,120 +403,6 @@ def main(argv):
         print("Stages (wall time from the end of the one before; headline number):")
         print("\n".join(stage_lines(report_dir())))
     return 0
-
-
-# -----------------------------------------------------------------------------
-# The model card: the README.md of an exported model. What it is, how it was trained and how it scored, from what
-# this machine recorded (the checkpoint's meta file and those it was trained from, the run report); whatever is
-# not recorded says "not recorded", nothing is estimated.
-
-NOT_RECORDED = "not recorded"
-
-
-def trained_on(stage, meta):
-    """One line: how much this stage trained on, from its meta file's step count and batch settings."""
-    if meta is None:
-        return f"{NOT_RECORDED} (its checkpoint is not on this machine)"
-    if "imported_from" in meta:
-        origin = meta["imported_from"]
-        name = os.path.basename(str(origin.get("path")))  # not the full path: a model card gets published
-        return f"imported from a {origin.get('format')} directory ({name}); its training is {NOT_RECORDED} here"
-    config = meta.get("user_config") or {}
-    step = meta.get("step")
-    units = {"base": ("total_batch_size", "tokens"), "mid": ("total_batch_size", "tokens"),
-             "sft": ("examples_per_step", "conversations"), "rl": ("prompts_per_step", "problems")}
-    key, unit = units.get(stage, (None, None))
-    if not isinstance(step, int) or key not in config:
-        return NOT_RECORDED
-    return f"{step:,} steps x {config[key]:,} {unit} = {step * config[key]:,} {unit}"
-
-
-def evaluation_lines():
-    """The run report's card (nanochat.report.report_card) and the model each evaluation section names, or []."""
-    directory = os.path.join(get_base_dir(), "report")
-    if not os.path.isdir(directory):
-        return []
-    parsed = {name: parse_section(text) for name, text in read_sections(directory).items()}
-    card = report_card(parsed)
-    if not card:
-        return []
-    evaluated = [f"- {name}: {section['model']}" for name, section in sorted(parsed.items())
-                 if "evaluation" in name and "model" in section]
-    return ["From the run report (`$NANOCHAT_BASE_DIR/report/`): the latest evaluation of each stage logged there.", "",
-            *card, "", "The evaluated models:", *evaluated]
-
-
-def model_card(meta, lineage, model, tokenizer, dtype, layout):
-    """
-    The README.md text. meta: load_model's meta of the exported checkpoint; lineage: lineage() of it (this checkpoint
-    first, then the models it was trained from).
-    """
-    c = model.config
-    source = lineage[0][0]
-    name = f"nanochat {source} {meta.get('model_tag')} step {meta.get('step')}"
-    lines = [
-        f"# {name}",
-        "",
-        "A small chat model trained from scratch with nanochat, exported by `python -m scripts.export_model`.",
-        "",
-        "## Model",
-        "",
-        "| parameters | layers | width | query heads | key/value heads | context | vocabulary | weights |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        f"| {model.num_params():,} | {c.n_layer} | {c.n_embd} | {c.n_head} | {c.n_kv_head} | {c.sequence_len} | "
-        f"{c.vocab_size:,} | {dtype} |",
-        "",
-        "## Training",
-        "",
-        "| stage | model | trained on |",
-        "| --- | --- | --- |",
-        *[f"| {stage} | {tag} step {step} | {trained_on(stage, m)} |" for stage, tag, step, m in lineage],
-        "",
-        "## Evaluation",
-        "",
-        *(evaluation_lines() or [f"{NOT_RECORDED} (no report card in this machine's run report)"]),
-        "",
-    ]
-    trust = ", trust_remote_code=True" if layout == "remote" else ""  # the tokenizer too: it reads config.json's class
-    code = ["```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "path = \"path/to/this/directory\"",
-            f"tokenizer = AutoTokenizer.from_pretrained(path{trust})",
-            f"model = AutoModelForCausalLM.from_pretrained(path{trust})",
-            "messages = [{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}]",
-            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
-            "return_dict=True)",
-            "output = model.generate(**inputs, max_new_tokens=128)",
-            "print(tokenizer.decode(output[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
-            "```",
-            ""]
-    if layout == "mlx":
-        lines += ["## Use", "",
-                  "This directory keeps nanochat's weight names, which mlx-lm's `nanochat` model reads:", "",
-                  "    mlx_lm.generate --model path/to/this/directory --prompt \"Hello\"", "",
-                  "transformers cannot load it (it expects `model.layers.*` names): "
-                  "export with `--layout=hf` for that.", ""]
-    elif layout == "remote":
-        lines += ["## Use", "",
-                  "This model has parts transformers' NanoChat model lacks (q/k scale, layer scalars, value",
-                  "embeddings or sliding windows), so its code comes with it: `modeling_nanochat_gpt.py` here, which",
-                  "transformers runs with `trust_remote_code=True` (it is code: read it first), and so does vLLM's",
-                  "Transformers backend: `vllm serve path/to/this/directory --trust-remote-code --model-impl",
-                  "transformers`. mlx-lm cannot run this model.", "", *code]
-    else:
-        lines += ["## Use", "", "transformers >= 5.0 loads it with no custom code:", "", *code]
-    lines += [
-        "## Differences from nanochat's own chat",
-        "",
-        "- nanochat's Engine runs the calculator tool (`<|python_start|>...<|python_end|>`) and writes its result into",
-        "  the reply; other tools do not, so answers that use the tool differ.",
-        "- The tokenizer here turns special-token strings typed in text (e.g. `<|bos|>`) into special tokens;",
-        "  nanochat encodes them as plain text.",
-        f"- Vocabulary: {tokenizer.get_vocab_size():,} tokens, <|bos|> = {tokenizer.get_bos_token_id()} starts every "
-        "sequence (the tokenizer adds it); generation stops at <|assistant_end|> or <|bos|>.",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Rerun = resume: what each stage's outputs were made from, so that a pipeline run
 A stage's outputs (a training stage's checkpoints, every stage's report section) carry the fingerprint of what made
 them: the stage, its settings (those that change what it computes: not the wandb run's name, how often it saves or
 whether it may resume) and the identities of its inputs (the checkpoint it starts from or evaluates, the tokenizer,
-the corpus, a file of conversations). Checkpoints keep it in their meta file, report sections as their "Made from"
-line. With --rerun=auto (what speedrun.sh passes) a stage asks here, before any work, and:
+the corpus, a file of conversations). Checkpoints keep it in their meta file, report sections in their state
+(nanochat/report.py: <section>.json; their markdown is for people). With --rerun=auto (what speedrun.sh passes) a
+stage asks here, before any work, and:
   - its report section is there with the same fingerprint (and a training stage's last checkpoint with it): the
     stage is done; it says so in one line, with when it was made, and exits 0;
   - a training stage whose checkpoints have the same fingerprint but no section yet was interrupted: it resumes
@@ -28,7 +29,7 @@ from nanochat.checkpoint_manager import SOURCES, checkpoint_dir_for, complete_st
 from nanochat.dataset import dataset_name, list_parquet_files
 from nanochat.files import get_base_dir
 from nanochat.output import UserError, print0
-from nanochat.report import parse_section, section_path
+from nanochat.report import read_state, run_label, values
 from nanochat.tokenizer import get_tokenizer
 
 # Settings that do not change what a stage computes: where it logs, how often it saves, whether and how it resumes
@@ -86,19 +87,13 @@ def file_input(path):
 
 def made_before(section):
     """
-    (fingerprint, timestamp, run) of the report section titled `section`, or None if it is not there or says its
-    stage stopped early (a training stage interrupted after its last save writes its section too).
+    (fingerprint, timestamp, run) of the report section titled `section`, from its state, or None if it is not there
+    or says its stage stopped early (a training stage interrupted after its last save writes its section too).
     """
-    path = section_path(section)
-    if not os.path.exists(path):
+    state = read_state(section)
+    if state is None or values(state).get("Stopped early") is True:
         return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    parsed = parse_section(text)
-    if parsed.get("Stopped early") == "True":
-        return None
-    stamp = re.search(r"^timestamp: (.+)$", text, re.MULTILINE)
-    return parsed.get("Made from"), stamp.group(1) if stamp else "?", parsed.get("Run", "?")
+    return state["made_from"], state["timestamp"], run_label(state["run"])
 
 
 def done_before(section, made_from, outputs=()):

@@ -36,10 +36,9 @@ all of them); sampled ones one problem at a time, so that problem i's samples de
 Under torchrun, rank r evaluates the batches r, r + W, r + 2W, ... of `batch_size` consecutive problems (W
 processes) and the counts are summed over the ranks: the same batches as one process, so the same scores. The
 report section "Chat evaluation <source>" holds the last run's results, and the labels of the report card's task rows
-(card_labels): evaluate everything you want reported in one run.
+(the registry's): evaluate everything you want reported in one run.
 """
 
-import json
 import sys
 import time
 
@@ -139,15 +138,6 @@ def scores(results, offline):
     return {}
 
 
-def card_labels():
-    """
-    The report section's entry that names the report card's task rows: {task: label} of the registry, in its order,
-    as JSON (nanochat.report.report_card reads it: the library does not import the registry).
-    """
-    from nanochat.report import CARD_LABELS
-    return {CARD_LABELS: json.dumps(dict(report_card_labels()))}
-
-
 # -----------------------------------------------------------------------------
 # The script
 
@@ -228,15 +218,15 @@ def main(argv=None):
     if not final:
         print0("(ChatCORE needs all of its tasks, -a all; Offline ChatCORE the offline tasks, -a offline)")
 
+    # the report card names its task rows with the registry's labels (the library does not import the registry)
     get_report().log(section=f"Chat evaluation {source}", made_from=made_from, data=[
         {"model": f"{source} {meta['model_tag']} step {meta['step']}", "tasks": task_name, "max problems": max_problems,
          "num samples": num_samples, "temperature": temperature, "top k": top_k, "max new tokens": max_new_tokens,
          "world size": world_size},
         {name: r["accuracy"] for name, r in results.items()},
         final,
-        card_labels(),
         "", *table,
-    ])
+    ], card_labels=dict(report_card_labels()))
     compute_cleanup()
 
 

@@ -25,11 +25,10 @@ import torch
 
 from nanochat.checkpoint_manager import SOURCES, checkpoint_dir_for, load_model, read_meta
 from nanochat.configurator import check_config, configure
-from nanochat.hf_format import (CHAT_TEMPLATE, MODELING_FILE, check_free, generation_config, hf_config, modeling_source,
-                                remote_config, rename_weights, save_safetensors, settings_without_equivalent,
-                                staged_directory, tokenizer_config, tokenizer_json)
+from nanochat.hf_format import (CHAT_TEMPLATE, MODELING_FILE, check_free, generation_config, hf_config, model_card,
+                                modeling_source, remote_config, rename_weights, save_safetensors,
+                                settings_without_equivalent, staged_directory, tokenizer_config, tokenizer_json)
 from nanochat.output import UserError, print0
-from nanochat.report import model_card
 
 
 source = "sft"  # which checkpoints: base | mid | sft | rl

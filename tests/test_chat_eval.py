@@ -8,6 +8,7 @@ it has read, and a GPT whose weights make it a bigram table. The script runs end
 checkpoint (the session's tiny midtrained model), offline and with the real tasks served from local fixtures.
 """
 
+import json
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ from nanochat.tokenizer import Tokenizer
 from scripts.chat_eval import expand_short_flags, load_tasks, mean_centered, scores
 from tasks.common import Task, render_mc
 from tasks.humaneval import HumanEval, build_program, extract_code
-from tasks.registry import chatcore_baselines
+from tasks.registry import chatcore_baselines, report_card_labels
 
 
 @pytest.fixture(scope="module")
@@ -337,25 +338,22 @@ def test_arguments():
 # The report card
 
 def test_report_card(isolated_env):
-    """The card's task rows are those chat_eval's sections name, with their labels, in the registry's order."""
+    """
+    The card's task rows are those chat_eval's sections name, with their labels, in the registry's order. The labels
+    travel in the section's state, not in its markdown: no JSON in any section's markdown.
+    """
     from nanochat import report
-    from scripts.chat_eval import card_labels
     directory = report.report_dir()
-    labels = [f"- {key}: {value}" for key, value in card_labels().items()]  # the line chat_eval writes
-
-    def section(slug, title, lines):
-        with open(os.path.join(directory, f"{slug}.md"), "w") as f:
-            f.write(f"## {title}\ntimestamp: 2025-01-01 10:00:00\n\n" + "\n".join(lines) + "\n")
+    log = report.Report(directory).log
+    labels = dict(report_card_labels())  # what chat_eval gives
 
     # nothing evaluated: no card, and generate still works
     text = open(report.generate()).read()
     assert "Report card" not in text and "| metric | value |" in text
-    section("base-model-evaluation", "Base model evaluation",
-            ["- model: base d1 step 30", "- pydocs-CORE metric: 0.1234"])
-    section("chat-evaluation-mid", "Chat evaluation mid",
-            ["- GSM8K: 0.0500", "- ARC-Easy: 0.3000", "- ChatCORE: 0.0712", "- tasks: all", *labels])
-    section("chat-evaluation-sft", "Chat evaluation sft",
-            ["- ARC-Easy: 0.4000", "- PydocsMC: 0.5000", "- Offline ChatCORE: 0.2000", *labels])
+    log("Base model evaluation", [{"model": "base d1 step 30", "pydocs-CORE metric": 0.1234}])
+    log("Chat evaluation mid", [{"GSM8K": 0.05, "ARC-Easy": 0.3, "ChatCORE": 0.0712, "tasks": "all"}, "", "| a |"],
+        card_labels=labels)
+    log("Chat evaluation sft", [{"ARC-Easy": 0.4, "PydocsMC": 0.5, "Offline ChatCORE": 0.2}], card_labels=labels)
     text = open(report.generate()).read()
     card = text[text.index("### Report card"):].split("\n\n")[1]
     assert card.splitlines() == [
@@ -368,8 +366,11 @@ def test_report_card(isolated_env):
         "| Offline ChatCORE | - | - | 0.2000 | - |",
     ]
     assert text.index("## Summary") < text.index("### Report card") < text.index("## Base model evaluation")
-    os.remove(os.path.join(directory, "base-model-evaluation.md"))
-    section("base-model-evaluation", "Base model evaluation", ["- CORE metric: 0.2200"])
+    sections = {name: open(os.path.join(directory, name)).read() for name in os.listdir(directory)
+                if name.endswith(".md") and name != "report.md"}
+    assert len(sections) == 3 and not any(re.search("[{}]", md) for md in sections.values()), sections
+    assert "- GSM8K: 0.0500\n- ARC-Easy: 0.3000\n" in text and "- tasks: all\n\n| a |\n" in text
+    log("Base model evaluation", [{"CORE metric": 0.22}])
     assert "| CORE | 0.2200 | - | - | - |" in open(report.generate()).read()
 
 
@@ -391,10 +392,11 @@ def task_lines(out):
     return dict(re.findall(r"^(\w[\w-]*): ([\d.]+% \(\d+/\d+\)) in ", out, re.MULTILINE))
 
 
-def card_rows(section):
-    """The labels of the report card's rows that this chat evaluation section fills (nanochat.report)."""
-    from nanochat.report import parse_section, report_card
-    card = report_card({"chat-evaluation-mid": parse_section(section)})
+def card_rows(base_dir):
+    """The labels of the report card's rows that the mid model's chat evaluation section fills (nanochat.report)."""
+    from nanochat.report import report_card
+    state = json.loads((base_dir / "report" / "chat-evaluation-mid.json").read_text())
+    card = report_card({"chat-evaluation-mid": state})
     return [row.split(" | ")[0].removeprefix("| ") for row in card[2:]]
 
 
@@ -417,7 +419,8 @@ def test_offline_end_to_end_and_two_ranks_score_the_same(mid_model):
         assert re.search(rf"^- {name}: [\d.]+$", section, re.MULTILINE), section
     assert re.search(r"^- Offline ChatCORE: -?[\d.]+$", section, re.MULTILINE) and "- ChatCORE:" not in section
     assert "| PydocsMC | categorical | 5 |" in section and "| 0.2500 |" in section  # 4 choices: chance is 1/4
-    assert card_rows(section) == ["SpellingBee", "Offline ChatCORE"]  # the offline task on the card, and the score
+    assert card_rows(mid_model) == ["SpellingBee", "Offline ChatCORE"]  # the offline task on the card, and the score
+    assert "{" not in section  # the card's labels travel in the section's state, not in its markdown
 
     two = chat_eval(*args, nproc=2)
     assert two.returncode == 0, two.stderr
@@ -438,7 +441,7 @@ def test_chatcore_tasks_from_the_hub(mid_model, hub):
     section = (mid_model / "report" / "chat-evaluation-mid.md").read_text()
     assert re.search(r"^- ChatCORE: -?[\d.]+$", section, re.MULTILINE) and "Offline ChatCORE" not in section
     assert "| MMLU | categorical | 2 |" in section and "| HumanEval | generative | 2 |" in section
-    assert card_rows(section) == ["ARC-E", "ARC-C", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE"]
+    assert card_rows(mid_model) == ["ARC-E", "ARC-C", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE"]
 
 
 def test_missing_model_or_data_is_one_line_naming_the_command(isolated_env, small_tokenizer_dir, hub, tmp_path):

@@ -186,9 +186,9 @@ def test_export_refusals(chat_base, tmp_path, monkeypatch):
         hf_config(model_config, None, "float32")
     # --overwrite replaces the directory, in bf16 by default; the model card shows the report card's scores
     from nanochat.report import get_report
-    from scripts.chat_eval import card_labels  # the labels line chat_eval writes into its section
-    get_report().log(section="Chat evaluation mid",
-                     data=[{"model": "mid d1 step 10"}, {"ARC-Easy": 0.3125}, card_labels()])
+    from tasks.registry import report_card_labels  # the labels chat_eval gives its section
+    get_report().log(section="Chat evaluation mid", data=[{"model": "mid d1 step 10"}, {"ARC-Easy": 0.3125}],
+                     card_labels=dict(report_card_labels()))
     run_in_process("scripts.export_model", "--source=mid", f"--out={out}", "--overwrite", monkeypatch=monkeypatch)
     assert "keep.txt" not in os.listdir(out) and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     card = (out / "README.md").read_text()

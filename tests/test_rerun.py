@@ -257,19 +257,37 @@ def test_the_fingerprint_follows_what_changes_the_work_and_nothing_else():
 
 
 def test_report_sections_say_which_run_made_them(isolated_env):
-    from nanochat.report import get_report, run_label, start
+    from nanochat.report import get_report, read_state, start
     from nanochat.rerun import done_before, made_before
-    assert "run 1" in start() and run_label() == "1 (first run)"
+    assert "run 1" in start()
     get_report().log("Chat evaluation sft", [{"accuracy": 0.5}], made_from="f" * 16)
-    assert made_before("Chat evaluation sft")[0] == "f" * 16
-    assert "rerun" in start() and run_label() == "2 (rerun)"
+    assert made_before("Chat evaluation sft") == ("f" * 16, read_state("Chat evaluation sft")["timestamp"],
+                                                  "1 (first run)")
+    assert "rerun" in start()
     assert done_before("Chat evaluation sft", "f" * 16) and not done_before("Chat evaluation sft", "e" * 16)
     assert not done_before("Chat evaluation sft", "f" * 16, outputs=[str(isolated_env / "missing")])
     assert not done_before("Chat evaluation mid", "f" * 16)
     text = (isolated_env / "report" / "chat-evaluation-sft.md").read_text()
     assert "- Run: 1 (first run)" in text and "- Made from: ffffffffffffffff" in text
+    get_report().log("Chat evaluation mid", [{"accuracy": 0.5}], made_from="f" * 16)
+    assert made_before("Chat evaluation mid")[2] == "2 (rerun)"
     # a training stage stopped early wrote its section: not done
     get_report().log("Chat SFT", [{"Stopped early": True}], made_from="f" * 16)
+    assert made_before("Chat SFT") is None
+
+
+def test_rerun_reads_the_state_not_the_markdown(isolated_env):
+    """A section's state (its JSON) says what rerun decides; its markdown, for people, is never read back."""
+    from nanochat.report import get_report, start
+    from nanochat.rerun import done_before, made_before
+    start()
+    get_report().log("Midtraining", [{"Stopped early": False}], made_from="a" * 16)
+    report = isolated_env / "report"
+    (report / "midtraining.md").write_text("## Midtraining\n\n- Stopped early: True\n- Made from: bbbbbbbbbbbbbbbb\n")
+    assert made_before("Midtraining")[0] == "a" * 16 and not done_before("Midtraining", "b" * 16)
+    (report / "midtraining.md").unlink()
+    assert done_before("Midtraining", "a" * 16)
+    (report / "chat-sft.md").write_text("## Chat SFT\n\n- Made from: aaaaaaaaaaaaaaaa\n")  # no state: never written
     assert made_before("Chat SFT") is None
 
 
@@ -319,15 +337,15 @@ def test_stage_lines_time_each_section_from_the_one_before(isolated_env):
     """
     from nanochat import report
     directory = report.report_dir()
-    with open(os.path.join(directory, "header.md"), "w") as f:
-        f.write("# nanochat training report\n\nStarted: 2025-01-01 10:00:00\n")
-    for slug, title, stamp, lines in [("chat-rl", "Chat RL", "10:02:30",
-                                       ["- pass@1: 0.1", "- Mean reward, last steps: 0.2500"]),
-                                      ("base-model-training", "Base model training", "10:01:05",
-                                       ["- CORE metric: 0.2", "- Final validation bpb: 1.2345"]),
-                                      ("tokenizer-training", "Tokenizer training", "10:00:07", ["- vocab_size: 512"])]:
-        with open(os.path.join(directory, f"{slug}.md"), "w") as f:
-            f.write(f"## {title}\ntimestamp: 2025-01-01 {stamp}\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(directory, "header.json"), "w") as f:
+        json.dump({"Started": "2025-01-01 10:00:00", "environment": {"GPU count": 0}}, f)
+    for slug, title, stamp, data in [("chat-rl", "Chat RL", "10:02:30",
+                                      [{"pass@1": 0.1, "Mean reward, last steps": 0.25}]),
+                                     ("base-model-training", "Base model training", "10:01:05",
+                                      [{"CORE metric": 0.2}, "text", {"Final validation bpb": 1.23454}]),
+                                     ("tokenizer-training", "Tokenizer training", "10:00:07", [{"vocab_size": 512}])]:
+        with open(os.path.join(directory, f"{slug}.json"), "w") as f:
+            json.dump(dict(section=title, timestamp=f"2025-01-01 {stamp}", run=1, made_from=None, data=data), f)
     assert report.stage_lines(directory) == [
         "  Tokenizer training           7 s",
         "  Base model training         58 s  Final validation bpb: 1.2345",

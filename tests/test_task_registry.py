@@ -67,8 +67,8 @@ def echo(hub, monkeypatch):
 
 def test_a_new_task_is_its_module_and_one_registry_entry(echo, capsys, monkeypatch, tmp_path):
     from nanochat import core_eval
-    from nanochat.report import Report, parse_section, report_card
-    from scripts.chat_eval import card_labels, load_tasks, scores
+    from nanochat.report import Report, report_card
+    from scripts.chat_eval import load_tasks, scores
     from tasks import prefetch
 
     # chat_eval: -a Echo, -a offline, and ChatCORE, which now needs Echo's score too
@@ -92,9 +92,9 @@ def test_a_new_task_is_its_module_and_one_registry_entry(echo, capsys, monkeypat
     assert "Echo" not in [type(t).__name__ for t in registry.stage_mixture("mid", "offline", "val").tasks]  # untrained
 
     # the report card: chat_eval's section names its label, which comes after ChatCORE's other tasks, before the scores
-    section = Report(str(tmp_path)).log("Chat evaluation sft", [{"Echo": 0.5, "GSM8K": 0.1, "ChatCORE": 0.2},
-                                                                card_labels()])
-    card = report_card({"chat-evaluation-sft": parse_section(open(section).read())})
+    section = Report(str(tmp_path)).log("Chat evaluation sft", [{"Echo": 0.5, "GSM8K": 0.1, "ChatCORE": 0.2}],
+                                        card_labels=dict(registry.report_card_labels()))
+    card = report_card({"chat-evaluation-sft": json.loads(open(section).read())})
     assert card[2:] == ["| GSM8K | - | - | 0.1000 | - |", "| Echo | - | - | 0.5000 | - |",
                         "| ChatCORE | - | - | 0.2000 | - |"]
 
