@@ -55,7 +55,6 @@ def _rotate(x, cos, sin, sign=1):
     return y
 
 
-
 _onednn_off = {"lock": threading.Lock(), "inside": 0, "was": True}  # how many threads are inside; the setting before
 
 
