@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanochat.configurator import configure
+from nanochat.gpt import visible
 
 heads = 10  # query heads (depth 20: 10 of 128)
 kv_heads = 10  # key/value heads
@@ -46,8 +47,8 @@ k = torch.randn(rows, kv_heads, seq, head_dim, device=device, dtype=dt, generato
 v = torch.randn(rows, kv_heads, seq, head_dim, device=device, dtype=dt, generator=gen).requires_grad_()
 grad = torch.randn(rows, heads, seq, head_dim, device=device, dtype=dt, generator=gen)
 gqa = heads != kv_heads
-back = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)  # how far back each key is
-masks = {"causal": None, f"window {window}": (back >= 0) & (back <= window)}
+positions = torch.arange(seq, device=device)
+masks = {"causal": None, f"window {window}": visible(positions[:, None], positions, window)}  # gpt.py's window rule
 
 
 def sdpa(backend):
@@ -69,10 +70,7 @@ def flex():
     def run(mask):
         key = None if mask is None else window
         if key not in block_masks:  # the block mask is made once per pattern, as a training run would
-            if mask is None:
-                mod = lambda b, h, qi, ki: qi >= ki
-            else:
-                mod = lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= window)
+            mod = lambda b, h, qi, ki: visible(qi, ki, key)
             block_masks[key] = create_block_mask(mod, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=device_type)
         return compiled(q, k, v, block_mask=block_masks[key], enable_gqa=gqa)
     return run

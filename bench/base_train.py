@@ -39,15 +39,14 @@ import torch
 os.environ.setdefault("NANOCHAT_BASE_DIR", os.path.join(tempfile.gettempdir(), "nanochat_bench"))
 os.environ["NANOCHAT_DATASET"] = "pydocs"
 
+from nanochat.attention_kernels import choose_kernel
 from nanochat.configurator import configure
-from nanochat.cpu_kernels import dense_attention
 from nanochat.dataloader import tokenizing_distributed_data_loader
 from nanochat.dataset import parquets_iter_batched
-from nanochat.gpt import GPT, attention, config_from_depth
+from nanochat.gpt import GPT, config_from_depth
 from nanochat.hardware import autocast_dtype, get_peak_flops
 from nanochat.optim import clip_grad_norm_, lr_multiplier, muon_momentum
 from nanochat.output import print0
-from nanochat.probes import dense_attention_pays
 from nanochat.processes import compute_init
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
@@ -127,8 +126,8 @@ for B in [int(b) for b in device_batch_sizes.split(",")]:
     torch.manual_seed(0)
     model = GPT(config_from_depth(depth, vocab_size=vocab_size, sequence_len=max_seq_len)).to(device)
     model.init_weights()
-    # as scripts.base_train decides it
-    model.dense_attention, why = dense_attention_pays(model.config, device.type, dtype, attention, dense_attention)
+    # as scripts.base_train decides it (its default --attention=auto)
+    model.attention_kernel, why = choose_kernel("auto", model.config, device.type, dtype)
     print0(why)
     optimizers = model.setup_optimizers()
     flops_per_token = model.estimate_flops()

@@ -42,15 +42,12 @@ from ab import machine_line  # bench/ab.py
 from kernel_kinds import gpu_report  # bench/kernel_kinds.py
 from nanochat import attention_kernels
 from nanochat.configurator import check_config, configure
-from nanochat.cpu_kernels import dense_attention
 from nanochat.dataloader import grad_accum_steps_for
 from nanochat.gpt import GPT, config_from_depth
-from nanochat.gpt import attention as sdpa_attention
 from nanochat.hardware import autocast_context, compile_model, compute_dtype_line, get_peak_flops
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, clip_grad_norm_,
                             decay_by_depth)
 from nanochat.output import UserError, print0
-from nanochat.probes import dense_attention_pays
 from nanochat.processes import compute_init
 
 device_type = ""  # cuda | cpu; empty: cuda where there is one, else cpu
@@ -64,7 +61,7 @@ repeats = 3  # timed steps without the profiler
 top = 8  # ops (CPU) or kinds of kernels (GPU) listed per region
 top_kernels = 15  # GPU: the kernels listed by GPU time
 compile = "auto"  # torch.compile the model, as base_train --compile: auto (= on for CUDA) | true | false
-attention = "sdpa"  # the step's attention, as base_train --attention: sdpa | flex (CUDA) | eager
+attention = "auto"  # the attention kernel, as base_train --attention: auto | sdpa | dense | flex (CUDA) | eager
 fp8 = False  # the blocks' matmuls in float8, as base_train --fp8
 window_pattern = "L"  # attention windows per layer, as base_train --window_pattern (HEAD: SSSL)
 trace = ""  # write the profiled step's chrome trace here (a name ending in .gz: gzipped), e.g. $OUT/profile.json.gz
@@ -75,7 +72,7 @@ check_config(config, positive=["depth", "max_seq_len", "vocab_size", "device_bat
                                "repeats"],
              non_negative=["warmup", "top", "top_kernels"],
              choices={"device_type": ("", "cuda", "cpu"), "compile": ("auto", "true", "false"),
-                      "attention": attention_kernels.KERNELS})
+                      "attention": attention_kernels.CHOICES})
 if not window_pattern or set(window_pattern) - set("SL"):
     raise UserError(f"--window_pattern is a string of S (short window) and L (whole context), e.g. SSSL; "
                     f"got {window_pattern!r}")
@@ -108,12 +105,9 @@ with torch.device("meta"):
     model = GPT(model_config)
 model.to_empty(device=device)
 model.init_weights(recipe="2026")  # base_train's default recipe
-model.attention_kernel = attention
 model.fp8 = fp8
-if attention == "sdpa":  # the attention scripts.base_train's steps use (a CPU's dense kernel where its probe says)
-    model.dense_attention, why = dense_attention_pays(model.config, device_type, dtype, sdpa_attention,
-                                                      dense_attention)
-    print0(why)
+model.attention_kernel, why = attention_kernels.choose_kernel(attention, model.config, device_type, dtype)  # as Stage
+print0(why)
 with contextlib.redirect_stdout(io.StringIO()):  # setup_optimizers prints its summary
     adamw, muon = model.setup_optimizers(weight_decay=decay_by_depth(EMBEDDING_WEIGHT_DECAY_BY_DEPTH, depth),
                                          matrix_weight_decay=decay_by_depth(MATRIX_WEIGHT_DECAY_BY_DEPTH, depth))

@@ -1,20 +1,19 @@
 """
-The CPU training kernels: the norms as one autograd Function, and attention's scores in batched matmuls by blocks.
+The CPU kernels: the norms of training steps as one autograd Function, and torch's own matmuls in place of oneDNN's.
 
-Training steps on a CPU run these in place of gpt.py's own ops: GPT._final_hidden gives them to gpt.hidden_states as its
-`norm` (uncompiled only: torch.compile fuses the separate ops itself, and its tracing failed on the Function's writes
-into slices) and its `attend` (in bf16 where Stage.start's probe found it faster, compiled or not: a compiled step
-traces dense_attention). Each computes what gpt.py's ops compute, in fewer passes over memory (the norms) or in larger
-matmuls (attention); evaluation, decoding and the exported model run gpt.py's ops. Why: docs/model.md ("Training on a
-CPU: the norms as one Function"), docs/hardware.md ("Attention in training on a CPU").
+Training steps on a CPU run `norm` in place of gpt.py's: GPT._final_hidden gives it to gpt.hidden_states (uncompiled
+only: torch.compile fuses the separate ops itself, and its tracing failed on the Function's writes into slices). It
+computes what gpt.norm computes in fewer passes over memory; evaluation, decoding and the exported model run gpt.py's
+ops. Why: docs/model.md ("Training on a CPU: the norms as one Function"). A bf16 decoding step of one or two rows
+multiplies its matrices with oneDNN off (onednn_off) where probes.native_bf16_gemv measured that faster
+(docs/hardware.md, "Decoding one row on a CPU"). The CPU's attention kernel in training steps, "dense", is one of
+nanochat/attention_kernels.py's.
 """
 
-import torch
+import threading
+from contextlib import contextmanager
 
-RMS_EPS = torch.finfo(torch.float32).eps  # the eps F.rms_norm(x, shape) uses for fp32 and bf16 inputs alike
-# dense_attention by blocks of DENSE_ROWS queries (2x below 8 heads in all), each against the key pieces it sees: the
-# square's upper blocks are never made; pieces joined by cat, whose gradient is a split (a slice's is zero-padded)
-DENSE_ROWS = 128
+import torch
 
 
 def norm(x, scale=1.0, cos=None, sin=None):
@@ -32,7 +31,8 @@ class RMSNorm(torch.autograd.Function):
     def forward(ctx, x, scale, cos=None, sin=None):
         acc = torch.promote_types(x.dtype, torch.float32)  # the reduction in fp32 (fp64 for fp64)
         r = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc)
-        r = r.square_().div_(x.size(-1)).add_(RMS_EPS).rsqrt_()
+        # F.rms_norm's default eps: the machine epsilon of the dtype it reduces in (fp32 and bf16: gpt.RMS_EPS)
+        r = r.square_().div_(x.size(-1)).add_(torch.finfo(acc).eps).rsqrt_()
         ctx.save_for_backward(x, r, cos, sin)
         ctx.scale = scale
         # each factor in x's dtype before it multiplies: a bf16 tensor times an fp32 one is far slower
@@ -55,24 +55,25 @@ def _rotate(x, cos, sin, sign=1):
     return y
 
 
-def dense_attention(q, k, v, window=None):
+_onednn_off = {"lock": threading.Lock(), "inside": 0, "was": True}  # how many threads are inside; the setting before
+
+
+@contextmanager
+def onednn_off():
     """
-    gpt.attention(q, k, v, window=window) of a training step: q, k, v (B, H, T, D), as many key heads as query heads,
-    causal, a query seeing its own key and the `window` before it (None: all). The scores in batched matmuls, by
-    blocks of DENSE_ROWS queries, each against the key pieces it sees; -inf where masked, then the softmax: SDPA's math.
+    torch's own CPU kernels for the matmuls inside, not oneDNN (its default for bf16); the setting restored when the
+    last thread inside leaves. The setting is the process's, not the thread's: two threads that each saved and
+    restored it (a server's worker decoding while another thread does) could leave it off for good.
     """
-    B, H, T, D = q.shape
-    window = window if window is not None and window < T - 1 else None  # a window that covers everything is none
-    back = torch.arange(T, device=q.device)[:, None] - torch.arange(T, device=q.device)  # how far back each key is
-    mask = (back >= 0) if window is None else (back >= 0) & (back <= window)
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    rows = DENSE_ROWS * (1 if B * H >= 8 else 2)
-    q, k, v = (t.reshape(B * H, T, D).split(rows, 1) for t in (q, k, v))
-    outs = []
-    for j, q_block in enumerate(q):
-        i = j * rows  # the block's first query
-        first = 0 if window is None else max(0, i - window) // rows  # the first key piece it sees
-        keys, values = (torch.cat(t[first:j + 1], 1) for t in (k, v))
-        scores = torch.baddbmm(bias[i:i + rows, first * rows:i + rows], q_block, keys.mT, alpha=D ** -0.5)
-        outs.append(torch.bmm(scores.softmax(-1), values))
-    return torch.cat(outs, 1).view(B, H, T, D)
+    with _onednn_off["lock"]:
+        if _onednn_off["inside"] == 0:
+            _onednn_off["was"] = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False
+        _onednn_off["inside"] += 1
+    try:
+        yield
+    finally:
+        with _onednn_off["lock"]:
+            _onednn_off["inside"] -= 1
+            if _onednn_off["inside"] == 0:
+                torch.backends.mkldnn.enabled = _onednn_off["was"]

@@ -17,11 +17,11 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from nanochat import attention_kernels
+from nanochat.cpu_kernels import onednn_off
 from nanochat.execution import use_calculator
-from nanochat.gpt import attention, hidden_states, layer_windows, softcapped, weights_of
+from nanochat.gpt import attention, hidden_states, layer_windows, softcapped, visible, weights_of
 from nanochat.output import UserError
-from nanochat.probes import fp32_cache_pays, native_bf16_gemv, onednn_off
+from nanochat.probes import fp32_cache_pays, native_bf16_gemv
 
 # -----------------------------------------------------------------------------
 # The KV cache
@@ -225,17 +225,17 @@ def static_step(weights, idx, column, positions, k_layers, v_layers, cos_table, 
     cos = cos_table[0, positions][:, None].to(dtype)  # (B, 1, 1, D/2)
     sin = sin_table[0, positions][:, None].to(dtype)
     columns = torch.arange(capacity, device=idx.device)
-    visible = {}  # window -> (B or 1, 1, 1, capacity) bool, made once per step for all the layers sharing it
+    seen = {}  # window -> (B or 1, 1, 1, capacity) bool, made once per step for all the layers sharing it
     for window in set(layer_windows(config)):
-        seen = attention_kernels.visible(column, columns, window)[None, None, None, :]
-        visible[window] = seen if key_mask is None else seen & key_mask
+        mask = visible(column, columns, window)[None, None, None, :]
+        seen[window] = mask if key_mask is None else mask & key_mask
 
     def attend(i, q, k, v, window):
         k_layer = k_layers[i]
         v_layer = v_layers[i]
         k_layer.index_copy_(2, column, k.to(k_layer.dtype))
         v_layer.index_copy_(2, column, v.to(v_layer.dtype))
-        y = F.scaled_dot_product_attention(q.to(k_layer.dtype), k_layer, v_layer, attn_mask=visible[window],
+        y = F.scaled_dot_product_attention(q.to(k_layer.dtype), k_layer, v_layer, attn_mask=seen[window],
                                            enable_gqa=q.size(1) != k_layer.size(1))
         return y.to(q.dtype)
 

@@ -4,9 +4,10 @@ The GPT model: a decoder-only transformer (rotary, QK norm, GQA, ReLU², untied 
 The architecture is written once, in the part between the two ARCHITECTURE lines (torch only): the config, the
 parameters, one block's arithmetic (block) and the transformer around it (hidden_states). Training (GPT.forward),
 decoding (engine.decode_step) and the transformers export (modeling_nanochat_gpt.py, written with this part's text in
-it) all run it; they differ only in where keys and values go (`attend`), and training on a CPU in the kernels of its
-norms and attention (`norm`, `attend`: nanochat/cpu_kernels.py). Then GPT: init, loss, FLOPs, optimizers, the
-prompt's prefill (the rest of decoding: engine.py). The choices, initialisation, memory and FLOPs: docs/model.md.
+it) all run it; they differ only in where keys and values go and which kernel attends (`attend`: GPT.attention_kernel,
+nanochat/attention_kernels.py, whose kernels all apply this part's window rule, `visible`), and training on a CPU in
+the kernel of its norms (`norm`: nanochat/cpu_kernels.py). Then GPT: init, loss, FLOPs, optimizers, the prompt's
+prefill (the rest of decoding: engine.py). The choices, initialisation, memory and FLOPs: docs/model.md.
 """
 
 import math
@@ -18,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat import attention_kernels, cpu_kernels
+from nanochat import cpu_kernels
 from nanochat.fp8 import fp8_fits, fp8_linear
 from nanochat.hardware import autocast_dtype
 from nanochat.losses import next_token_loss, softcapped_cross_entropy
@@ -189,12 +190,22 @@ def value_gate(w_gate, x):
     return 3 * torch.sigmoid(F.linear(x[..., :VE_GATE_CHANNELS], w_gate)).unsqueeze(-1)
 
 
+def visible(q_idx, kv_idx, window):
+    """
+    The window rule, which every attention kernel applies: whether the query at position q_idx sees the key at
+    kv_idx (tensors that broadcast): causal, and at most `window` positions back (a layer's layer_windows(); None: no
+    limit).
+    """
+    seen = kv_idx <= q_idx
+    return seen if window is None else seen & (q_idx - kv_idx <= window)
+
+
 def attention(q, k, v, key_mask=None, window=None):
     """
     q (B, H, Tq, D) attends over k, v (B, Hkv, Tk, D), whose first Tk - Tq positions are a cached prefix: causal
     when there is none (training, a prefill), all of it for one new token, all of the prefix and causal within a
     chunk of new tokens. key_mask (B, 1, 1, Tk) bool: False on keys a row must not see (padding before its prompt).
-    window (layer_windows): a query sees only its own key and the `window` before it (None: no limit).
+    window (layer_windows): a query sees only its own key and the `window` before it (visible; None: no limit).
     """
     Tq, Tk, gqa = q.size(2), k.size(2), q.size(1) != k.size(1)
     window = window if window is not None and window < Tk - 1 else None  # a window that covers everything is none
@@ -206,8 +217,7 @@ def attention(q, k, v, key_mask=None, window=None):
             key_mask = None if key_mask is None else key_mask[..., -window - 1:]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, enable_gqa=gqa)
     query_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
-    back = query_pos - torch.arange(Tk, device=q.device)  # (Tq, Tk): how far back each key is from each query
-    mask = (back >= 0) if window is None else (back >= 0) & (back <= window)
+    mask = visible(query_pos, torch.arange(Tk, device=q.device), window)  # (Tq, Tk)
     if key_mask is not None:
         mask = mask & key_mask
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -257,7 +267,9 @@ def softcapped(logits):
 
 # ================================================ ARCHITECTURE END ================================================
 
-RMS_EPS = cpu_kernels.RMS_EPS  # the norms' eps, F.rms_norm's (hf_format writes it into a transformers config)
+# norm()'s eps: F.rms_norm's default for fp32 and bf16 inputs alike, float32's machine epsilon (hf_format writes it
+# into a transformers config; cpu_kernels' RMSNorm adds the same)
+RMS_EPS = torch.finfo(torch.float32).eps
 
 
 def config_from_depth(depth, vocab_size=65536, sequence_len=2048, **parts):
@@ -286,19 +298,18 @@ class GPT(nn.Module):
     evaluation is whether autograd records: the training loops run the model with gradients on; the evaluations
     (losses.evaluate_bpb, core_eval, scoring), the samples and generation (engine) run under torch.no_grad() or
     torch.inference_mode(). _final_hidden asks torch.is_grad_enabled() for the one choice that depends on it: with
-    gradients, the training steps' kernels (cpu_kernels' norm and dense attention on a CPU, fp8). The stages still
-    call train() / eval() (checkpoint_manager.build_model's phase, around base_train's evaluations): PyTorch's
-    convention, kept so that a part added later that does read `self.training` (dropout) behaves.
+    gradients, the training steps' kernels (cpu_kernels' norm on a CPU, fp8; the "dense" attention kernel asks too).
+    The stages still call train() / eval() (checkpoint_manager.build_model's phase, around base_train's evaluations):
+    PyTorch's convention, kept so that a part added later that does read `self.training` (dropout) behaves.
     """
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         self.fp8 = False  # training steps multiply the blocks' matrices in float8 (base_train --fp8; nanochat/fp8.py)
-        # training steps' attention by cpu_kernels.dense_attention: set by Stage.start where its probe found it faster
-        self.dense_attention = False
-        # full-context attention (training, evaluation) by attention_kernels' "eager" or "flex" instead of SDPA
-        self.attention_kernel = "sdpa"
+        # full-context attention (training, evaluation): f(q, k, v, window=) of attention_kernels.KERNELS, set at a
+        # training stage's start (Stage.start: base_train --attention, "auto"); SDPA, attention() itself, by default
+        self.attention_kernel = attention
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
         self.rotary_len = config.sequence_len * 10
@@ -385,14 +396,9 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(idx.device.type)
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
         training = torch.is_grad_enabled()  # autograd on = a training step (not self.training: the class says why)
-        attend = lambda i, q, k, v, window: attention(q, k, v, window=window)  # training: nothing kept
-        dense = self.dense_attention and training and dtype == torch.bfloat16  # evaluation: SDPA
-        if dense and self.config.n_kv_head == self.config.n_head:  # the dense kernel has no GQA
-            attend = lambda i, q, k, v, window: cpu_kernels.dense_attention(q, k, v, window)
-        if self.attention_kernel != "sdpa":
-            kernel = attention_kernels.kernel(self.attention_kernel)
-            attend = lambda i, q, k, v, window: kernel(q, k, v, window)
-        if kv_cache is not None:  # the new keys and values into the cache, then attention over all of it
+        if kv_cache is None:  # the full context (training, evaluation): nothing kept, the model's kernel attends
+            attend = lambda i, q, k, v, window: self.attention_kernel(q, k, v, window=window)
+        else:  # the new keys and values into the cache, then attention over all of it
             attend = lambda i, q, k, v, window: attention(q, *kv_cache.insert_kv(i, k, v), window=window)
         linear = F.linear  # evaluation never in fp8; training with self.fp8, the matrices torch._scaled_mm takes
         if self.fp8 and training:

@@ -13,14 +13,13 @@ import json
 import os
 import platform
 import subprocess
-import threading
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from filelock import FileLock
 
+from nanochat.cpu_kernels import onednn_off
 from nanochat.files import atomic_write, get_base_dir
 
 # -----------------------------------------------------------------------------
@@ -185,30 +184,6 @@ def _gemv_probe(width=512, vocab=8192, layers=2, rounds=5, calls=5):
     return speedups
 
 
-_onednn_off = {"lock": threading.Lock(), "inside": 0, "was": True}  # how many threads are inside; the setting before
-
-
-@contextmanager
-def onednn_off():
-    """
-    torch's own CPU kernels for the matmuls inside, not oneDNN (its default for bf16); the setting restored when the
-    last thread inside leaves. The setting is the process's, not the thread's: two threads that each saved and
-    restored it (a server's worker decoding while another thread does) could leave it off for good.
-    """
-    with _onednn_off["lock"]:
-        if _onednn_off["inside"] == 0:
-            _onednn_off["was"] = torch.backends.mkldnn.enabled
-            torch.backends.mkldnn.enabled = False
-        _onednn_off["inside"] += 1
-    try:
-        yield
-    finally:
-        with _onednn_off["lock"]:
-            _onednn_off["inside"] -= 1
-            if _onednn_off["inside"] == 0:
-                torch.backends.mkldnn.enabled = _onednn_off["was"]
-
-
 def fp32_cache_pays():
     """
     Whether a bf16 decode on this CPU keeps its KV cache in fp32 (exact copies of the bf16 keys and values, twice the
@@ -227,9 +202,9 @@ def fp32_cache_pays():
 
 
 # -----------------------------------------------------------------------------
-# Attention in training steps on a CPU in bf16: SDPA's flash kernel, or the dense kernel (cpu_kernels.dense_attention:
-# the scores in batched matmuls, by blocks of queries), decided per machine and shape (docs/hardware.md, "Attention in
-# training on a CPU")
+# Attention in training steps on a CPU in bf16: SDPA's flash kernel, or the dense kernel (attention_kernels'
+# dense_attention: the scores in batched matmuls, by blocks of queries), decided per machine and shape
+# (docs/hardware.md, "Attention in training on a CPU"), for attention_kernels.choose_kernel's "auto"
 
 DENSE_ATTENTION_MIN_SPEEDUP = 1.2  # only where clearly faster (this VM's timings vary by ~10%)
 DENSE_ATTENTION_MAX_LEN = 2048  # longer: not measured (slower there already; the scores' memory grows as T^2)

@@ -46,17 +46,15 @@ import urllib.parse
 import torch
 import torch.distributed as dist
 
+from nanochat.attention_kernels import choose_kernel
 from nanochat.checkpoint_manager import (SOURCES, check_data_settings, check_model_tag, checkpoint_dir_for,
                                          claim_checkpoint_dir, complete_steps, delete_checkpoint, find_checkpoint_dir,
                                          load_for_resume, load_model, load_optimizer_shards, optimizer_shard,
                                          read_meta, save_checkpoint)
-from nanochat.cpu_kernels import dense_attention
 from nanochat.files import DiskFull, atomic_write, out_of_space
-from nanochat.gpt import attention
 from nanochat.hardware import autocast_dtype, compute_dtype_line
 from nanochat.interrupt import Interrupted
 from nanochat.output import UserError, print0, print_banner
-from nanochat.probes import dense_attention_pays
 from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init
 from nanochat.ranks import any_rank, gather_from_ranks, is_distributed
 from nanochat.report import get_report
@@ -304,14 +302,16 @@ class Stage:
             print0(f"{section}: {checkpoint_dir} holds checkpoints (steps {shown}) made from other "
                    f"settings or inputs: they are replaced (--rerun=auto)")
 
-    def start(self, model_tag, model=None, tokenizer=None, source=None, source_step=-1):
+    def start(self, model_tag, model=None, tokenizer=None, source=None, source_step=-1, attention="auto"):
         """
         The model this run trains, and its tokenizer. Resumed (--resume_from_step=N): this stage's checkpoint of
         step N in <stage dir>/<model_tag> (the only tag there if model_tag is empty), loaded into `model` if one is
         given (base_train builds it from its settings, which must match), with the tokenizer it was trained with.
         Fresh: `model` and `tokenizer` as given (base_train), or the model of stage `source` (load_model: its tag
         model_tag or the only one, its step source_step or the last) with its own tokenizer. Then the directory
-        is claimed (a second run on it is refused) and the metrics file opened.
+        is claimed (a second run on it is refused) and the metrics file opened. The model attends with the kernel
+        `attention` names (base_train --attention; "auto" in the other stages: attention_kernels.choose_kernel,
+        rank 0's choice for every rank), said on the line "Attention in training steps: ...".
         """
         if self.resumed:
             self.model_tag, self.checkpoint_dir = find_checkpoint_dir(self.name, model_tag)
@@ -333,14 +333,12 @@ class Stage:
             self._claim()
             self.start_step = 0
         model.train()
-        decision = [(False, f"Attention in training steps: {model.attention_kernel} (base_train --attention)")]
-        if self.rank == 0 and model.attention_kernel == "sdpa":  # SDPA, or the dense kernel where measured faster
-            device_type = torch.device(self.device).type
-            decision = [dense_attention_pays(model.config, device_type, autocast_dtype(device_type), attention,
-                                             dense_attention)]
+        device_type = torch.device(self.device).type
+        decision = [choose_kernel(attention, model.config, device_type, autocast_dtype(device_type))
+                    if self.rank == 0 else None]
         if is_distributed():  # rank 0's for every rank, as the compute dtype: the same kernels, the same numbers
             dist.broadcast_object_list(decision, src=0)
-        model.dense_attention, why = decision[0]
+        model.attention_kernel, why = decision[0]
         print0(why)
         self.model = model
         self.tokenizer = tokenizer

@@ -97,8 +97,9 @@ overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes
 rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
 #                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
-attention = "sdpa"  # the step's attention: sdpa | flex (FlexAttention: a window costs what it sees; CUDA) | eager
-#                    (the softmax written out) (nanochat/attention_kernels.py)
+attention = "auto"  # the attention kernel: auto (dense where this CPU measured it faster in bf16, else sdpa) | sdpa |
+#                    dense (training steps' scores in blocked matmuls: a CPU in bf16) | flex (FlexAttention: a window
+#                    costs what it sees; CUDA) | eager (the softmax written out) (nanochat/attention_kernels.py)
 fp8 = False  # the blocks' matmuls in float8 while training (nanochat/fp8.py); not yet measured on a GPU, so off
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 init_seed = 42  # seeds the initial weights (the same on every rank)
@@ -113,7 +114,7 @@ check_config(config,
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac", "muon_momentum_peak", "muon_momentum_final"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
                       "core_bundle": ("", "dclm", "offline"), "init_recipe": GPT.INIT_RECIPES,
-                      "attention": attention_kernels.KERNELS})
+                      "attention": attention_kernels.CHOICES})
 for key, value in (("weight_decay", weight_decay), ("matrix_weight_decay", matrix_weight_decay)):
     if not (value >= 0 or value == -1):
         raise UserError(f"--{key} must be >= 0, or -1 for 'by depth', got {value!r}")
@@ -162,7 +163,6 @@ model.to_empty(device=device)
 # identical on every rank and in every run: drawn from a generator of its own, seeded
 model.init_weights(seed=init_seed, recipe=init_recipe)
 orig_model = model  # the uncompiled model: for saving, sampling, and evaluation at other shapes
-model.attention_kernel = attention
 if fp8:  # on any device (a CPU emulates it: that tests the arithmetic); where it is native, fp8_supported says
     model.fp8 = True
     print0(f"fp8: the blocks' matmuls in float8 while training, evaluation in {compute_dtype}; "
@@ -208,7 +208,7 @@ grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max
 # 6. The checkpoint directory, optimizers, data. This run owns base_checkpoints/<model_tag> from here on (a second
 # run on it is refused; a fresh run never writes into a directory holding an earlier run's steps). A resumed run
 # (--resume_from_step) continues that checkpoint: its weights, every rank's optimizer state and data position.
-stage.start(model_tag, model=orig_model, tokenizer=tokenizer)
+stage.start(model_tag, model=orig_model, tokenizer=tokenizer, attention=attention)  # its kernel: --attention
 optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
                                          matrix_lr=matrix_lr, weight_decay=weight_decay,
                                          matrix_weight_decay=matrix_weight_decay, scalar_lr=scalar_lr)  # [AdamW, Muon]

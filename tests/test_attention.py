@@ -9,7 +9,7 @@ forward and naive generation, at lengths where the window binds. The other kerne
 import pytest
 import torch
 
-from nanochat.attention_kernels import kernel
+from nanochat.attention_kernels import KERNELS
 from nanochat.engine import Engine, KVCache, decode_step, decode_weights, generate_naive
 from nanochat.gpt import GPT, GPTConfig, attention, check_shapes, layer_windows
 from nanochat.tokenizer import Tokenizer
@@ -125,7 +125,7 @@ def test_attention_kernels_equal_attention_written_out(name, window):
     q = torch.randn(2, 4, 160, 8)
     k = torch.randn(2, 2, 160, 8)
     v = torch.randn(2, 2, 160, 8)
-    got = kernel(name)(q, k, v, window)
+    got = KERNELS[name](q, k, v, window=window)
     expected = written_out(q, k, v, window)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(got, attention(q, k, v, window=window), rtol=0, atol=1e-5)
@@ -143,7 +143,7 @@ def test_a_model_through_each_kernel_gives_sdpas_logits_and_eager_its_gradients(
     targets = torch.randint(0, 256, (2, 160))
     gradients = {}
     for name in ("sdpa", "eager"):
-        model.attention_kernel = name
+        model.attention_kernel = KERNELS[name]
         model.zero_grad()
         model(idx, targets).backward()
         gradients[name] = [p.grad.clone() for p in model.parameters()]
@@ -151,10 +151,10 @@ def test_a_model_through_each_kernel_gives_sdpas_logits_and_eager_its_gradients(
         torch.testing.assert_close(ours, sdpas, rtol=0, atol=1e-6)
     errors = {}
     with torch.no_grad():
-        model.attention_kernel = "sdpa"
+        model.attention_kernel = KERNELS["sdpa"]
         exact = model(idx)
         for name in ("sdpa", "eager", "flex"):
-            model.attention_kernel = name
+            model.attention_kernel = KERNELS[name]
             torch.testing.assert_close(model(idx), exact, rtol=0, atol=1e-5)
             with torch.autocast("cpu", torch.bfloat16):
                 errors[name] = (model(idx) - exact).abs()
@@ -170,7 +170,7 @@ def test_flex_attention_inside_a_compiled_model_equals_it_uncompiled():
     of the block wrongly there (4.2 off) until they were made contiguous (attention_kernels.flex_attention).
     """
     model = windowed_model("SL")
-    model.attention_kernel = "flex"
+    model.attention_kernel = KERNELS["flex"]
     idx = torch.randint(0, 256, (2, 160))
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model)(idx), model(idx), rtol=0, atol=1e-5)

@@ -151,14 +151,16 @@ def test_help_shows_a_comment_continued_below_whole(tmp_path):
                                          ("scripts.base_train", "attention")])
 def test_scripts_help_shows_continued_comments_whole(module, key, monkeypatch, capsys):
     """
-    The training scripts' --help line for a setting whose comment runs onto the next `#` line ends with both
-    lines' text, read from the script's source (it stopped at the end of the first line).
+    The training scripts' --help line for a setting whose comment runs onto the next `#` lines ends with every
+    line's text, read from the script's source (it stopped at the end of the first line).
     """
     source = open(os.path.join(REPO_ROOT, *module.split(".")) + ".py", encoding="utf-8").read().splitlines()
     at = next(i for i, line in enumerate(source) if line.startswith(f"{key} = "))
-    continued = source[at + 1]
-    assert continued.startswith("#  "), continued  # the case this test is about: a comment continued below
-    expected = source[at].split("#", 1)[1].strip() + " " + continued.lstrip("#").strip()
+    continued = []
+    while source[at + 1 + len(continued)].startswith("#  "):
+        continued.append(source[at + 1 + len(continued)].lstrip("#").strip())
+    assert continued, source[at + 1]  # the case this test is about: a comment continued below
+    expected = " ".join([source[at].split("#", 1)[1].strip(), *continued])
     logger = logging.getLogger("nanochat")
     for obj, name in ((sys, "excepthook"), (logger, "handlers"), (logger, "propagate"), (logger, "level")):
         monkeypatch.setattr(obj, name, copy.copy(getattr(obj, name)))  # configure() sets up a script's logging

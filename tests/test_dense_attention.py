@@ -1,9 +1,9 @@
 """
-Dense attention in training steps on a CPU (issue 36): cpu_kernels.dense_attention computes the scores in batched
-matmuls, in blocks of queries, each against only the keys they see. In float64 it is the attention written out,
-forward and backward; in bf16 its error, forward and backward, is SDPA's own size; the model takes it only in training
-steps computing in bf16 (never in fp32, never in evaluation); and the start of a stage decides it by a probe kept per
-machine (nanochat/probes.py, dense_attention_pays).
+Dense attention in training steps on a CPU (issue 36): attention_kernels.dense_attention computes the scores in
+batched matmuls, in blocks of queries, each against only the keys they see. In float64 it is the attention written
+out, forward and backward; in bf16 its error, forward and backward, is SDPA's own size; a model given the "dense" kernel
+takes it only in training steps computing in bf16 (never in fp32, never in evaluation); and "auto", at the start of a
+stage, decides it by a probe kept per machine (attention_kernels.choose_kernel, probes.dense_attention_pays).
 """
 
 import json
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanochat.cpu_kernels as cpu_kernels
+import nanochat.attention_kernels as attention_kernels
 import nanochat.probes as probes
-from nanochat.cpu_kernels import dense_attention
+from nanochat.attention_kernels import KERNELS, choose_kernel, dense_attention
 from nanochat.gpt import GPT, GPTConfig, attention
 
 from helpers import written_out
@@ -29,7 +29,7 @@ def test_dense_attention_equals_attention_written_out(T, window, rows, B, H, mon
     torch.manual_seed(0)
     q, k, v, dy = (torch.randn(B, H, T, 8, dtype=torch.float64) for _ in range(4))
     monkeypatch.setattr(F, "scaled_dot_product_attention", None)  # the dense path calls no SDPA: it would fail here
-    monkeypatch.setattr(cpu_kernels, "DENSE_ROWS", rows)
+    monkeypatch.setattr(attention_kernels, "DENSE_ROWS", rows)
     results = []
     for fn in (lambda *t: dense_attention(*t, window), lambda *t: written_out(*t, window)):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -67,7 +67,7 @@ def tiny_model(dense, **config):
     for name, p in model.named_parameters():  # the zero-initialised projections and head get weight
         if name.endswith("c_proj.weight") or name == "lm_head.weight":
             torch.nn.init.normal_(p, std=0.1)
-    model.dense_attention = dense
+    model.attention_kernel = KERNELS["dense" if dense else "sdpa"]
     return model
 
 
@@ -83,7 +83,7 @@ def test_a_model_takes_the_dense_path_in_bf16_training_steps_only(window_pattern
     y = torch.randint(0, 128, (2, 64))
     plain = tiny_model(False, window_pattern=window_pattern)
     dense = tiny_model(True, window_pattern=window_pattern)
-    # fp32: the same operations, bit for bit, whatever dense_attention says
+    # fp32: the same operations, bit for bit, whichever of the two kernels
     plain_loss, plain_grads = loss_and_grads(plain, x, y, autocast=False)
     dense_loss, dense_grads = loss_and_grads(dense, x, y, autocast=False)
     assert dense_loss == plain_loss and all(torch.equal(a, b) for a, b in zip(dense_grads, plain_grads))
@@ -104,7 +104,7 @@ def test_a_model_takes_the_dense_path_in_bf16_training_steps_only(window_pattern
 
 
 def pays(config, device_type="cpu", compute_dtype=torch.bfloat16):
-    """probes.dense_attention_pays with the kernels Stage.start gives it."""
+    """probes.dense_attention_pays with the kernels choose_kernel gives it."""
     return probes.dense_attention_pays(config, device_type, compute_dtype, attention, dense_attention)
 
 
@@ -128,6 +128,16 @@ def test_the_probe_decides_once_per_machine_and_shape(isolated_env, monkeypatch)
         dense, why = pays(config)
         label = "dense bf16 matmuls" if expected else "SDPA"
         assert dense is expected and why.startswith(f"Attention in training steps: {label}")
+        # "auto" takes the kernel the kept answer names, with its line
+        assert choose_kernel("auto", config, "cpu", torch.bfloat16) == (KERNELS["dense" if dense else "sdpa"], why)
+
+
+def test_a_named_kernel_is_taken_without_a_probe(isolated_env):
+    config = GPTConfig(sequence_len=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
+    for name in KERNELS:
+        kernel, why = choose_kernel(name, config, "cpu", torch.bfloat16)
+        assert kernel is KERNELS[name] and why == f"Attention in training steps: {name} (base_train --attention)"
+    assert not (isolated_env / "attention_kernels.json").exists()
 
 
 def test_the_probe_times_the_kernels_it_is_given():

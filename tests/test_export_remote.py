@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 
 from helpers import one_line_error, run_in_process, run_script, save_random_model
+from nanochat.attention_kernels import KERNELS
 from nanochat.checkpoint_manager import load_model
 from nanochat.engine import Engine, generate_naive
 from nanochat.gpt import GPTConfig
@@ -210,9 +211,9 @@ def test_every_attention_implementation_gives_our_logits(recipe_base, exports, t
     with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         logits = model(ids)
         theirs = hf(ids).logits
-        model.attention_kernel = {"sdpa": "sdpa", "eager": "eager", "flex_attention": "flex"}[attention]
+        model.attention_kernel = KERNELS[{"sdpa": "sdpa", "eager": "eager", "flex_attention": "flex"}[attention]]
         assert (model(ids) - theirs).abs().max().item() == 0.0
-        model.attention_kernel = "sdpa"
+        model.attention_kernel = KERNELS["sdpa"]
         assert (logits - theirs).abs().max().item() <= 1e-5
     if attention == "flex_attention":
         return

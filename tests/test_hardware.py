@@ -10,10 +10,11 @@ import threading
 import pytest
 import torch
 
+from nanochat.cpu_kernels import onednn_off
 from nanochat.hardware import (autocast_context, bf16_flags_in, compile_model, compute_dtype, compute_dtype_line,
                                cpu_bf16_flags, decide_compute_dtype, get_peak_flops)
 from nanochat.output import UserError
-from nanochat.probes import NATIVE_GEMV_MAX_ROWS, NATIVE_GEMV_MIN_SPEEDUP, bf16_probe, native_bf16_gemv, onednn_off
+from nanochat.probes import NATIVE_GEMV_MAX_ROWS, NATIVE_GEMV_MIN_SPEEDUP, bf16_probe, native_bf16_gemv
 
 # /proc/cpuinfo lines of real CPUs (shortened): an Intel Xeon of the Sapphire Rapids generation, an AMD Zen 4, an
 # AWS Graviton3, and an AMD EPYC VM that hides AVX-512 (this repository's 2-core VM)

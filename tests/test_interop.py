@@ -21,6 +21,7 @@ import torch
 import torch._dynamo
 
 from helpers import one_line_error, run_in_process, run_script
+from nanochat.attention_kernels import KERNELS
 from nanochat.files import file_sha256
 from nanochat.output import UserError
 
@@ -99,11 +100,11 @@ def test_export_matches_our_logits_and_greedy_tokens(ours, exported, attention):
     ids = torch.randint(0, tokenizer.get_vocab_size(), (2, model.config.sequence_len))  # the full context
     ids[:, 0] = tokenizer.get_bos_token_id()
     assert max_logit_difference(model, hf_model, ids) <= 1e-5
-    model.attention_kernel = attention
+    model.attention_kernel = KERNELS[attention]
     try:
         assert max_logit_difference(model, hf_model, ids) == 0.0
     finally:
-        model.attention_kernel = "sdpa"
+        model.attention_kernel = KERNELS["sdpa"]
     from nanochat.engine import Engine
     for prompt in (tokenizer.encode("The function", prepend="<|bos|>"),
                    tokenizer.render_for_completion({"messages": CONVERSATIONS[0]})):

@@ -6,6 +6,8 @@ to fit a number, so nothing here counts modules, lines or the length of an impor
   a late import is still a circle).
 - The library stands on its own: nanochat/ never imports tasks/ or scripts/; no script imports another script; no
   test module imports another (tests/helpers.py and conftest.py are for sharing).
+- Attention is chosen in one module: the probe that decides "auto" is asked by nanochat/attention_kernels.py alone,
+  and the training stage (nanochat/stage.py) imports no kernel module (gpt, cpu_kernels) nor the probes.
 - No module stands apart in its folder: a library module is used by the library or a script (imported, or copied as
   a file: the exported modeling file); a module of tasks/ by another one of tasks/ (the registry), unless it is a
   command of its own (`python -m tasks.prefetch`).
@@ -104,6 +106,15 @@ def test_no_test_module_imports_another():
         if names:
             offenders[os.path.relpath(path, REPO_ROOT)] = sorted(names)
     assert not offenders, offenders
+
+
+def test_attention_is_chosen_in_one_module():
+    graph = import_graph()
+    askers = sorted(name for name, path in project_modules().items()
+                    if "dense_attention_pays(" in open(path, encoding="utf-8").read() and name != "nanochat.probes")
+    assert askers == ["nanochat.attention_kernels"], askers
+    kernels = graph["nanochat.stage"] & {"nanochat.gpt", "nanochat.cpu_kernels", "nanochat.probes"}
+    assert not kernels, kernels
 
 
 def test_no_module_stands_apart_in_its_folder():

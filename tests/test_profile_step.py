@@ -222,6 +222,6 @@ def test_profile_step_compiled_as_on_a_gpu():
                         "--fp8=True", "--window_pattern=SSSL", "--warmup=1", "--repeats=2", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
-    assert "model: depth 2, attention sdpa, windows SSSL, fp8 True, torch.compile True" in out, out
+    assert "model: depth 2, attention auto, windows SSSL, fp8 True, torch.compile True" in out, out
     assert set(re.findall(r"^  (forward|backward|clipping|AdamW|Muon): \d+ ms", out, re.M)) == set(REGIONS), out
     assert re.search(r"^  compiled: \d+ ms \(\d+% of the regions\) outside aten ops", out, re.M), out
