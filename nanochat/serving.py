@@ -13,8 +13,8 @@ the client is still there (reply_pieces): one that left takes its row out of the
 Both APIs check a request with the same functions (read_body, checked_field, check_chat, check_sampling) before
 anything is generated: a bad one raises APIError 400, its message starting with the field at fault
 ("messages[2].role: ...": field_error). They are written out, not pydantic models: most limits come from the
-server's settings and model (a model could not hold them), and each message says what to send; pydantic models
-(issue 60) were no shorter, their messages vaguer, and union fields needed glue to name the field at fault.
+server's settings and model (a model could not hold them), and each message says what to send; pydantic models were
+no shorter, their messages vaguer, and union fields needed glue to name the field at fault.
 """
 
 import json
