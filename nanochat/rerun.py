@@ -42,6 +42,8 @@ TRAINING_SECTIONS = {"base": "Base model training", "mid": "Midtraining", "sft":
 def fingerprint(stage, config, inputs):
     """16 hex digits hashing `stage`, the settings of `config` that change what it computes, and `inputs`."""
     settings = {k: v for k, v in config.items() if k not in UNFINGERPRINTED}
+    if settings.get("attention") == "auto":  # base_train's default, named "sdpa" until "auto" came: the same work,
+        settings["attention"] = "sdpa"  # so a run finished before is still done, not trained again
     made = json.dumps({"stage": stage, "settings": settings, "inputs": inputs}, sort_keys=True, default=str)
     return hashlib.sha256(made.encode("utf-8")).hexdigest()[:16]
 

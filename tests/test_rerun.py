@@ -254,6 +254,9 @@ def test_the_fingerprint_follows_what_changes_the_work_and_nothing_else():
     assert fingerprint("base", dict(config, lr=0.03), inputs) != made
     assert fingerprint("mid", config, inputs) != made
     assert fingerprint("base", config, dict(inputs, tokenizer="abd")) != made
+    # base_train's default attention, "auto", was called "sdpa" before: a run made then is still done
+    by_attention = {a: fingerprint("base", dict(config, attention=a), inputs) for a in ("auto", "sdpa", "eager")}
+    assert by_attention["auto"] == by_attention["sdpa"] != by_attention["eager"]
 
 
 def test_report_sections_say_which_run_made_them(isolated_env):
