@@ -10,7 +10,11 @@ A script declares its settings as plain module-level variables, then calls confi
     $ python -m scripts.base_train --depth=12 --device-batch-size=4
 
 Every int / float / bool / str global that does not start with "_", is not an ALL_CAPS constant and is
-defined before the call is a config key. Rules:
+defined before the call is a config key. Settings that several scripts share are declared once, the same way, at
+the top level of a library module, and taken with configure(globals(), shared=...): the training scripts take
+nanochat/stage.py's, `configure(globals(), shared=stage_settings())`. They come first, are parsed as the script's own
+and --help lists them with the module's comments; a script that declares one of them too is an error (declare it
+once; a script's own default is a value: stage_settings(save_every=60)). Rules:
 - only declared keys are accepted; a typo gets an error naming the closest valid keys;
 - values are parsed and checked against the type of the default: an int is fine for a float, bools take
   true/false/1/0/yes/no/on/off, strings are taken as they are, and values may themselves contain "=";
@@ -110,8 +114,10 @@ def _comments(path):
     return comments
 
 
-def format_help(keys, script_path=None, doc=None):
-    comments = _comments(script_path)
+def format_help(keys, script_path=None, doc=None, comments=None):
+    """The --help text: `doc`, the usage, then every key of `keys` with its type, default and comment (`comments`;
+    default: those of the script at `script_path`)."""
+    comments = _comments(script_path) if comments is None else comments
     name = os.path.splitext(os.path.basename(script_path))[0] if script_path else "script"
     lines = []
     if doc:
@@ -128,17 +134,17 @@ def format_help(keys, script_path=None, doc=None):
     return "\n".join(lines)
 
 
-def parse_args(argv, keys, script_path=None, doc=None):
+def parse_args(argv, keys, script_path=None, doc=None, comments=None):
     """
     Parse `argv` against `keys` (name -> default). Returns {key: new value} for the overridden keys,
-    in the order given. `--help` prints the key listing (rank 0) and exits 0.
+    in the order given. `--help` prints the key listing (rank 0; format_help) and exits 0.
     """
     overrides, given = {}, set()
     for arg in argv:
         if arg == "--":
             continue
         if arg in ("-h", "--help"):
-            _print_help(format_help(keys, script_path, doc))
+            _print_help(format_help(keys, script_path, doc, comments))
         if not arg.startswith("--"):
             # a config file of python assignments
             if not os.path.isfile(arg):
@@ -198,17 +204,28 @@ def _suggest(key, keys):
     return hint + "; run with --help to list every key"
 
 
-def configure(scope, argv=None):
+def configure(scope, argv=None, shared=None):
     """
     Apply command-line overrides to the config variables of `scope` (a script's globals()) in place, and
-    return the full config as a dict (for wandb, the report and checkpoint metadata).
+    return the full config as a dict (for wandb, the report and checkpoint metadata). `shared`: the scope of a
+    module whose settings the script takes too (its globals(), some defaults replaced), first, into `scope` as well.
     """
     setup_default_logging()
     argv = sys.argv[1:] if argv is None else argv
-    keys = _config_keys(scope)
-    overrides = parse_args(argv, keys, scope.get("__file__"), scope.get("__doc__"))
+    taken = _config_keys(shared or {})
+    own = _config_keys(scope)
+    twice = [k for k in own if k in taken]
+    if twice:  # a second declaration would silently win over the shared one
+        raise ValueError(f"{', '.join(twice)}: declared by {scope.get('__file__')} and taken from "
+                         f"{shared.get('__file__')}; declare each setting once")
+    keys = {**taken, **own}
+    comments = _comments(scope.get("__file__"))  # each key's comment from the file that declares it
+    if taken:
+        comments.update({k: c for k, c in _comments(shared.get("__file__")).items() if k in taken})
+    overrides = parse_args(argv, keys, scope.get("__file__"), scope.get("__doc__"), comments)
     for k, v in overrides.items():
         print0(f"Overriding: {k} = {v!r} (default {keys[k]!r})")
+    scope.update(taken)
     scope.update(overrides)
     return {k: scope[k] for k in keys}
 

@@ -101,8 +101,7 @@ def made_before(section):
 def done_before(section, made_from, outputs=()):
     """
     True if the report section `section` was made from `made_from` and the files `outputs` are there: prints one
-    line saying the stage is done (when, by which run of the pipeline) and skipped. The check of the evaluations and
-    of the tokenizer (a training stage's is Stage's).
+    line saying the stage is done (when, by which run of the pipeline) and skipped.
     """
     before = made_before(section)
     if before is None or before[0] != made_from or not all(os.path.exists(p) for p in outputs):
@@ -113,16 +112,28 @@ def done_before(section, made_from, outputs=()):
     return True
 
 
-def training_done(stage, config, model_tag, inputs):
+def skip_if_done(section, stage, config, inputs, outputs=()):
     """
-    A training stage's check, before any work: with --rerun=auto (and neither --resume_from_step nor --overwrite),
-    True if its report section and last checkpoint were made from the same settings and inputs; one line says so.
-    (What it does otherwise with its checkpoints, resume or replace, Stage decides: training_plan.)
+    The check of the evaluations and of the tokenizer, before any work: returns the fingerprint of `stage`'s settings
+    `config` and its `inputs`, for its report section `section`; with --rerun=auto, if that section was made from it
+    (and the files `outputs` are there), one line says the stage is done and it exits 0. (A training stage's check
+    is Stage's.)
     """
-    if config.get("rerun") != "auto" or config["resume_from_step"] >= 0 or config.get("overwrite"):
-        return False
+    made_from = fingerprint(stage, config, inputs)
+    if config["rerun"] == "auto" and done_before(section, made_from, outputs):
+        sys.exit(0)
+    return made_from
+
+
+def training_done(stage, model_tag, made_from):
+    """
+    A training stage's check with --rerun=auto (and neither --resume_from_step nor --overwrite), before any work
+    (Stage does it): True if its report section and its last checkpoint in <stage dir>/<model_tag> were made from
+    `made_from`; one line says so. (What it does otherwise with its checkpoints, resume or replace, Stage decides:
+    training_plan.)
+    """
     section = TRAINING_SECTIONS[stage]
-    what, step = training_plan(stage, section, checkpoint_dir_for(stage, model_tag), fingerprint(stage, config, inputs))
+    what, step = training_plan(stage, section, checkpoint_dir_for(stage, model_tag), made_from)
     if what != "done":
         return False
     _, stamp, run = made_before(section)

@@ -1,15 +1,16 @@
 """
-What every training stage does around its loop: start-up, start or resume, log, save, stop, end.
+Every training stage's settings and what it does around its loop: start-up, start or resume, log, save, stop, end.
 
-Written once for scripts/base_train, mid_train, chat_sft and chat_rl: start (fresh, or resumed from the stage's own
-checkpoint) with the attention its training steps take, log, save, stop, end. The loop itself, with its micro-steps,
-stays written out in each script. The calls a script makes, on every rank, in order:
+Written once for scripts/base_train, mid_train, chat_sft and chat_rl, with the settings they share (declared here,
+below): start (fresh, or resumed from the stage's own checkpoint) with the attention its training steps take, log,
+save, stop, end. The loop itself, with its micro-steps, stays written out in each script. The calls a script makes,
+on every rank, in order:
 
-    if training_done("mid", config, model_tag, inputs):  # --rerun=auto, made already (nanochat/rerun.py)
-        sys.exit(0)
-    device_type, ddp, rank, world_size, device = start_compute(device_type)   # after its settings are checked
-    stage = Stage("mid", config, device, model_tag, inputs)   # wandb on rank 0 unless --run=dummy; stage.stop
-    model, tokenizer = stage.start(model_tag, source="base", source_step=step)  # resumed: the checkpoint's weights
+    config = configure(globals(), shared=stage_settings())  # its own settings, and the stage's (first)
+    stage = Stage("mid", config, source="base", source_step=step, files=dict(conversations=conversations))
+    #   the stage's settings checked; made already (--rerun=auto, nanochat/rerun.py): one line says so, exit 0
+    device_type, ddp, rank, world_size, device = stage.start_compute()  # wandb on rank 0 unless --run=dummy
+    model, tokenizer = stage.start()  # the source's model; resumed: the checkpoint's weights
     optimizers, train_loader = ..., ...
     loop = stage.resume(optimizers, train_loader, data_settings, smooth_train_loss=0.0, epoch_done=False)
     step, stop_now = stage.start_step, False
@@ -39,6 +40,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 import types
 import urllib.parse
@@ -51,6 +53,7 @@ from nanochat.checkpoint_manager import (SOURCES, check_data_settings, check_mod
                                          claim_checkpoint_dir, complete_steps, delete_checkpoint, find_checkpoint_dir,
                                          load_for_resume, load_model, load_optimizer_shards, optimizer_shard,
                                          read_meta, save_checkpoint)
+from nanochat.configurator import check_config
 from nanochat.files import DiskFull, atomic_write, out_of_space
 from nanochat.hardware import autocast_dtype, compute_dtype_line
 from nanochat.interrupt import Interrupted
@@ -58,13 +61,44 @@ from nanochat.output import UserError, print0, print_banner
 from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init
 from nanochat.ranks import any_rank, gather_from_ranks, is_distributed
 from nanochat.report import get_report
-from nanochat.rerun import RERUN_CHOICES, TRAINING_SECTIONS, fingerprint, training_plan
+from nanochat.rerun import (RERUN_CHOICES, TRAINING_SECTIONS, checkpoint_input, corpus_input, file_input, fingerprint,
+                            tokenizer_input, training_done, training_plan)
 from nanochat.tokenizer import carry_tokenizer
 
 EXIT_STOPPED_EARLY = 75  # stopped before the planned last step (SIGTERM / Ctrl-C), a checkpoint saved: resume
 #                          with --resume_from_step (75 = EX_TEMPFAIL of sysexits.h, "try again later")
 
 WANDB_PROJECTS = {"base": "nanochat", "mid": "nanochat-mid", "sft": "nanochat-sft", "rl": "nanochat-rl"}
+
+# -----------------------------------------------------------------------------
+# The stage's settings, every training stage's: wandb, the device, the checkpoints, saving, resume, rerun. Declared
+# here once, as a script declares its own: a training script takes them with configure(globals(),
+# shared=stage_settings()), and its --help lists them with these comments (nanochat/configurator.py). Each lowercase
+# int / float / bool / str at the top of this module is one. The fingerprint of a stage's outputs leaves out those
+# that do not change what it computes (rerun.UNFINGERPRINTED).
+run = "dummy"  # wandb run name ("dummy" = no wandb)
+device_type = ""  # cuda | cpu | mps; empty = autodetect
+model_tag = ""  # the model's name, which names this stage's checkpoint directory (mid_checkpoints/<model_tag>, ...):
+#                 base_train: d<depth> if empty; the others: the model they start from (needed only if there are
+#                 several), whose name they keep
+resume_from_step = -1  # resume from this step's checkpoint in this stage's <model_tag> directory (-1 = start fresh)
+overwrite = False  # a fresh run into a model_tag that holds checkpoints of this stage deletes them (default: refuse)
+rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
+#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
+save_every = -1  # steps between checkpoints (<= 0: only the final one)
+save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
+dry_run = False  # run everything but write no checkpoint and no report
+
+
+def stage_settings(**defaults):
+    """
+    The stage's settings for configure(globals(), shared=stage_settings()): this module's scope, with `defaults`
+    replacing some of their defaults (a stage's own default, given as a value: chat_rl's save_every=60).
+    """
+    for key, value in defaults.items():
+        if type(value) is not type(globals().get(key)):
+            raise ValueError(f"stage_settings({key}={value!r}): not a setting of the stage, or not of its type")
+    return dict(globals(), **defaults)
 
 
 class StopRequest:
@@ -214,77 +248,98 @@ def open_metrics(checkpoint_dir, start_step, enabled=True):
 
 
 def check_stage_settings(config):
-    """The settings every training stage shares, checked right after its config is read (before any work)."""
+    """
+    The stage's settings, and the schedule every training stage has, checked before any work (Stage() does it
+    first): a bad value is refused with one line.
+    """
+    check_config(config, choices={"device_type": ("", "cuda", "cpu", "mps"), "rerun": RERUN_CHOICES})
     if config["resume_from_step"] < -1:
         raise UserError(f"--resume_from_step must be a checkpoint's step, or -1 to start a fresh run, "
                         f"got {config['resume_from_step']}")
     warm = config["warmup_ratio"] + config["warmdown_ratio"]
     if warm > 1:
         raise UserError(f"--warmup_ratio + --warmdown_ratio = {warm:g} > 1: the warmup and the warmdown would overlap")
-    if config.get("model_tag"):
+    if config["model_tag"]:
         check_model_tag(config["model_tag"])
-    if config.get("rerun", "no") not in RERUN_CHOICES:
-        raise UserError(f"--rerun must be one of {', '.join(RERUN_CHOICES)}, got {config['rerun']!r}")
-    minutes = config.get("save_every_minutes", -1)
+    minutes = config["save_every_minutes"]
     if not (minutes > 0 or minutes == -1):
-        raise UserError(f"--save_every_minutes must be > 0, or -1 for none, got {config['save_every_minutes']!r}")
-
-
-def start_compute(device_type):
-    """
-    The start of every training stage on every rank, once its settings are checked: the banner, the process group
-    and this rank's device (compute_init: one process per device under torchrun; device_type "" = autodetect), and
-    the compute dtype decided for it. Returns (device_type, ddp, rank, world_size, device).
-    """
-    print_banner()
-    device_type = device_type or autodetect_device_type()
-    ddp, rank, _, world_size, device = compute_init(device_type)  # _: the local rank, which chose the GPU
-    print0(compute_dtype_line(device_type))
-    return device_type, ddp, rank, world_size, device
+        raise UserError(f"--save_every_minutes must be > 0, or -1 for none, got {minutes!r}")
 
 
 class Stage:
     """
-    One run of a training stage: its checkpoint directory (owned for the whole run), where it started from,
-    its saves, its metrics, its stop request and its end. `inputs`: the identities of what the stage reads
-    (nanochat/rerun.py), which with its settings make its fingerprint, `made_from`, kept with every checkpoint and in
-    its report section. With --rerun=auto (a stage that is done never gets here: rerun.training_done) the stage decides
-    here, on rank 0 for every rank: resume from its last checkpoint made from the same fingerprint, or replace
-    checkpoints made otherwise, or start fresh.
-    Attributes after start(): model, tokenizer, model_tag, checkpoint_dir, start_step (0, or the step resumed from),
-    resumed (bool), parent (the model a fresh run started from), metrics_path; `stop` (the StopRequest) from the start.
+    One run of a training stage: what it is made from, its checkpoint directory (owned for the whole run), where it
+    started from, its saves, its metrics, its stop request and its end.
+    Made before any work, on every rank: its settings are checked (check_stage_settings), and what it reads makes, with
+    its settings, its fingerprint `made_from` (nanochat/rerun.py), kept with every checkpoint and in its report
+    section. With --rerun=auto a stage made already from them says so in one line and exits 0 here; otherwise
+    start_compute() decides, on rank 0 for every rank: resume from its last checkpoint made from the same fingerprint,
+    or replace checkpoints made otherwise, or start fresh.
+    Attributes after start_compute(): device, rank, `stop` (the StopRequest). After start(): model, tokenizer,
+    model_tag, checkpoint_dir, start_step (0, or the step resumed from), resumed (bool), parent (the model a fresh run
+    started from), metrics_path.
     """
 
-    def __init__(self, name, config, device, model_tag="", inputs=None):
+    def __init__(self, name, config, model_tag=None, source=None, source_step=-1, files=None):
+        """
+        `config`: the script's, with the stage's settings. What the stage reads: the model of stage `source` (its
+        --model_tag or the only one, at step `source_step` or its last), or (base_train, no source) the tokenizer and
+        the corpus; and `files` ({name: path}, the files of its settings). `model_tag`: the name of the model it
+        writes where the script decides it (base_train's d<depth>); else --model_tag's, the source model's.
+        """
         if name not in SOURCES:
             raise ValueError(f"unknown stage {name!r}")
+        check_stage_settings(config)
         self.name = name
         self.config = config
-        self.device = device
-        self.rank = dist.get_rank() if is_distributed() else 0
-        self.dry_run = config.get("dry_run", False)  # everything runs, nothing is written
+        self.source = source
+        self.source_step = source_step
+        self.dry_run = config["dry_run"]  # everything runs, nothing is written
         self.resume_from_step = config["resume_from_step"]
         self.resumed = self.resume_from_step >= 0
-        self.overwrite = config.get("overwrite", False)
-        self.made_from = fingerprint(name, config, inputs) if inputs is not None else None
-        if config.get("rerun", "no") == "auto" and not self.resumed and not self.overwrite and self.made_from:
-            self._plan(model_tag)
-        self.stop = StopRequest(self.rank)
+        self.overwrite = config["overwrite"]
+        self._model_tag = config["model_tag"] if model_tag is None else model_tag
+        inputs = (dict(source=checkpoint_input(source, self._model_tag, source_step)) if source is not None else
+                  dict(tokenizer=tokenizer_input(), corpus=corpus_input()))
+        inputs.update({key: file_input(path) for key, path in (files or {}).items()})
+        self.made_from = fingerprint(name, config, inputs)
+        # --rerun=auto decides what to do with the checkpoint directory of the model this run writes
+        self._planned_tag = inputs["source"]["model_tag"] if source is not None else self._model_tag
+        self._rerun = config["rerun"] == "auto" and not self.resumed and not self.overwrite
+        if self._rerun and training_done(name, self._planned_tag, self.made_from):
+            sys.exit(0)
         self.last_saved_step = None
         self.data_settings = None
         self.meta = None
         self._stopped_early = None
         # saves every save_every_minutes of wall time; each replaces the one before it (its meta's save_kind is
         # "periodic", set by should_save: save() deletes the earlier ones so marked)
-        self.save_every_minutes = config.get("save_every_minutes", -1)
+        self.save_every = config["save_every"]
+        self.save_every_minutes = config["save_every_minutes"]
         self.save_due = False
         self._save_kind = "kept"
-        self._last_save_time = time.monotonic()
-        self.wandb = init_wandb(config["run"], self.rank == 0, config, project=WANDB_PROJECTS[name])
 
-    def _plan(self, model_tag):
+    def start_compute(self):
+        """
+        The start of the stage's work on every rank: the banner, the process group and this rank's device
+        (compute_init: one process per device under torchrun; --device_type "" = autodetect) and the compute dtype
+        decided for it; with --rerun=auto, what this run does with its checkpoint directory; the stop request, and
+        the wandb run (rank 0, unless --run=dummy). Returns (device_type, ddp, rank, world_size, device).
+        """
+        print_banner()
+        device_type = self.config["device_type"] or autodetect_device_type()
+        ddp, self.rank, _, world_size, self.device = compute_init(device_type)  # _: the local rank, which chose the GPU
+        print0(compute_dtype_line(device_type))
+        if self._rerun:
+            self._plan()
+        self.stop = StopRequest(self.rank)
+        self._last_save_time = time.monotonic()
+        self.wandb = init_wandb(self.config["run"], self.rank == 0, self.config, project=WANDB_PROJECTS[self.name])
+        return device_type, ddp, self.rank, world_size, self.device
+
+    def _plan(self):
         """--rerun=auto: what this run does with what its checkpoint directory holds (rerun.training_plan)."""
-        checkpoint_dir = checkpoint_dir_for(self.name, model_tag)
+        checkpoint_dir = checkpoint_dir_for(self.name, self._planned_tag)
         section = TRAINING_SECTIONS[self.name]
         plan = [training_plan(self.name, section, checkpoint_dir, self.made_from) if self.rank == 0 else None]
         if is_distributed():  # rank 0's decision for every rank: they must all skip, resume or start alike
@@ -302,7 +357,7 @@ class Stage:
             print0(f"{section}: {checkpoint_dir} holds checkpoints (steps {shown}) made from other "
                    f"settings or inputs: they are replaced (--rerun=auto)")
 
-    def start(self, model_tag, model=None, tokenizer=None, source=None, source_step=-1, attention="auto"):
+    def start(self, model=None, tokenizer=None, attention="auto"):
         """
         The model this run trains, and its tokenizer. Resumed (--resume_from_step=N): this stage's checkpoint of
         step N in <stage dir>/<model_tag> (the only tag there if model_tag is empty), loaded into `model` if one is
@@ -313,6 +368,7 @@ class Stage:
         `attention` names (base_train --attention; "auto" in the other stages: attention_kernels.choose_kernel,
         rank 0's choice for every rank), said on the line "Attention in training steps: ...".
         """
+        model_tag, source, source_step = self._model_tag, self.source, self.source_step
         if self.resumed:
             self.model_tag, self.checkpoint_dir = find_checkpoint_dir(self.name, model_tag)
             self._claim()
@@ -423,8 +479,7 @@ class Stage:
         --save_every_minutes of wall time have passed since the last save (a periodic save, which the next save
         replaces, as it replaces the save of a run stopped early: at most that much work is lost to a kill -9).
         """
-        save_every = self.config.get("save_every", -1)
-        every = save_every > 0 and step > self.start_step and step % save_every == 0
+        every = self.save_every > 0 and step > self.start_step and step % self.save_every == 0
         due = self.save_due and step > self.start_step
         # the last step of a run stopped early is only a place to resume from, as a periodic save is
         kept = every or (last_step and not self.stop.requested)
@@ -512,7 +567,7 @@ class Stage:
         compute_cleanup()
         if stopped_early:
             how = ("Run the same command again to continue from there (--rerun=auto resumes it)"
-                   if self.config.get("rerun") == "auto" else
+                   if self.config["rerun"] == "auto" else
                    f"Continue with the same command plus --resume_from_step={step}")
             print0(f"Stopped at step {step} on request. {how} (exit code {EXIT_STOPPED_EARLY}: not finished)")
             return EXIT_STOPPED_EARLY

@@ -13,8 +13,6 @@ Prints a table per task (accuracy, centered accuracy) and the score, and writes 
 "Base model evaluation" (key "CORE metric" for the dclm bundle, "pydocs-CORE metric" for the offline one).
 """
 
-import sys
-
 from nanochat.checkpoint_manager import load_model
 from nanochat.configurator import check_config, configure
 from nanochat.core_eval import default_bundle_kind, evaluate_core, prepare_bundle
@@ -22,7 +20,7 @@ from nanochat.hardware import autocast_context, compute_dtype_line
 from nanochat.output import print0, print_banner
 from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init
 from nanochat.report import get_report
-from nanochat.rerun import RERUN_CHOICES, checkpoint_input, done_before, fingerprint
+from nanochat.rerun import RERUN_CHOICES, checkpoint_input, skip_if_done
 
 device_type = ""  # cuda | cpu | mps; empty = autodetect
 source = "base"  # which checkpoints: base | mid | sft | rl
@@ -37,10 +35,9 @@ config = configure(globals())
 check_config(config, positive=["device_batch_tokens"], positive_or_unset=["max_per_task"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "source": ("base", "mid", "sft", "rl"),
                       "bundle": ("", "dclm", "offline"), "rerun": RERUN_CHOICES})
-# What the evaluation is made from: these settings and the checkpoint it reads (nanochat/rerun.py)
-made_from = fingerprint("base_eval", config, checkpoint_input(source, model_tag, step))
-if rerun == "auto" and done_before("Base model evaluation", made_from):
-    sys.exit(0)
+# What the evaluation is made from: these settings and the checkpoint it reads; made already from them (--rerun=auto),
+# it says so and exits 0 here (nanochat/rerun.py)
+made_from = skip_if_done("Base model evaluation", "base_eval", config, checkpoint_input(source, model_tag, step))
 
 print_banner()
 device_type = device_type or autodetect_device_type()

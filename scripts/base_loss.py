@@ -5,8 +5,6 @@ Evaluate a base model checkpoint: bits per byte on the train and val splits, plu
     torchrun --standalone --nproc_per_node=8 -m scripts.base_loss
 """
 
-import sys
-
 from nanochat.checkpoint_manager import load_model
 from nanochat.configurator import check_config, configure
 from nanochat.dataloader import tokenizing_distributed_data_loader
@@ -16,7 +14,7 @@ from nanochat.losses import evaluate_bpb
 from nanochat.output import print0
 from nanochat.processes import autodetect_device_type, compute_cleanup, compute_init
 from nanochat.report import get_report
-from nanochat.rerun import RERUN_CHOICES, checkpoint_input, done_before, fingerprint
+from nanochat.rerun import RERUN_CHOICES, checkpoint_input, skip_if_done
 from nanochat.tokenizer import get_token_bytes
 
 device_type = ""  # cuda | cpu | mps; empty = autodetect
@@ -28,10 +26,9 @@ rerun = "no"  # auto (bash speedrun.sh): skipped if its report section was made 
 config = configure(globals())
 check_config(config, positive=["device_batch_size", "split_tokens"],
              choices={"device_type": ("", "cuda", "cpu", "mps"), "rerun": RERUN_CHOICES})
-# What the evaluation is made from: these settings and the checkpoint it reads (nanochat/rerun.py)
-made_from = fingerprint("base_loss", config, checkpoint_input("base", model_tag, step))
-if rerun == "auto" and done_before("Base model loss", made_from):
-    sys.exit(0)
+# What the evaluation is made from: these settings and the checkpoint it reads; made already from them (--rerun=auto),
+# it says so and exits 0 here (nanochat/rerun.py)
+made_from = skip_if_done("Base model loss", "base_loss", config, checkpoint_input("base", model_tag, step))
 
 device_type = device_type or autodetect_device_type()
 ddp, ddp_rank, _, ddp_world_size, device = compute_init(device_type)

@@ -40,15 +40,14 @@ from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY
                             lr_multiplier, muon_momentum, step_optimizers)
 from nanochat.output import UserError, format_value, print0
 from nanochat.ranks import per_rank
-from nanochat.rerun import corpus_input, tokenizer_input, training_done
-from nanochat.stage import Stage, check_stage_settings, start_compute
+from nanochat.stage import Stage, stage_settings
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
 # -----------------------------------------------------------------------------
-# 1. Config: every variable here can be overridden as --key=value (python -m scripts.base_train --help). Why these
-# defaults, as measured: bench/RESULTS.md, "Moved from base_train's config block" and the sections it names.
-run = "dummy"  # wandb run name ("dummy" = no wandb)
-device_type = ""  # cuda | cpu | mps; empty = autodetect
+# 1. Config: every variable here can be overridden as --key=value (python -m scripts.base_train --help), and so can
+# the settings every training stage takes: the wandb run, the device, --model_tag, saves, resume, rerun, dry run
+# (nanochat/stage.py). Why these defaults, as measured: bench/RESULTS.md, "Moved from base_train's config block" and
+# the sections it names.
 # model (gpt.GPTConfig). With qk_scale != 1, layer_scalars, value_embeds or windows it exports with remote code only
 # (docs/export.md)
 depth = 20  # the one size dial: width 64*depth, heads 128 wide; odd depths: others (7 -> 4 of 112: config_from_depth)
@@ -89,13 +88,6 @@ core_metric_every = 2000  # steps between CORE evaluations, and one at the end (
 core_metric_max_per_task = 500  # examples per CORE task (-1 = all)
 core_bundle = ""  # CORE tasks: dclm (DCLM's 22, downloaded) | offline (pydocs); empty: offline for pydocs, else dclm
 sample_every = 2000  # steps between printed samples
-save_every = -1  # steps between checkpoints
-save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
-resume_from_step = -1  # resume from this step's checkpoint of model_tag (-1 = start fresh)
-model_tag = ""  # checkpoint directory name under base_checkpoints/ (default d<depth>)
-overwrite = False  # a fresh run into a model_tag that holds checkpoints deletes them (default: refuse)
-rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
-#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 attention = "auto"  # the attention kernel: auto (dense where this CPU measured it faster in bf16, else sdpa) | sdpa |
 #                    dense (training steps' scores in blocked matmuls: a CPU in bf16) | flex (FlexAttention: a window
@@ -104,15 +96,14 @@ fp8 = False  # the blocks' matmuls in float8 while training (nanochat/fp8.py); n
 data_seed = 0  # seeds the per-epoch shuffle of the training data order
 init_seed = 42  # seeds the initial weights (the same on every rank)
 bos_aligned = True  # start every row at a document start: best-fit packing, no token dropped
-dry_run = False  # run everything but write no checkpoint and no report
-config = configure(globals())
+config = configure(globals(), shared=stage_settings())
 # What each value means, checked before any work (a bad value must not train for hours)
 check_config(config,
              positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "target_param_data_ratio"],
              positive_or_unset=["num_iterations", "target_flops", "eval_tokens", "core_metric_max_per_task"],
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac", "muon_momentum_peak", "muon_momentum_final"],
-             choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
+             choices={"compile": ("auto", "true", "false"),
                       "core_bundle": ("", "dclm", "offline"), "init_recipe": GPT.INIT_RECIPES,
                       "attention": attention_kernels.CHOICES})
 for key, value in (("weight_decay", weight_decay), ("matrix_weight_decay", matrix_weight_decay)):
@@ -126,24 +117,20 @@ if not (rope_base > 1 and qk_scale > 0):
 if not window_pattern or set(window_pattern) - set("SL"):
     raise UserError(f"--window_pattern is a string of S (short window) and L (whole context), e.g. SSSL; "
                     f"got {window_pattern!r}")
-check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
-model_tag = check_model_tag(model_tag or f"d{depth}")
-
-# What this run is made from: its settings, the tokenizer and the corpus's shards (nanochat/rerun.py)
-inputs = dict(tokenizer=tokenizer_input(), corpus=corpus_input())
-if training_done("base", config, model_tag, inputs):  # --rerun=auto, and done already: nothing to do
-    sys.exit(0)
+model_tag = check_model_tag(config["model_tag"] or f"d{depth}")  # the run's checkpoint directory
 
 # -----------------------------------------------------------------------------
-# 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-# start_compute prints the banner and runs compute_init (nanochat/stage.py)
-device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
+# 2. The stage and the compute. The stage's settings are checked; this run is made from its settings, the tokenizer
+# and the corpus's shards: made already from them (--rerun=auto), it says so and exits 0 here (nanochat/stage.py,
+# nanochat/rerun.py). Then one process per device (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE), the banner, and
+# wandb on rank 0
+stage = Stage("base", config, model_tag=model_tag)  # checkpoints, saves, stop, end
+device_type, ddp, ddp_rank, ddp_world_size, device = stage.start_compute()
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
 if attention == "flex" and device_type != "cuda":  # torch has FlexAttention's backward for GPUs only
     raise UserError(f"--attention=flex trains on CUDA only (torch {torch.__version__} has no FlexAttention backward on "
                     f"{device_type}); use --attention=sdpa")
-stage = Stage("base", config, device, model_tag, inputs)  # checkpoints, saves, stop, end; wandb on rank 0
 # The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
 core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_metric_every > 0 else None
 
@@ -208,7 +195,7 @@ grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max
 # 6. The checkpoint directory, optimizers, data. This run owns base_checkpoints/<model_tag> from here on (a second
 # run on it is refused; a fresh run never writes into a directory holding an earlier run's steps). A resumed run
 # (--resume_from_step) continues that checkpoint: its weights, every rank's optimizer state and data position.
-stage.start(model_tag, model=orig_model, tokenizer=tokenizer, attention=attention)  # its kernel: --attention
+stage.start(model=orig_model, tokenizer=tokenizer, attention=attention)  # its kernel: --attention
 optimizers = orig_model.setup_optimizers(unembedding_lr=unembedding_lr, embedding_lr=embedding_lr,
                                          matrix_lr=matrix_lr, weight_decay=weight_decay,
                                          matrix_weight_decay=matrix_weight_decay, scalar_lr=scalar_lr)  # [AdamW, Muon]

@@ -150,7 +150,7 @@ def main(argv=None):
     from nanochat.engine import Engine
     from nanochat.hardware import autocast_context, compute_dtype_line
     from nanochat.report import get_report
-    from nanochat.rerun import RERUN_CHOICES, checkpoint_input, done_before, fingerprint
+    from nanochat.rerun import RERUN_CHOICES, checkpoint_input, skip_if_done
 
     setup_default_logging()  # from here on a UserError prints one line, not a traceback
     config = configure(globals(), expand_short_flags(sys.argv[1:] if argv is None else argv))
@@ -158,10 +158,10 @@ def main(argv=None):
                  non_negative=["temperature", "top_k", "progress_every"],
                  choices={"source": ("mid", "sft", "rl"), "device_type": ("", "cuda", "cpu", "mps"),
                           "rerun": RERUN_CHOICES})
-    # What the evaluation is made from: these settings and the checkpoint it reads (nanochat/rerun.py)
-    made_from = fingerprint("chat_eval", config, checkpoint_input(source, model_tag, step))
-    if rerun == "auto" and done_before(f"Chat evaluation {source}", made_from):
-        return
+    # What the evaluation is made from: these settings and the checkpoint it reads; made already from them
+    # (--rerun=auto), it says so and exits 0 here (nanochat/rerun.py)
+    made_from = skip_if_done(f"Chat evaluation {source}", "chat_eval", config,
+                             checkpoint_input(source, model_tag, step))
 
     device_kind = device_type or autodetect_device_type()
     ddp, rank, _, world_size, device = compute_init(device_kind)

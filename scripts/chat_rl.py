@@ -33,17 +33,15 @@ from nanochat.losses import count_step_targets, group_advantages, policy_gradien
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.output import UserError, format_value, print0
 from nanochat.ranks import sum_over_ranks
-from nanochat.rerun import checkpoint_input, training_done
 from nanochat.scoring import Progress
-from nanochat.stage import Stage, check_stage_settings, start_compute
+from nanochat.stage import Stage, stage_settings
 from tasks.registry import stage_mixture
 
 # -----------------------------------------------------------------------------
-# 1. Config (override as --key=value; --help lists them)
-run = "dummy"  # wandb run name ("dummy" = no wandb)
-device_type = ""  # cuda | cpu | mps; empty = autodetect
+# 1. Config (override as --key=value; --help lists them), after the settings every training stage takes: the wandb
+# run, the device, --model_tag (the source's model), saves (here every 60 steps), resume, rerun, dry run
+# (nanochat/stage.py)
 source = "sft"  # which model to start from: sft | mid
-model_tag = ""  # which model of that stage (needed only if there are several); also names chatrl_checkpoints/<tag>
 step = -1  # which checkpoint step of the source model (-1 = the last)
 mixture = "real"  # real (GSM8K; downloads) | offline (spelling, arithmetic, identity; no downloads): tasks/registry.py
 num_iterations = -1  # optimizer steps; -1 = one pass over the training problems
@@ -66,45 +64,30 @@ weight_decay = 0.0  # AdamW weight decay
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 eval_every = 60  # steps between pass@k evaluations on the test problems (<= 0: only at the start and the end)
 eval_examples = 400  # test problems per evaluation
-save_every = 60  # steps between checkpoints (<= 0: only the final one)
-save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
-resume_from_step = -1  # resume from this step's checkpoint in chatrl_checkpoints/<model_tag> (-1 = from the source)
-overwrite = False  # a fresh run into a model_tag that holds RL checkpoints deletes them (default: refuse)
-rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
-#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 seed = 0  # sampling seeds: step s, problem i use a seed derived from (seed, s, i)
 # compile: the policy-gradient pass sees rows of any length (dynamic shapes)
 compile = "auto"  # torch.compile the policy-gradient pass: auto (= on for CUDA, off for CPU/MPS) | true | false
-dry_run = False  # run everything but write no checkpoint and no report
-config = configure(globals())
+config = configure(globals(), shared=stage_settings(save_every=60))
 check_config(config,
              positive=["prompts_per_step", "num_samples", "max_new_tokens", "device_batch_size", "sample_batch_size",
                        "init_lr_frac", "eval_examples", "temperature"],
              positive_or_unset=["num_iterations"],
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip", "top_k"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
-             choices={"device_type": ("", "cuda", "cpu", "mps"), "mixture": ("real", "offline"),
-                      "source": ("sft", "mid"), "compile": ("auto", "true", "false")})
-check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
-
-# What this run is made from: its settings and the model it starts from (nanochat/rerun.py)
-inputs = dict(source=checkpoint_input(source, model_tag, step))
-if training_done("rl", config, inputs["source"]["model_tag"], inputs):  # --rerun=auto, and done already: nothing to do
-    sys.exit(0)
+             choices={"mixture": ("real", "offline"), "source": ("sft", "mid"), "compile": ("auto", "true", "false")})
 
 # -----------------------------------------------------------------------------
-# 2. Compute (CPU, MPS or CUDA; under torchrun gloo or NCCL)
-# the banner and compute_init: nanochat/stage.py
-device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
+# 2. The stage and the compute (CPU, MPS or CUDA; under torchrun gloo or NCCL), as in scripts/mid_train.py: made
+# already from the same settings and model (--rerun=auto), it says so and exits 0 here
+stage = Stage("rl", config, source=source, source_step=step)
+device_type, ddp, ddp_rank, ddp_world_size, device = stage.start_compute()
 master_process = ddp_rank == 0  # prints the pass@k progress
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-# this run's checkpoints, saves, stop and end; wandb on rank 0
-stage = Stage("rl", config, device, inputs["source"]["model_tag"], inputs)
 
 # -----------------------------------------------------------------------------
 # 3. The model: the SFT model for a fresh run, keeping its tag; this stage's own checkpoint for --resume_from_step.
 # From here on this run owns chatrl_checkpoints/<model_tag>.
-orig_model, tokenizer = stage.start(model_tag, source=source, source_step=step)  # uncompiled: sampling, saving
+orig_model, tokenizer = stage.start()  # uncompiled: sampling, saving
 engine = Engine(orig_model, tokenizer)  # samples with the current weights: fully on-policy
 model, use_compile = compile_model(orig_model, compile, device_type, dynamic=True)  # the policy-gradient forward
 

@@ -37,18 +37,15 @@ from nanochat.losses import count_step_targets, evaluate_bpb, logged_step_loss, 
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.output import UserError, format_value, print0
 from nanochat.ranks import gather_from_ranks
-from nanochat.rerun import checkpoint_input, file_input, training_done
 from nanochat.scoring import score_categorical
-from nanochat.stage import Stage, check_stage_settings, start_compute
+from nanochat.stage import Stage, stage_settings
 from nanochat.tokenizer import get_token_bytes
 from tasks.registry import check_conversations, conversations_split, stage_mixture, stage_tasks
 
 # -----------------------------------------------------------------------------
-# 1. Config (override as --key=value; --help lists them)
-run = "dummy"  # wandb run name ("dummy" = no wandb)
-device_type = ""  # cuda | cpu | mps; empty = autodetect
+# 1. Config (override as --key=value; --help lists them), after the settings every training stage takes: the wandb
+# run, the device, --model_tag (the source's model), saves, resume, rerun, dry run (nanochat/stage.py)
 source = "mid"  # which model to finetune: mid | base
-model_tag = ""  # which model of that stage (needed only if there are several); also names chatsft_checkpoints/<tag>
 step = -1  # which checkpoint step of the source model (-1 = the last)
 num_iterations = -1  # optimizer steps; -1 = one epoch of the training mixture
 max_seq_len = 2048  # tokens per row: longer conversations are cut (and counted)
@@ -67,12 +64,6 @@ eval_every = 100  # steps between validation evaluations (<= 0: only at the star
 eval_tokens = -1  # validation rows x tokens per evaluation, all ranks together (-1 = 20 steps of rows x max_seq_len)
 eval_metrics_every = 200  # steps between multiple-choice evaluations (<= 0: only at the end)
 eval_metrics_max_problems = 256  # problems per multiple-choice task in those evaluations (-1 = all)
-save_every = -1  # steps between checkpoints (<= 0: only the final one)
-save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
-resume_from_step = -1  # resume from this step's checkpoint in chatsft_checkpoints/<model_tag> (-1 = from the source)
-overwrite = False  # a fresh run into a model_tag that holds SFT checkpoints deletes them (default: refuse)
-rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
-#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 compile = "auto"  # torch.compile (rows of any length): auto (= on for CUDA, off for CPU/MPS) | true | false
 # mixture: which tasks, how much of each: tasks/registry.py. conversations: custom's data; with real or offline one
 # more task of that mixture
@@ -80,35 +71,27 @@ mixture = "real"  # real (ARC, GSM8K, SmolTalk...; downloads) | offline (the off
 conversations = ""  # JSONL of your own conversations (tasks/customjson.py)
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
-dry_run = False  # run everything but write no checkpoint and no report
-config = configure(globals())
+config = configure(globals(), shared=stage_settings())
 check_config(config, positive=["max_seq_len", "device_batch_size", "examples_per_step", "init_lr_frac"],
              positive_or_unset=["num_iterations", "eval_tokens", "max_conversations", "eval_metrics_max_problems"],
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
-             choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
-                      "mixture": ("real", "offline", "custom"), "source": ("mid", "base")})
+             choices={"compile": ("auto", "true", "false"), "mixture": ("real", "offline", "custom"),
+                      "source": ("mid", "base")})
 check_conversations(mixture, conversations)  # custom without a file, a missing file, under 2 conversations: refused now
-check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
-
-# What this run is made from: its settings, the model it starts from, the files it reads (nanochat/rerun.py)
-inputs = dict(source=checkpoint_input(source, model_tag, step), conversations=file_input(conversations),
-              identity_file=file_input(identity_file))
-if training_done("sft", config, inputs["source"]["model_tag"], inputs):  # --rerun=auto, and done already: nothing to do
-    sys.exit(0)
 
 # -----------------------------------------------------------------------------
-# 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-# the banner, compute_init: nanochat/stage.py
-device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
+# 2. The stage and the compute, as in scripts/mid_train.py: made already from the same settings, model and files
+# (--rerun=auto), it says so and exits 0 here
+stage = Stage("sft", config, source=source, source_step=step,
+              files=dict(conversations=conversations, identity_file=identity_file))
+device_type, ddp, ddp_rank, ddp_world_size, device = stage.start_compute()
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-# this run's checkpoints, saves, stop and end; wandb on rank 0
-stage = Stage("sft", config, device, inputs["source"]["model_tag"], inputs)
 
 # -----------------------------------------------------------------------------
 # 3. The model: the midtrained (or base) model for a fresh run, keeping its tag; this stage's own checkpoint for
 # --resume_from_step. From here on this run owns chatsft_checkpoints/<model_tag>.
-orig_model, tokenizer = stage.start(model_tag, source=source, source_step=step)  # uncompiled: saving, evaluation
+orig_model, tokenizer = stage.start()  # uncompiled: saving, evaluation
 model, use_compile = compile_model(orig_model, compile, device_type, dynamic=True)  # rows change length every batch
 if max_seq_len > orig_model.rotary_len:
     raise UserError(f"--max_seq_len={max_seq_len} is beyond the model's rotary table ({orig_model.rotary_len} "

@@ -34,17 +34,13 @@ from nanochat.losses import count_step_targets, evaluate_bpb, logged_step_loss, 
 from nanochat.optim import lr_multiplier, muon_momentum, scale_initial_lrs, step_optimizers
 from nanochat.output import UserError, format_value, print0
 from nanochat.ranks import gather_from_ranks
-from nanochat.rerun import checkpoint_input, file_input, training_done
-from nanochat.stage import Stage, check_stage_settings, start_compute
+from nanochat.stage import Stage, stage_settings
 from nanochat.tokenizer import get_token_bytes
 from tasks.registry import check_conversations, conversations_split, stage_mixture
 
 # -----------------------------------------------------------------------------
-# 1. Config (override as --key=value; --help lists them)
-run = "dummy"  # wandb run name ("dummy" = no wandb)
-device_type = ""  # cuda | cpu | mps; empty = autodetect
-# model_tag also names this run's mid_checkpoints/<tag>
-model_tag = ""  # which base model under base_checkpoints/ (needed only if there are several)
+# 1. Config (override as --key=value; --help lists them), after the settings every training stage takes: the wandb
+# run, the device, --model_tag (the base model), saves, resume, rerun, dry run (nanochat/stage.py)
 step = -1  # which base checkpoint step (-1 = the last)
 num_iterations = -1  # optimizer steps; -1 = one epoch of the training mixture
 max_seq_len = 2048  # tokens per row
@@ -61,12 +57,6 @@ weight_decay = 0.0  # AdamW weight decay
 grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 eval_every = 150  # steps between validation evaluations (<= 0: only at the start and the end)
 eval_tokens = -1  # validation tokens per evaluation, all ranks together (-1 = 20 x total_batch_size)
-save_every = -1  # steps between checkpoints (<= 0: only the final one)
-save_every_minutes = 10.0  # also a checkpoint after this much wall time, replacing the previous such one (-1 = none)
-resume_from_step = -1  # resume from this step's checkpoint in mid_checkpoints/<model_tag> (-1 = from the base model)
-overwrite = False  # a fresh run into a model_tag that holds midtraining checkpoints deletes them (default: refuse)
-rerun = "no"  # auto (bash speedrun.sh): skip if done from the same settings and inputs, resume if interrupted,
-#                replace what other settings made (nanochat/rerun.py); no: a directory with checkpoints is refused
 compile = "auto"  # torch.compile the model: auto (= on for CUDA, off for CPU/MPS) | true | false
 # mixture: which tasks, how much of each: tasks/registry.py. conversations: custom's data; with real or offline one
 # more task of that mixture
@@ -75,37 +65,30 @@ conversations = ""  # JSONL of your own conversations (tasks/customjson.py)
 identity_file = ""  # JSONL of identity conversations for the real mixture ("" = generate the built-in ones)
 max_conversations = -1  # use only the first N conversations of the training mixture (-1 = all); for quick runs
 train_on_all_tokens = False  # False: loss only on the tokens the chat mask marks (assistant); True: every token
-dry_run = False  # run everything but write no checkpoint and no report
-config = configure(globals())
+config = configure(globals(), shared=stage_settings())
 check_config(config, positive=["max_seq_len", "device_batch_size", "total_batch_size", "init_lr_frac"],
              positive_or_unset=["num_iterations", "eval_tokens", "max_conversations"],
              non_negative=["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "grad_clip"],
              fractions=["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
-             choices={"device_type": ("", "cuda", "cpu", "mps"), "compile": ("auto", "true", "false"),
-                      "mixture": ("real", "offline", "custom")})
+             choices={"compile": ("auto", "true", "false"), "mixture": ("real", "offline", "custom")})
 check_conversations(mixture, conversations)  # custom without a file, a missing file, under 2 conversations: refused now
-check_stage_settings(config)  # --resume_from_step, the schedule, --model_tag (nanochat/stage.py)
-
-# What this run is made from: its settings, the base model it starts from, the files it reads (nanochat/rerun.py)
-inputs = dict(source=checkpoint_input("base", model_tag, step), conversations=file_input(conversations),
-              identity_file=file_input(identity_file))
-if training_done("mid", config, inputs["source"]["model_tag"], inputs):  # --rerun=auto, and done already: nothing to do
-    sys.exit(0)
 
 # -----------------------------------------------------------------------------
-# 2. Compute: one process per device; torchrun sets RANK / LOCAL_RANK / WORLD_SIZE
-# the banner, compute_init: nanochat/stage.py
-device_type, ddp, ddp_rank, ddp_world_size, device = start_compute(device_type)
+# 2. The stage and the compute. The stage's settings are checked; this run is made from its settings, the base model
+# it starts from and the files it reads: made already from them (--rerun=auto), it says so and exits 0 here
+# (nanochat/stage.py, nanochat/rerun.py). Then one process per device (torchrun sets RANK / LOCAL_RANK /
+# WORLD_SIZE), the banner, and wandb on rank 0
+stage = Stage("mid", config, source="base", source_step=step,
+              files=dict(conversations=conversations, identity_file=identity_file))
+device_type, ddp, ddp_rank, ddp_world_size, device = stage.start_compute()
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-# this run's checkpoints, saves, stop and end; wandb on rank 0
-stage = Stage("mid", config, device, inputs["source"]["model_tag"], inputs)
 
 # -----------------------------------------------------------------------------
 # 3. The model: every rank loads the full model (the Dist optimizers shard only their own work: the optimizer state,
 # the update's arithmetic and the averaging of the gradients, nanochat/optim.py). A fresh run starts from the base
 # model and keeps its tag; --resume_from_step continues this stage's own checkpoint. From here on this run owns
 # mid_checkpoints/<model_tag>.
-orig_model, tokenizer = stage.start(model_tag, source="base", source_step=step)  # uncompiled: saving, evaluation
+orig_model, tokenizer = stage.start()  # uncompiled: saving, evaluation
 model, use_compile = compile_model(orig_model, compile, device_type)
 if stage.parent and device_batch_size > (stage.parent["device_batch_size"] or device_batch_size):
     print0(f"WARNING: device_batch_size {device_batch_size} is larger than the base run's "

@@ -13,7 +13,6 @@ comparison is skipped with a message; the script never hangs on the network (dow
 
 import hashlib
 import os
-import sys
 import tempfile
 import threading
 
@@ -23,7 +22,7 @@ from nanochat.configurator import check_config, configure
 from nanochat.dataset import dataset_name, parquets_iter_batched
 from nanochat.output import print0
 from nanochat.report import get_report
-from nanochat.rerun import RERUN_CHOICES, corpus_input, done_before, fingerprint, tokenizer_input
+from nanochat.rerun import RERUN_CHOICES, corpus_input, skip_if_done, tokenizer_input
 from nanochat.tokenizer import get_tokenizer
 
 sample_chars = 1_000_000  # characters of the train split and of the val split to measure on
@@ -32,10 +31,10 @@ download_timeout = 20.0  # seconds to wait for that download before skipping the
 rerun = "no"  # auto (bash speedrun.sh): skipped if its report section was made from the same settings and inputs
 config = configure(globals())
 check_config(config, choices={"rerun": RERUN_CHOICES})
-# What the evaluation is made from: these settings, the tokenizer and the corpus (nanochat/rerun.py)
-made_from = fingerprint("tok_eval", config, dict(tokenizer=tokenizer_input(), corpus=corpus_input()))
-if rerun == "auto" and done_before("Tokenizer evaluation", made_from):
-    sys.exit(0)
+# What the evaluation is made from: these settings, the tokenizer and the corpus; made already from them
+# (--rerun=auto), it says so and exits 0 here (nanochat/rerun.py)
+made_from = skip_if_done("Tokenizer evaluation", "tok_eval", config, dict(tokenizer=tokenizer_input(),
+                                                                          corpus=corpus_input()))
 
 # -----------------------------------------------------------------------------
 # Texts of different kinds: compression differs a lot between them, and shows what the corpus covered

@@ -11,14 +11,13 @@ counts) and training stops after max_chars characters in total.
 """
 
 import os
-import sys
 import time
 
 from nanochat.configurator import check_config, configure
 from nanochat.dataset import dataset_name, parquets_iter_batched
 from nanochat.output import UserError, print0
 from nanochat.report import get_report
-from nanochat.rerun import RERUN_CHOICES, corpus_input, done_before, fingerprint
+from nanochat.rerun import RERUN_CHOICES, corpus_input, skip_if_done
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer, get_tokenizer_dir
 
 max_chars = 2_000_000_000  # train on at most this many characters of the train split
@@ -30,11 +29,10 @@ config = configure(globals())
 if max_chars < 1 or doc_cap < 1:
     raise UserError(f"max_chars and doc_cap must be >= 1 (got max_chars={max_chars}, doc_cap={doc_cap})")
 check_config(config, choices={"rerun": RERUN_CHOICES})
-# What the tokenizer is made from: these settings and the corpus's shards (nanochat/rerun.py)
-made_from = fingerprint("tok_train", config, corpus_input())
-tokenizer_file = os.path.join(get_tokenizer_dir(), "tokenizer.json")
-if rerun == "auto" and done_before("Tokenizer training", made_from, [tokenizer_file]):
-    sys.exit(0)
+# What the tokenizer is made from: these settings and the corpus's shards; made already from them, and there
+# (--rerun=auto), it says so and exits 0 here (nanochat/rerun.py)
+made_from = skip_if_done("Tokenizer training", "tok_train", config, corpus_input(),
+                         [os.path.join(get_tokenizer_dir(), "tokenizer.json")])
 corpus = dataset_name()
 print0(f"Training a tokenizer of {vocab_size:,} tokens ({len(SPECIAL_TOKENS)} special) on the train split of "
        f"{corpus}: at most {max_chars:,} chars, documents cropped to {doc_cap:,} chars")

@@ -149,36 +149,75 @@ def start_script(*args, nproc=1, env=None, cwd=REPO_ROOT, **popen_kwargs):
     return subprocess.Popen(script_command(args, nproc), cwd=cwd, env=script_env(env), **popen_kwargs)
 
 
+@contextlib.contextmanager
+def as_script(module, *args):
+    """
+    `with as_script(module, *args): runpy.run_module(module, run_name="__main__")`: sys.argv as for `python -m <module>
+    <args>`; after, the script's changes to the logging set-up and sys.excepthook are undone.
+    """
+    import logging
+    logger = logging.getLogger("nanochat")
+    saved = sys.argv, sys.excepthook, list(logger.handlers), logger.propagate, logger.level
+    sys.argv = [module, *args]
+    try:
+        yield
+    finally:
+        sys.argv, sys.excepthook, logger.handlers[:], logger.propagate = saved[:4]
+        logger.setLevel(saved[4])
+
+
 def refusal_in_process(module, *args):
     """
     Run `python -m <module> <args>` inside this process, as far as its argument checks: returns the UserError it
     raises before doing any work (fails if it raises none, or gets to compute_init or the training stages'
-    start_compute). A test of a refused value needs no process of its own, which costs 2-3 s of imports;
-    subprocess tests prove that such an error is one line on stderr and exit status 1. The script's changes to the
-    logging setup and sys.excepthook are undone.
+    Stage.start_compute). A test of a refused value needs no process of its own, which costs 2-3 s of imports;
+    subprocess tests prove that such an error is one line on stderr and exit status 1.
     """
-    import logging
     import runpy
 
     from nanochat import output, processes, stage
-    logger = logging.getLogger("nanochat")
-    saved = sys.argv, sys.excepthook, list(logger.handlers), logger.propagate, logger.level
 
     def no_work(*_, **__):
         raise AssertionError(f"{module} {' '.join(args)} started working instead of refusing its arguments")
 
     try:
-        with pytest.MonkeyPatch.context() as mp:
+        with pytest.MonkeyPatch.context() as mp, as_script(module, *args):
             mp.setattr(processes, "compute_init", no_work)
-            mp.setattr(stage, "start_compute", no_work)
-            sys.argv = [module, *args]
+            mp.setattr(stage.Stage, "start_compute", no_work)
             runpy.run_module(module, run_name="__main__")
     except output.UserError as e:
         return e
-    finally:
-        sys.argv, sys.excepthook, logger.handlers[:], logger.propagate = saved[:4]
-        logger.setLevel(saved[4])
     pytest.fail(f"{module} {' '.join(args)} refused nothing")
+
+
+def given_to_stage(module, *args):
+    """
+    (stage name, config): what the training script `module`, run with `args` in this process, gives its Stage (it
+    runs no further).
+    """
+    import runpy
+
+    from nanochat import stage
+
+    class Given(Exception):
+        pass
+
+    def given(name, config, **_):
+        raise Given(name, config)
+
+    with pytest.MonkeyPatch.context() as mp, as_script(module, *args), pytest.raises(Given) as stopped:
+        mp.setattr(stage, "Stage", given)
+        runpy.run_module(module, run_name="__main__")
+    return stopped.value.args
+
+
+def stage_config(**overrides):
+    """A training script's config as Stage takes it: the stage's settings (their defaults, on a CPU), the schedule's
+    ratios, and `overrides`."""
+    from nanochat.configurator import configure
+    from nanochat.stage import stage_settings
+    config = configure(dict(warmup_ratio=0.0, warmdown_ratio=0.2), [], shared=stage_settings())
+    return {**config, "device_type": "cpu", **overrides}
 
 
 def one_line_error(result, *fragments):
