@@ -1,15 +1,18 @@
 """
-The configurator's tests (nanochat/configurator.py): `--key=value` parsed and checked, config files, --help.
+The configurator's tests (nanochat/configurator.py): `--key=value` parsed and checked, config files, settings taken
+from a module (the training stages' from nanochat/stage.py), --help, complete in every script.
 """
 
-import copy
-import logging
+import ast
+import glob
+import io
 import os
-import sys
+import runpy
+import tokenize
 
 import pytest
 
-from helpers import REPO_ROOT, run_in_process, run_script
+from helpers import REPO_ROOT, as_script, run_script
 from nanochat.configurator import configure, format_help, parse_args
 from nanochat.output import UserError
 
@@ -146,26 +149,113 @@ def test_help_shows_a_comment_continued_below_whole(tmp_path):
     assert listed["--lr"].endswith("0.1")
 
 
-@pytest.mark.parametrize("module, key", [("scripts.base_train", "rerun"), ("scripts.mid_train", "rerun"),
-                                         ("scripts.chat_sft", "rerun"), ("scripts.chat_rl", "rerun"),
-                                         ("scripts.base_train", "attention")])
-def test_scripts_help_shows_continued_comments_whole(module, key, monkeypatch, capsys):
+def test_settings_taken_from_a_module_come_first_with_its_comments(tmp_path):
     """
-    The training scripts' --help line for a setting whose comment runs onto the next `#` lines ends with every
-    line's text, read from the script's source (it stopped at the end of the first line).
+    configure(scope, shared=...): the shared module's settings are parsed as the script's own, come first, go into the
+    script's scope, and --help shows the comments of the file that declares each; declared twice is an error.
     """
-    source = open(os.path.join(REPO_ROOT, *module.split(".")) + ".py", encoding="utf-8").read().splitlines()
-    at = next(i for i, line in enumerate(source) if line.startswith(f"{key} = "))
-    continued = []
-    while source[at + 1 + len(continued)].startswith("#  "):
-        continued.append(source[at + 1 + len(continued)].lstrip("#").strip())
-    assert continued, source[at + 1]  # the case this test is about: a comment continued below
-    expected = " ".join([source[at].split("#", 1)[1].strip(), *continued])
-    logger = logging.getLogger("nanochat")
-    for obj, name in ((sys, "excepthook"), (logger, "handlers"), (logger, "propagate"), (logger, "level")):
-        monkeypatch.setattr(obj, name, copy.copy(getattr(obj, name)))  # configure() sets up a script's logging
-    with pytest.raises(SystemExit) as done:
-        run_in_process(module, "--help", monkeypatch=monkeypatch)
+    shared_file = tmp_path / "shared.py"
+    shared_file.write_text('run = "dummy"  # wandb run name\n'
+                           'save_every = -1  # steps between checkpoints,\n'
+                           '#                 whole\n'
+                           'depth = 1  # not this one: the script\'s own depth is not taken\n')
+    script_file = tmp_path / "script.py"
+    script_file.write_text('depth = 4  # model depth\n')
+    shared = dict(run="dummy", save_every=60, __file__=str(shared_file), EXIT_CODE=75, helper=len)
+    scope = dict(depth=4, __file__=str(script_file))
+    config = configure(scope, ["--run=x"], shared=shared)
+    assert list(config.items()) == [("run", "x"), ("save_every", 60), ("depth", 4)]  # a value replaced a default
+    assert scope["run"] == "x" and scope["save_every"] == 60
+    with pytest.raises(SystemExit):
+        configure(dict(depth=4, __file__=str(script_file)), ["--help"], shared=shared)
+    with pytest.raises(UserError, match=r"unknown config key 'save_evry' \(did you mean --save_every\?\)"):
+        configure(dict(depth=4), ["--save_evry=3"], shared=shared)
+    with pytest.raises(UserError, match="--save_every expects an int"):
+        configure(dict(depth=4), ["--save_every=often"], shared=shared)
+    with pytest.raises(ValueError, match="depth: declared by .* and taken from .*; declare each setting once"):
+        configure(dict(depth=4), [], shared=dict(shared, depth=1))
+
+
+def test_help_of_taken_settings(tmp_path, capsys):
+    shared_file = tmp_path / "shared.py"
+    shared_file.write_text('save_every = -1  # steps between checkpoints,\n'
+                           '#                 whole\n')
+    script_file = tmp_path / "script.py"
+    script_file.write_text('depth = 4  # model depth\n'
+                           'save_every = 3  # a line of the script that is not the setting\n')
+    with pytest.raises(SystemExit):
+        configure(dict(depth=4, __file__=str(script_file)), ["--help"],
+                  shared=dict(save_every=60, __file__=str(shared_file)))
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
+    assert listed == ["  --save_every  int    60              steps between checkpoints, whole",
+                      "  --depth       int    4               model depth"]
+
+
+def declared_settings(path):
+    """
+    {name: (default, comment)} of the settings the file at `path` declares, read with ast and tokenize (not as the
+    configurator reads them): its top-level `name = value  # comment` lines (a comment continued on the `#` lines
+    indented below it) before the configure() call, whose value is an int, float, bool or str and whose name is
+    neither private nor ALL_CAPS; and the settings it takes (configure(..., shared=stage_settings(key=value, ...)):
+    nanochat/stage.py's, with those values), first.
+    """
+    source = open(path, encoding="utf-8").read()
+    tree = ast.parse(source)
+    call = next((node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and getattr(node.func, "id", None) == "configure"), None)
+    comments = {token.start[0]: token.string for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                if token.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    settings = {}
+    shared = next((k.value for k in (call.keywords if call else []) if k.arg == "shared"), None)
+    if shared is not None:
+        assert shared.func.id == "stage_settings", ast.dump(shared)
+        taken = declared_settings(os.path.join(REPO_ROOT, "nanochat", "stage.py"))
+        for keyword in shared.keywords:
+            taken[keyword.arg] = (ast.literal_eval(keyword.value), taken[keyword.arg][1])
+        settings.update(taken)
+    for node in tree.body:
+        if call is not None and node.lineno >= call.lineno:
+            break
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        name = node.targets[0].id
+        if name.startswith("_") or name.isupper() or any(isinstance(n, ast.Name) for n in ast.walk(node.value)):
+            continue
+        value = eval(compile(ast.Expression(node.value), path, "eval"), {})
+        if type(value) not in (bool, int, float, str):
+            continue
+        comment = comments.get(node.lineno, "#")[1:].strip()
+        below = node.lineno  # 1-based: lines[below] is the line below the setting
+        while below < len(lines) and lines[below].startswith("#  ") and below + 1 in comments:
+            comment += " " + lines[below][1:].strip()
+            below += 1
+        settings[name] = (value, comment)
+    return settings
+
+
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO_ROOT, "scripts", "*.py"))
+                 if not p.endswith("__init__.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_scripts_help_lists_each_of_its_settings_with_its_whole_comment(script, capsys):
+    """
+    `--help` of every script lists exactly the settings it declares and those it takes, in that order (taken first),
+    each with its type, its default (a stage's own: chat_rl saves every 60 steps) and its whole comment.
+    """
+    settings = declared_settings(os.path.join(REPO_ROOT, "scripts", f"{script}.py"))
+    assert settings, script
+    with as_script(f"scripts.{script}", "--help"), pytest.raises(SystemExit) as done:
+        runpy.run_module(f"scripts.{script}", run_name="__main__")
     assert done.value.code == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"  --{key} "))
-    assert line.endswith(expected), (line, expected)
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
+    assert [line.split()[0] for line in listed] == [f"--{name}" for name in settings]
+    for line, (name, (default, comment)) in zip(listed, settings.items()):
+        kind, shown = line.split()[1], line.split(None, 2)[2]
+        assert kind == type(default).__name__ and shown.startswith(repr(default)), (line, default)
+        assert line.endswith(f"  {comment}" if comment else repr(default)), (line, comment)
+    if script in ("base_train", "mid_train", "chat_sft", "chat_rl"):  # the stage's settings first, whole
+        assert list(settings)[:3] == ["run", "device_type", "model_tag"] and "save_every_minutes" in settings
+        assert settings["rerun"][1].endswith("(nanochat/rerun.py); no: a directory with checkpoints is refused")
+        assert settings["save_every"][0] == (60 if script == "chat_rl" else -1)

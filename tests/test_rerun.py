@@ -24,7 +24,7 @@ import subprocess
 import pytest
 import torch
 
-from helpers import REPO_ROOT, run_script, speedrun_env, start_script
+from helpers import REPO_ROOT, run_script, speedrun_env, stage_config, start_script
 
 # Steps of every training stage, all different (so that a step line says which stage printed it); a periodic save
 # after every step (SAVE_MINUTES), so that a SIGKILL finds a checkpoint to resume from
@@ -321,10 +321,29 @@ def test_forget_names_what_it_deletes_and_keeps_the_data(isolated_env, capsys):
     assert all(f"deleting {p}" in out for p in gone) and (isolated_env / "base_data" / "pydocs").is_dir()
 
 
+def test_an_evaluation_made_already_is_skipped_with_one_line(isolated_env, capsys):
+    """skip_if_done, each evaluation's check and the tokenizer's: the fingerprint for its section, or exit 0 if done."""
+    from nanochat.report import get_report
+    from nanochat.rerun import fingerprint, skip_if_done
+    config, inputs = dict(max_problems=5, rerun="auto"), {"source": "sft"}
+    made_from = skip_if_done("Chat evaluation sft", "chat_eval", config, inputs)
+    assert made_from == fingerprint("chat_eval", config, inputs)
+    get_report().log("Chat evaluation sft", [{"accuracy": 0.5}], made_from=made_from)
+    assert skip_if_done("Chat evaluation sft", "chat_eval", dict(config, rerun="no"), inputs) == made_from
+    assert skip_if_done("Chat evaluation sft", "chat_eval", dict(config, max_problems=6), inputs) != made_from
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        skip_if_done("Chat evaluation sft", "chat_eval", config, inputs)
+    assert done.value.code == 0 and "Chat evaluation sft: done at " in capsys.readouterr().out
+    # a file it makes is gone (the tokenizer's): made again
+    missing = [str(isolated_env / "missing")]
+    assert skip_if_done("Chat evaluation sft", "chat_eval", config, inputs, missing) == made_from
+
+
 def test_rerun_and_save_every_minutes_are_checked(isolated_env):
     from nanochat.output import UserError
     from nanochat.stage import check_stage_settings
-    config = dict(resume_from_step=-1, warmup_ratio=0.0, warmdown_ratio=0.2, model_tag="")
+    config = stage_config()
     check_stage_settings(dict(config, rerun="auto", save_every_minutes=0.5))
     with pytest.raises(UserError, match="--rerun must be one of no, auto"):
         check_stage_settings(dict(config, rerun="yes"))
