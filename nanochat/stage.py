@@ -312,9 +312,9 @@ class Stage:
         self.data_settings = None
         self.meta = None
         self._stopped_early = None
+        self.save_every = config["save_every"]
         # saves every save_every_minutes of wall time; each replaces the one before it (its meta's save_kind is
         # "periodic", set by should_save: save() deletes the earlier ones so marked)
-        self.save_every = config["save_every"]
         self.save_every_minutes = config["save_every_minutes"]
         self.save_due = False
         self._save_kind = "kept"

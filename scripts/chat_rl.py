@@ -39,8 +39,7 @@ from tasks.registry import stage_mixture
 
 # -----------------------------------------------------------------------------
 # 1. Config (override as --key=value; --help lists them), after the settings every training stage takes: the wandb
-# run, the device, --model_tag (the source's model), saves (here every 60 steps), resume, rerun, dry run
-# (nanochat/stage.py)
+# run, the device, --model_tag (the source's model), saves, resume, rerun, dry run (nanochat/stage.py)
 source = "sft"  # which model to start from: sft | mid
 step = -1  # which checkpoint step of the source model (-1 = the last)
 mixture = "real"  # real (GSM8K; downloads) | offline (spelling, arithmetic, identity; no downloads): tasks/registry.py
