@@ -146,14 +146,15 @@ def test_a_stage_takes_its_own_default_as_a_value():
 
 # Each training script's config (the stage's settings and its own), with its defaults and with settings given: a hash of
 # its keys and values, and its fingerprint without inputs (rerun.fingerprint), as they were when every script declared
-# the stage's settings itself (main at 7caa96c). Equal, a run made then is done, or resumed, by --rerun=auto now,
-# never made again. A change to a default changes them, on purpose.
+# the stage's settings itself (main at 829fe42; the fingerprints also as at 7caa96c, before base_train's --attention
+# default was named auto). Equal, a run made then is done, or resumed, by --rerun=auto now, never made again. A change
+# to a default changes them, on purpose.
 CONFIGS = [
-    ("base_train", [], "de1d0ff78f7f5790", "328927c71fc53886"),
+    ("base_train", [], "a13789b23106b216", "328927c71fc53886"),
     ("mid_train", [], "96732f0b38dd2d51", "475f0b5a3e069c4f"),
     ("chat_sft", [], "6404e6ed79fb1cb4", "bf181865b5553875"),
     ("chat_rl", [], "4f7f2e88c219eb83", "a4bf8cd13a206e8e"),
-    ("base_train", ["--save_every=7", "--model_tag=x", "--run=r", "--dry_run", "--depth=4"], "5d689b8e3fb67a8c",
+    ("base_train", ["--save_every=7", "--model_tag=x", "--run=r", "--dry_run", "--depth=4"], "055996b534bd3647",
      "7077f62f036b19ae"),
     ("chat_rl", ["--save_every=7", "--rerun=auto", "--save_every_minutes=3", "--overwrite"], "c4283c41e74a675e",
      "a4bf8cd13a206e8e"),
