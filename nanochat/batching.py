@@ -57,11 +57,8 @@ class Reply:
 
 class Worker:
     """
-    One Engine on one device, with one thread of its own that decodes a batch of replies (engine.Batch) step by
-    step. Before each step it takes the new requests, ends the rows whose request ended or left, and prefills the
-    waiting prompts, oldest first, within a budget of `prefill_chunk` tokens (Batch.prefill: several short prompts
-    in one step, a long one a chunk per step; the oldest prompt whole when no row is decoding, as Engine.generate
-    does).
+    One Engine on one device, with one thread of its own that decodes a batch of replies (engine.Batch) step by step,
+    prefilling `prefill_chunk` tokens of the waiting prompts before each step (the module docstring).
     """
 
     def __init__(self, index, engine, prefill_chunk=256):
@@ -147,7 +144,10 @@ class Worker:
             while batch.running or batch.waiting:
                 while not self.inbox.empty():
                     item = self.inbox.get_nowait()
-                    self._join(item, batch, replies) if isinstance(item, Reply) else self._call(item)
+                    if isinstance(item, Reply):
+                        self._join(item, batch, replies)
+                    else:
+                        self._call(item)
                 for row, reply in list(replies.items()):
                     if reply.stop.is_set():  # the request ended or its client left
                         batch.stop(row)

@@ -285,11 +285,10 @@ class TextStreamer:
 
 class Row:
     """
-    One sequence of a Batch: its sampling (temperature, top_k), its generator `rng` (rows may share one: they then
-    draw in one call), at most `max_tokens` tokens, and the calculator's state (the tokens it still has to force in,
-    the expression being written: None outside <|python_start|> ... <|python_end|>). After each of its tokens:
-    `last` the token, `mask` 1 if sampled (0 forced), `generated` how many so far; `ended` once it is over, with
-    `end_token` the token that ended its turn (<|assistant_end|> or <|bos|>; None when max_tokens or Batch.stop did).
+    One sequence of a Batch: its sampling, generator (may be shared), at most `max_tokens` tokens, the calculator's
+    state (tokens to force in; the expression being written, None outside <|python_start|> ... <|python_end|>). Its
+    newest token `last`, `mask` 1 if sampled (0 forced), `generated` so far; `ended`, with the `end_token` that ended
+    its turn (<|assistant_end|> or <|bos|>; None when max_tokens or Batch.stop did).
     """
 
     def __init__(self, temperature, top_k, max_tokens, rng):
@@ -306,35 +305,24 @@ class Row:
         self.ended = False
 
 
-class _Prompt:
-    """A prompt waiting for its prefill: its cache of its own (batch 1), `done` tokens in it; the rows it starts."""
-
-    def __init__(self, tokens, rows):
-        self.tokens = tokens
-        self.rows = rows
-        self.cache = None
-        self.done = 0
-
-
 class Batch:
     """
-    Rows decoded together, one token each per step: the one decoding loop, which Engine.generate, the server's workers
-    (nanochat/batching.py) and the benchmarks run. Used under torch.inference_mode and the autocast to decode in
-    (read when it is made); `max_len`: the most positions a row fills (prompt + max_tokens - 1; a server: the context).
-    - add(prompt, rows): rows that continue a prompt (prefilled once). prefill(budget) runs the waiting prompts,
-      oldest first, `budget` tokens in all (None: no limit), but whole when no row decodes (nobody to stall); a
-      finished prompt's rows sample their first token and join at the next step(). Both return the rows that got a
-      token (row.last: read it before the next call).
+    Rows decoded together, a token each per step: the one decoding loop, run by Engine.generate, the server's workers
+    (nanochat/batching.py) and the benchmarks, under torch.inference_mode and the autocast it was made in. `max_len`:
+    the most positions a row fills (prompt + max_tokens - 1; a server's: the context). add(prompt, rows) queues rows
+    that continue a prompt; prefill(budget) runs the waiting prompts, oldest first, `budget` tokens in all (None: no
+    limit; whole when no row decodes, nobody to stall), and a finished one's rows sample their first token; step()
+    gives every running row its next. Both return the rows that got a token (row.last, until the next call).
     - Before a step, when rows join or no column is left, a new cache: the running rows, then the joining ones,
-      right-aligned at the longest, padding zeroed and masked out (the key mask: made here only). The ended rows
+      right-aligned at the longest, the padding zeroed and masked out (the key mask, made here only). Ended rows
       leave when they are a quarter of the cache's, the others kept in their columns (moved, their attention's sums
       would change in the last bit).
-    - The compiled step (Engine(compile_decode=True)) runs over caches of fixed shape kept by the engine: rows
-      rounded up to a power of two (fewer shapes to compile; the rows past the batch's see only their own keys),
-      max_len rounded up to 128; its ended rows stay until a new cache is made (a new shape compiles).
+    - The compiled step (Engine(compile_decode=True)) runs on caches of a few fixed shapes, kept by the engine: rows
+      rounded up to a power of two (the extra ones see only their own keys), max_len up to 128; ended rows stay in
+      it until a new cache is made.
     - Rows of one temperature and top_k sample in one call, rows that share a generator in one draw, every row of the
       cache at every step (a generation's draws do not depend on when its rows leave).
-    A row gets the same tokens whatever else is in the batch, up to float rounding. docs/engine.md says more.
+    A row gets the same tokens whatever else is in the batch, up to float rounding (docs/engine.md).
     """
 
     def __init__(self, engine, max_len):
@@ -342,8 +330,8 @@ class Batch:
         self.max_len = max_len
         self.dtype, self.cache_dtype = engine.dtypes()
         self.device = engine.model.lm_head.weight.device
-        self.waiting = []  # _Prompt, oldest first
-        self.joining = []  # _Prompt whose prefill is done: their rows join at the next step
+        self.waiting = []  # (prompt, its rows, its cache: filled up to its pos), oldest first
+        self.joining = []  # the same, prefilled: the rows join at the next step
         self.rows = []  # the cache's rows, in its order
         self.cache = None
         self.padding = None  # (cache rows,) long: each row's padding columns
@@ -353,11 +341,13 @@ class Batch:
     @property
     def running(self):
         """The rows that have not ended, in the cache or joining it."""
-        return [row for row in self.rows + [r for p in self.joining for r in p.rows] if not row.ended]
+        return [row for row in self.rows + [r for _, rows, _ in self.joining for r in rows] if not row.ended]
 
     def add(self, prompt, rows):
-        """Rows (Row) that continue `prompt` (token ids): they wait for its prefill."""
-        self.waiting.append(_Prompt(prompt, rows))
+        """Rows (Row) that continue `prompt` (token ids): they wait for its prefill, into a cache of its own."""
+        cfg = self.engine.model.config
+        cache = KVCache(1, cfg.n_kv_head, len(prompt), cfg.n_embd // cfg.n_head, cfg.n_layer, self.device, self.dtype)
+        self.waiting.append((prompt, rows, cache))
 
     def stop(self, row):
         """End `row` now: it gets no more tokens (a server's client that left)."""
@@ -366,62 +356,44 @@ class Batch:
     @torch.inference_mode()
     def prefill(self, budget=None):
         """The waiting prompts, oldest first, up to `budget` tokens (class docstring); the rows that got a token."""
-        model = self.engine.model
-        cfg = model.config
-        self.waiting = [p for p in self.waiting if not all(row.ended for row in p.rows)]  # stopped while waiting
+        self.waiting = [w for w in self.waiting if not all(row.ended for row in w[1])]  # stopped while waiting
         decoding = any(not row.ended for row in self.rows)
-        done = []  # (_Prompt, its logits (1, vocab))
+        done, logits = [], []
         while self.waiting and (budget is None or budget > 0):
-            prompt = self.waiting[0]
-            if prompt.cache is None:
-                prompt.cache = KVCache(1, cfg.n_kv_head, len(prompt.tokens), cfg.n_embd // cfg.n_head, cfg.n_layer,
-                                       self.device, self.dtype)
+            prompt, rows, cache = self.waiting[0]
             whole = budget is None or not (decoding or done)
-            end = len(prompt.tokens) if whole else min(len(prompt.tokens), prompt.done + budget)
-            chunk = torch.tensor([prompt.tokens[prompt.done:end]], dtype=torch.long, device=self.device)
-            logits = model.prefill(chunk, prompt.cache)
-            if budget is not None:
-                budget -= end - prompt.done
-            prompt.done = end
-            if end < len(prompt.tokens):
+            end = len(prompt) if whole else min(len(prompt), cache.pos + budget)
+            budget = None if budget is None else budget - (end - cache.pos)
+            last = self.engine.model.prefill(torch.tensor([prompt[cache.pos:end]], device=self.device), cache)
+            if end < len(prompt):
                 break
-            done.append((prompt, logits))
-            self.waiting.pop(0)
-        if not done:
-            return []
-        self.joining += [prompt for prompt, _ in done]
-        rows = [row for prompt, _ in done for row in prompt.rows]  # each starts from its prompt's prediction
-        return self._take(rows, torch.cat([logits.expand(len(prompt.rows), -1) for prompt, logits in done]))
+            done.append(self.waiting.pop(0))
+            logits.append(last.expand(len(rows), -1))  # each row starts from its prompt's prediction
+        self.joining += done
+        return self._take([row for _, rows, _ in done for row in rows], torch.cat(logits)) if done else []
 
     @torch.inference_mode()
     def step(self):
         """One token for every running row (the rows arranged first: class docstring); the rows that got one."""
         if self.joining or (self.cache is not None and self.cache.pos >= self.cache.max_len):
             self._remake()
-        ended = [i for i, row in enumerate(self.rows) if row.ended]
-        if ended and 4 * len(ended) >= len(self.rows) and not self.engine.compile_decode:
-            keep = [i for i, row in enumerate(self.rows) if not row.ended]
-            if keep:
-                index = torch.tensor(keep, device=self.device)
-                self.cache.keep_rows(index)
-                self.padding = self.padding[index]
-                self.key_mask = None if self.key_mask is None else self.key_mask[index]
-            self.rows = [self.rows[i] for i in keep]
-            self.cache = self.cache if keep else None
-        if all(row.ended for row in self.rows):
+        keep = [i for i, row in enumerate(self.rows) if not row.ended]
+        if not keep:
             return []
+        if 4 * (len(self.rows) - len(keep)) >= len(self.rows) and not self.engine.compile_decode:
+            index = torch.tensor(keep, device=self.device)
+            self.cache.keep_rows(index)
+            self.padding = self.padding[index]
+            self.key_mask = None if self.key_mask is None else self.key_mask[index]
+            self.rows = [self.rows[i] for i in keep]
         if self.weights is None:  # after the first tokens are out, so they do not delay them
             self.weights = self.engine.weights(len(self.rows), static=self.engine.compile_decode)
         return self._take(self.rows, self._forward())
 
     def close(self):
         """The batch is over: the compiled step's cache goes back to the engine, for the next batch of its shape."""
-        self._cache_back(self.cache)
+        self.engine._keep_static_cache(self.cache)
         self.cache = None
-
-    def _cache_back(self, cache):
-        if cache is not None and self.engine.compile_decode:
-            self.engine._keep_static_cache(cache)
 
     def _remake(self):
         """A new cache: the running rows, then the joining ones, right-aligned at the longest (class docstring)."""
@@ -431,11 +403,11 @@ class Batch:
         keep = [i for i, row in enumerate(self.rows) if not row.ended]
         joining, self.joining = self.joining, []
         padding = [] if old is None else self.padding.tolist()
-        lengths = [old.pos - padding[i] for i in keep] + [p.cache.pos for p in joining for _ in p.rows]
-        rows = [self.rows[i] for i in keep] + [row for p in joining for row in p.rows]
+        lengths = [old.pos - padding[i] for i in keep] + [c.pos for _, joined, c in joining for _ in joined]
+        rows = [self.rows[i] for i in keep] + [row for _, joined, _ in joining for row in joined]
         self.rows, self.cache, self.weights = rows, None, None
         if not rows:
-            self._cache_back(old)
+            self.engine._keep_static_cache(old)
             return
         pos = max(lengths)
         if engine.compile_decode:  # one of a few shapes, kept between batches (a CUDA graph's addresses)
@@ -453,9 +425,9 @@ class Batch:
             cache.k[:, :len(keep), :, pos - span:pos] = old.k[:, index, :, old.pos - span:old.pos]
             cache.v[:, :len(keep), :, pos - span:pos] = old.v[:, index, :, old.pos - span:old.pos]
         first = len(keep)
-        for p in joining:
-            cache.place(p.cache, slice(first, first + len(p.rows)), pos)
-            first += len(p.rows)
+        for _, joined, prompt_cache in joining:
+            cache.place(prompt_cache, slice(first, first + len(joined)), pos)
+            first += len(joined)
         cache.advance(pos)
         # the rows past the batch's (compiled) start at this column: they attend to their own keys only
         self.padding = torch.tensor([pos - n for n in lengths] + [pos] * (size - len(rows)), device=self.device)
@@ -464,7 +436,7 @@ class Batch:
             columns = torch.arange(cache.max_len, device=self.device)
             self.key_mask = columns[None, None, None, :] >= self.padding[:, None, None, None]
         self.cache = cache
-        self._cache_back(old)  # after the copy: a compiled batch may get the same shape again
+        engine._keep_static_cache(old)  # after the copy: a compiled batch may get the same shape again
 
     def _forward(self):
         """The step: the logits (rows, vocab) of every row's newest token, which goes into the cache."""
@@ -624,7 +596,9 @@ class Engine:
         return cache
 
     def _keep_static_cache(self, cache):
-        """Keep a batch's cache for the next of its shape; at most 4 shapes, the least recently used dropped."""
+        """Keep a batch's cache (None: none) for the next of its shape; at most 4 shapes, the least recent dropped."""
+        if cache is None or not self.compile_decode:
+            return
         self.static_caches[(cache.batch_size, cache.capacity, cache.k.dtype)] = cache
         if len(self.static_caches) > 4:
             self.static_caches.pop(next(iter(self.static_caches)))
