@@ -88,8 +88,8 @@ class Worker:
         Start generating the reply to `prompt` in this worker's batch. Returns an asyncio.Queue that receives each
         token id of the reply as soon as it is sampled, the token that ends the turn included (one of
         engine.end_tokens: the caller decides whether to show it), then None at the end (the end of the turn,
-        max_tokens), or the exception that ended it. Setting the threading.Event `stop` takes the row out of the
-        batch before the next step. The thread never waits for the event loop.
+        max_tokens), or the exception that ended it. Setting the threading.Event `stop` ends the row before the next
+        step. The thread never waits for the event loop.
         """
         self.engine.check_arguments(prompt, **sampling)  # UserError now, in the caller
         tokens = asyncio.Queue()

@@ -77,7 +77,8 @@ max_tokens_in_flight = 32768  # most prompt + max_tokens tokens a worker's batch
 prefill_chunk = 256  # a prompt arriving while others decode is prefilled this many tokens per step
 compile_decode = "auto"  # the decode step under torch.compile, one CUDA graph a step: auto (= on for CUDA, where
 #                         it saves the launches that bound a small batch's step; off for CPU and MPS, where the eager
-#                         step measured faster: bench/RESULTS.md) | true | false. A new batch size compiles once
+#                         step measured faster: bench/RESULTS.md) | true | false. Each batch size (rows rounded up to
+#                         a power of two) compiles at its first step
 config = configure(globals())
 check_config(config, positive=["num_gpus", "max_tokens", "max_messages", "max_message_chars",
                                "max_conversation_chars", "max_tokens_limit", "max_batch", "max_tokens_in_flight",

@@ -294,6 +294,7 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_w
             process.kill()
             out, _ = process.communicate()
     assert "WARNING: listening on 0.0.0.0" in out and "no authentication" in out, out
+    assert "decode step eager" in out, out  # --compile_decode=auto on a CPU: the eager step, which measured faster
 
 
 def test_a_missing_checkpoint_is_one_line_naming_the_stage(tmp_path):
