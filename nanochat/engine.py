@@ -316,10 +316,8 @@ class Batch:
     - Before a step, when rows join or no column is left, a new cache: the running rows, then the joining ones,
       right-aligned at the longest, the padding zeroed and masked out (the key mask, made here only). Ended rows
       leave when they are a quarter of the cache's, the others kept in their columns (moved, their attention's sums
-      would change in the last bit).
-    - The compiled step (Engine(compile_decode=True)) runs on caches of a few fixed shapes, kept by the engine: rows
-      rounded up to a power of two (the extra ones see only their own keys), max_len up to 128; ended rows stay in
-      it until a new cache is made.
+      would change in the last bit). The compiled step's caches have a few fixed shapes, kept by the engine: rows
+      rounded up to a power of two (the extra ones see only their own keys), max_len up to 128; ended rows stay.
     - Rows of one temperature and top_k sample in one call, rows that share a generator in one draw, every row of the
       cache at every step (a generation's draws do not depend on when its rows leave).
     A row gets the same tokens whatever else is in the batch, up to float rounding (docs/engine.md).
@@ -328,8 +326,12 @@ class Batch:
     def __init__(self, engine, max_len):
         self.engine = engine
         self.max_len = max_len
-        self.dtype, self.cache_dtype = engine.dtypes()
         self.device = engine.model.lm_head.weight.device
+        autocast = torch.is_autocast_enabled(self.device.type)  # this thread's, now
+        self.dtype = torch.get_autocast_dtype(self.device.type) if autocast else engine.model.lm_head.weight.dtype
+        # the cache in fp32 for a bf16 decode on a CPU where probes.fp32_cache_pays measured it faster
+        fp32_cache = self.device.type == "cpu" and self.dtype == torch.bfloat16 and fp32_cache_pays()
+        self.cache_dtype = torch.float32 if fp32_cache else self.dtype
         self.waiting = []  # (prompt, its rows, its cache: filled up to its pos), oldest first
         self.joining = []  # the same, prefilled: the rows join at the next step
         self.rows = []  # the cache's rows, in its order
@@ -602,18 +604,6 @@ class Engine:
         self.static_caches[(cache.batch_size, cache.capacity, cache.k.dtype)] = cache
         if len(self.static_caches) > 4:
             self.static_caches.pop(next(iter(self.static_caches)))
-
-    def dtypes(self):
-        """
-        (the compute dtype, the KV cache's dtype) of a generation started now, in this thread: autocast's dtype or
-        the weights', and fp32 for the cache of a bf16 decode on a CPU where probes.fp32_cache_pays.
-        """
-        device = self.model.lm_head.weight.device
-        autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else self.model.lm_head.weight.dtype
-        if device.type == "cpu" and dtype == torch.bfloat16 and fp32_cache_pays():
-            return dtype, torch.float32
-        return dtype, dtype
 
     def check_arguments(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
         """generate()'s arguments checked: the prompt as a list of ints, and the number of steps to run; UserError."""
