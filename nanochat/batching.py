@@ -1,16 +1,15 @@
 """
 Batched decoding for the server: workers that step many replies at once, and the pool that gives requests a row.
 
-A Worker is one Engine on one device with a thread of its own that decodes a batch of replies, one step for all
-of them at a time. A request joins the running batch of a worker (the one with the fewest rows) with its own prompt
-length, sampling settings (temperature, top_k), seed (a torch.Generator of its own: its sampled tokens do not depend
-on the rows beside it), max_tokens and stop, and leaves it when its reply ends. Between two steps the worker takes
-the new requests, drops the rows that ended, and prefills the waiting prompts, oldest first, up to prefill_chunk
-tokens in all (several short prompts in one step, a long one a chunk per step: the rows decoding wait at most one
-chunk's prefill per step); a complete prompt's keys and values join the batch, rows right-aligned at the longest
-(engine.regroup), each at its own position, its padding masked out. A lone request is decoded exactly as
-Engine.generate decodes it; a row in a batch gets the same tokens up to float rounding (equal in fp32). Tokens go
-to the event loop as soon as they are sampled.
+A Worker is one Engine on one device with a thread of its own that decodes a batch of replies (an engine.Batch, a
+row each), one step for all of them at a time. A request joins the running batch of a worker (the one with the
+fewest rows) with its own prompt, sampling settings (temperature, top_k), seed (a torch.Generator of its own: its
+sampled tokens do not depend on the rows beside it), max_tokens and stop, and leaves it when its reply ends. Between
+two steps the worker takes the new requests, ends the rows whose request stopped, and prefills the waiting prompts,
+oldest first, up to prefill_chunk tokens in all (several short prompts in one step, a long one a chunk per step:
+the rows decoding wait at most one chunk's prefill per step; engine.Batch says how rows join and leave its cache).
+A lone request is decoded exactly as Engine.generate decodes it; a row in a batch gets the same tokens up to float
+rounding (equal in fp32). Tokens go to the event loop as soon as they are sampled.
 
 Limits (WorkerPool, chat_web's settings): a worker holds at most max_batch rows, and max_tokens_in_flight tokens of
 prompt + max_tokens (its KV cache); a request that finds no room waits in a queue, oldest first, and is refused
@@ -28,35 +27,25 @@ from concurrent.futures import Future
 
 import torch
 
-from nanochat.engine import KVCache, Sample, decode_step, regroup, sample_next_token
+from nanochat.engine import Batch, Row
 from nanochat.hardware import autocast_context
 from nanochat.output import UserError
 
 logger = logging.getLogger("nanochat.batching")
 
 
-class Row:
+class Reply:
     """
-    One reply in a worker's batch: its prompt, sampling settings, generator of its own (its tokens depend on its
-    seed, never on the rows beside it), the tool's state (engine.Sample), and the asyncio queue its tokens go to.
+    One request's reply, from the event loop to a worker: its prompt and sampling settings, the threading.Event
+    `stop` (set by the event loop: the row ends before the next step), and the asyncio queue its tokens go to.
     """
 
     def __init__(self, prompt, sampling, stop, loop, tokens):
         self.prompt = prompt
-        self.temperature = sampling["temperature"]
-        self.top_k = sampling["top_k"]
-        self.max_tokens = sampling["max_tokens"]
-        self.seed = sampling["seed"]
-        self.stop = stop  # set by the event loop: the row leaves the batch before the next step
+        self.sampling = sampling
+        self.stop = stop
         self.loop = loop
         self.tokens = tokens
-        self.sample = Sample()
-        self.rng = None  # made in the worker's thread, on its device
-        self.cache = None  # the prompt's own cache while it is prefilled
-        self.prefilled = 0  # prompt tokens in self.cache
-        self.generated = 0
-        self.last = None  # the newest token, fed at the next step
-        self.ended = False
 
     def send(self, item):
         """A token id, None (the end) or an exception, to the request's queue, from the worker's thread."""
@@ -68,13 +57,8 @@ class Row:
 
 class Worker:
     """
-    One Engine on one device, with one thread of its own that decodes a batch of replies (Row) step by step. Before
-    each step it takes the new requests, drops the rows whose request ended or left, and prefills the waiting
-    prompts, oldest first, within a budget of `prefill_chunk` tokens: the rest of the oldest, then the next ones while
-    tokens are left, so several short prompts go in one step and a long one takes a chunk per step (prompts that
-    arrive while others decode stall them by at most one chunk per step). A prompt joins the batch (engine.regroup)
-    once all of it is in. When no row is decoding (nobody to stall), the oldest prompt is prefilled whole, as
-    Engine.generate does.
+    One Engine on one device, with one thread of its own that decodes a batch of replies (engine.Batch) step by step,
+    prefilling `prefill_chunk` tokens of the waiting prompts before each step (the module docstring).
     """
 
     def __init__(self, index, engine, prefill_chunk=256):
@@ -84,12 +68,11 @@ class Worker:
         device = engine.model.lm_head.weight.device
         self.device = device
         self.device_type = device.type
-        self.inbox = queue.Queue()  # new rows and functions to run, from the event loop
+        self.inbox = queue.Queue()  # new replies and functions to run, from the event loop
         self.tokens_generated = 0  # written by the worker's thread only
-        self.batch_rows = 0  # rows in the running batch, written by the worker's thread only: /stats
+        self.batch_rows = 0  # running rows of the batch, written by the worker's thread only: /stats
         self.held_rows = 0  # rows held by requests (Job), and their tokens: the event loop's, WorkerPool's limits
         self.held_tokens = 0
-        self._rows = []  # the running batch, in the order of the cache's rows: the worker's thread's
         self.thread = threading.Thread(target=self._serve, name=f"nanochat-worker{index}", daemon=True)
         self.thread.start()
 
@@ -105,12 +88,12 @@ class Worker:
         Start generating the reply to `prompt` in this worker's batch. Returns an asyncio.Queue that receives each
         token id of the reply as soon as it is sampled, the token that ends the turn included (one of
         engine.end_tokens: the caller decides whether to show it), then None at the end (the end of the turn,
-        max_tokens), or the exception that ended it. Setting the threading.Event `stop` takes the row out of the
-        batch before the next step. The thread never waits for the event loop.
+        max_tokens), or the exception that ended it. Setting the threading.Event `stop` ends the row before the next
+        step. The thread never waits for the event loop.
         """
-        self.engine.generate(prompt, **sampling).close()  # checks the arguments now, in the caller
+        self.engine.check_arguments(prompt, **sampling)  # UserError now, in the caller
         tokens = asyncio.Queue()
-        self.inbox.put(Row(prompt, sampling, stop, asyncio.get_running_loop(), tokens))
+        self.inbox.put(Reply(prompt, sampling, stop, asyncio.get_running_loop(), tokens))
         return tokens
 
     def submit(self, fn, *args):
@@ -119,10 +102,7 @@ class Worker:
         self.inbox.put((fn, args, future))
         return future
 
-    def _take(self, item, pending):
-        if isinstance(item, Row):
-            pending.append(item)
-            return
+    def _call(self, item):
         fn, args, future = item
         try:
             future.set_result(fn(*args))
@@ -130,113 +110,62 @@ class Worker:
             future.set_exception(e)
 
     def _serve(self):
-        """The thread: wait for work, then step the batch until no row is left."""
+        """The thread: wait for work, then step a batch until no row is left."""
         if self.device_type == "cuda":  # the thread's current device is the worker's GPU: nothing lands on GPU 0
             torch.cuda.set_device(self.device)
         while True:
-            pending = []  # rows waiting for their prefill, oldest first
-            self._take(self.inbox.get(), pending)
+            item = self.inbox.get()
+            if not isinstance(item, Reply):
+                self._call(item)
+                continue
+            replies = {}  # Row -> Reply, for the rows whose reply is not over
             try:
                 with self.autocast(), torch.inference_mode():
-                    self._run(pending)
-            except Exception as e:  # every row of the batch ends with the exception; the worker goes on
+                    self._run(item, replies)
+            except Exception as e:  # every reply of the batch ends with the exception; the worker goes on
                 logger.exception(f"worker {self.index}: the batch failed")
-                for row in self._rows + pending:
-                    if not row.ended:
-                        row.send(e)
-            self._rows = []
+                for reply in replies.values():
+                    reply.send(e)
             self.batch_rows = 0
 
-    def _run(self, pending):
-        """Step the batch while it has rows or prompts to prefill, taking new ones from the inbox between steps."""
-        engine = self.engine
-        model = engine.model
-        cfg = model.config
-        dtype, cache_dtype = engine.dtypes()
-        cache = None
-        padding = []  # each row's padding columns in the cache (prompts right-aligned at the longest)
-        weights = {}  # rows -> engine._decode_weights(rows), asked once per batch size (it reads a file per call)
-        rows = self._rows = []
-        while rows or pending:
-            while not self.inbox.empty():
-                self._take(self.inbox.get_nowait(), pending)
-            for row in pending + rows:
-                if row.stop.is_set() and not row.ended:  # the request ended or its client left
-                    row.ended = True
-                    row.send(None)
-            pending[:] = [row for row in pending if not row.ended]
-            # prefill: `prefill_chunk` tokens of the waiting prompts, oldest first; a prompt that finds no row
-            # decoding (nobody to stall) all at once, as Engine.generate does
-            joining = []
-            budget = self.prefill_chunk
-            decoding = any(not row.ended for row in rows)
-            while pending and budget > 0:
-                row = pending[0]
-                if row.cache is None:
-                    row.rng = torch.Generator(device=self.device).manual_seed(row.seed)
-                    row.cache = KVCache(1, cfg.n_kv_head, len(row.prompt), cfg.n_embd // cfg.n_head, cfg.n_layer,
-                                        self.device, dtype)
-                whole = not decoding and not joining
-                end = len(row.prompt) if whole else min(len(row.prompt), row.prefilled + budget)
-                chunk = torch.tensor([row.prompt[row.prefilled:end]], dtype=torch.long, device=self.device)
-                logits = model.prefill(chunk, row.cache)
-                budget -= end - row.prefilled
-                row.prefilled = end
-                if end < len(row.prompt):
-                    break
-                pending.pop(0)
-                self._sample([row], logits)
-                if not row.ended:
-                    joining.append(row)
-            # rows that ended leave, new ones join: a new cache (it moves each row once, a step reads them all)
-            keep = [i for i, row in enumerate(rows) if not row.ended]
-            if joining or len(keep) < len(rows):
-                cache, padding = regroup(cache, padding, keep, [row.cache for row in joining], engine.context_len,
-                                         cache_dtype)
-                for row in joining:
-                    row.cache = None
-                rows[:] = [rows[i] for i in keep] + joining
-                self.batch_rows = len(rows)
-            if not rows:
-                continue
-            # one step of every row: each at its own position, its padding masked out (none: the plain step)
-            positions = key_mask = None
-            if any(padding):
-                shift = torch.tensor(padding, device=self.device)
-                positions = cache.pos - shift
-                columns = torch.arange(cache.pos + 1, device=self.device)
-                key_mask = columns[None, None, None, :] >= shift[:, None, None, None]
-            newest = torch.tensor([row.last for row in rows], dtype=torch.long, device=self.device)
-            if len(rows) not in weights:
-                weights[len(rows)] = engine._decode_weights(len(rows))
-            logits = decode_step(model, newest, cache, weights[len(rows)], positions, key_mask)
-            self._sample(rows, logits)
+    def _join(self, reply, batch, replies):
+        """A new reply's row into the batch; its generator made here, in the worker's thread, on its device."""
+        sampling = reply.sampling
+        rng = torch.Generator(device=self.device).manual_seed(sampling["seed"])
+        row = Row(sampling["temperature"], sampling["top_k"], sampling["max_tokens"], rng)
+        batch.add(reply.prompt, [row])
+        replies[row] = reply
 
-    def _sample(self, rows, logits):
-        """
-        Each row's next token from its logits (a row of `logits`), by its own generator (drawn at every step, as in
-        Engine.generate, also where the tool forces the token): rows of the same temperature and top_k in one call.
-        Each token goes to its request; a row ends at the end of its turn or at max_tokens.
-        """
-        groups = {}
-        for i, row in enumerate(rows):
-            groups.setdefault((row.temperature, row.top_k), []).append(i)
-        sampled = [None] * len(rows)
-        for (temperature, top_k), members in groups.items():
-            group_logits = logits if len(members) == len(rows) else logits[members]
-            rngs = [rows[i].rng for i in members]
-            tokens = sample_next_token(group_logits, rngs[0] if len(rngs) == 1 else rngs, temperature, top_k).tolist()
-            for i, token in zip(members, tokens):
-                sampled[i] = token
-        for row, token in zip(rows, sampled):
-            token, _ = self.engine.next_token(row.sample, token)
-            row.generated += 1
+    def _run(self, first, replies):
+        """Step a batch while it has rows or prompts to prefill, taking new replies from the inbox between steps."""
+        batch = Batch(self.engine, self.engine.context_len)
+        try:
+            self._join(first, batch, replies)
+            while batch.running or batch.waiting:
+                while not self.inbox.empty():
+                    item = self.inbox.get_nowait()
+                    if isinstance(item, Reply):
+                        self._join(item, batch, replies)
+                    else:
+                        self._call(item)
+                for row, reply in list(replies.items()):
+                    if reply.stop.is_set():  # the request ended or its client left
+                        batch.stop(row)
+                        reply.send(None)
+                        del replies[row]
+                self._send(batch.prefill(self.prefill_chunk), replies)  # first tokens out before the step
+                self._send(batch.step(), replies)
+                self.batch_rows = len(batch.running)
+        finally:
+            batch.close()
+
+    def _send(self, rows, replies):
+        """Each row's new token to its reply, then the end to those that ended."""
+        for row in rows:
             self.tokens_generated += 1
-            row.last = token
-            row.send(token)
-            if row.sample.end_token is not None or row.generated >= row.max_tokens:
-                row.ended = True
-                row.send(None)
+            replies[row].send(row.last)
+            if row.ended:
+                replies.pop(row).send(None)
 
 
 class WorkerPool:

@@ -5,7 +5,8 @@ Engine.generate(prompt, num_samples, max_tokens, ...) yields one (token_column, 
 next token, and 1 if the model sampled it, 0 if the tool forced it or the sample had ended (at <|assistant_end|> or
 <|bos|>, yielded with mask 1; then its end token again). Prompt + generated tokens never exceed Engine.context_len
 (UserError at the call), nothing runs ahead of the caller's iteration, and the result depends only on the arguments
-and `seed`. How it works, with examples: docs/engine.md.
+and `seed`. Every decoding runs one loop, a Batch of rows (Engine.generate's samples, a server's replies: its
+workers in nanochat/batching.py). How it works, with examples: docs/engine.md.
 """
 
 import codecs
@@ -104,36 +105,6 @@ class KVCache:
         self.reserve(end)
         self.k[:, rows, :, end - other.pos:end] = other.k[:, :, :, :other.pos]
         self.v[:, rows, :, end - other.pos:end] = other.v[:, :, :, :other.pos]
-
-
-def regroup(cache, padding, keep, joining, max_len, dtype):
-    """
-    Rows of different lengths in one cache, for a server whose requests join and leave a running batch: a new
-    KVCache of `max_len` positions in `dtype` with rows `keep` (indices) of `cache` (None: no rows yet), then the
-    batch-1 caches of the list `joining`, all right-aligned at the longest (pos = its length), the padding columns
-    before each row zeros (masked-out keys still multiply their values by a zero weight: 0 x NaN). `padding`: each
-    row's padding columns in `cache`.
-    Returns (the new cache, its rows' padding); (None, []) when no row is left. Rows move, their values do not
-    change: a row decodes the same tokens in any batch, up to float rounding.
-    """
-    lengths = [cache.pos - padding[i] for i in keep] + [other.pos for other in joining]
-    if not lengths:
-        return None, []
-    ref = cache if keep else joining[0]
-    pos = max(lengths)
-    out = KVCache(len(lengths), ref.n_kv_head, max_len, ref.head_dim, ref.n_layer, ref.k.device, dtype,
-                  capacity=pos + 256)
-    out.k[:, :, :, :pos] = 0
-    out.v[:, :, :, :pos] = 0
-    if keep:  # the kept rows' filled columns in one copy (the padding inside them is zeros already)
-        span = max(lengths[:len(keep)])
-        rows = torch.tensor(keep, device=ref.k.device)
-        out.k[:, :len(keep), :, pos - span:pos] = cache.k[:, rows, :, cache.pos - span:cache.pos]
-        out.v[:, :len(keep), :, pos - span:pos] = cache.v[:, rows, :, cache.pos - span:cache.pos]
-    for j, other in enumerate(joining):
-        out.place(other, slice(len(keep) + j, len(keep) + j + 1), pos)
-    out.advance(pos)
-    return out, [pos - n for n in lengths]
 
 
 # -----------------------------------------------------------------------------
@@ -309,19 +280,227 @@ class TextStreamer:
 
 
 # -----------------------------------------------------------------------------
-# The engine
+# The decoding core: rows decoded together, prefilled, stepped, joining and leaving
 
 
-class Sample:
+class Row:
     """
-    One sample's state: tokens the tool still has to force in, the python expression being written (None outside
-    <|python_start|> ... <|python_end|>), and the token that ended it (None while it runs).
+    One sequence of a Batch: its sampling, generator (may be shared), at most `max_tokens` tokens, the calculator's
+    state (tokens to force in; the expression being written, None outside <|python_start|> ... <|python_end|>). Its
+    newest token `last`, `mask` 1 if sampled (0 forced), `generated` so far; `ended`, with the `end_token` that ended
+    its turn (<|assistant_end|> or <|bos|>; None when max_tokens or Batch.stop did).
     """
 
-    def __init__(self):
+    def __init__(self, temperature, top_k, max_tokens, rng):
+        self.temperature = temperature
+        self.top_k = top_k
+        self.max_tokens = max_tokens
+        self.rng = rng
         self.forced = deque()
         self.expression = None
+        self.last = None
+        self.mask = None
+        self.generated = 0
         self.end_token = None
+        self.ended = False
+
+
+class Batch:
+    """
+    Rows decoded together, a token each per step: the one decoding loop, run by Engine.generate, the server's workers
+    (nanochat/batching.py) and the benchmarks, under torch.inference_mode and the autocast it was made in. `max_len`:
+    the most positions a row fills (prompt + max_tokens - 1; a server's: the context). add(prompt, rows) queues rows
+    that continue a prompt; prefill(budget) runs the waiting prompts, oldest first, `budget` tokens in all (None: no
+    limit; whole when no row decodes, nobody to stall), and a finished one's rows sample their first token; step()
+    gives every running row its next. Both return the rows that got a token (row.last, until the next call).
+    - Before a step, when rows join or no column is left, a new cache: the running rows, then the joining ones,
+      right-aligned at the longest, the padding zeroed and masked out (the key mask, made here only). Ended rows
+      leave when they are a quarter of the cache's, the others kept in their columns (moved, their attention's sums
+      would change in the last bit). The compiled step's caches have a few fixed shapes, kept by the engine: rows
+      rounded up to a power of two (the extra ones see only their own keys), max_len up to 128; ended rows stay.
+    - Rows of one temperature and top_k sample in one call, rows that share a generator in one draw, every row of the
+      cache at every step (a generation's draws do not depend on when its rows leave).
+    A row gets the same tokens whatever else is in the batch, up to float rounding (docs/engine.md).
+    """
+
+    def __init__(self, engine, max_len):
+        self.engine = engine
+        self.max_len = max_len
+        self.device = engine.model.lm_head.weight.device
+        autocast = torch.is_autocast_enabled(self.device.type)  # this thread's, now
+        self.dtype = torch.get_autocast_dtype(self.device.type) if autocast else engine.model.lm_head.weight.dtype
+        # the cache in fp32 for a bf16 decode on a CPU where probes.fp32_cache_pays measured it faster
+        fp32_cache = self.device.type == "cpu" and self.dtype == torch.bfloat16 and fp32_cache_pays()
+        self.cache_dtype = torch.float32 if fp32_cache else self.dtype
+        self.waiting = []  # (prompt, its rows, its cache: filled up to its pos), oldest first
+        self.joining = []  # the same, prefilled: the rows join at the next step
+        self.rows = []  # the cache's rows, in its order
+        self.cache = None
+        self.padding = None  # (cache rows,) long: each row's padding columns
+        self.key_mask = None  # (cache rows, 1, 1, cache.max_len) bool, False on the padding; None: no padding
+        self.weights = None
+
+    @property
+    def running(self):
+        """The rows that have not ended, in the cache or joining it."""
+        return [row for row in self.rows + [r for _, rows, _ in self.joining for r in rows] if not row.ended]
+
+    def add(self, prompt, rows):
+        """Rows (Row) that continue `prompt` (token ids): they wait for its prefill, into a cache of its own."""
+        cfg = self.engine.model.config
+        cache = KVCache(1, cfg.n_kv_head, len(prompt), cfg.n_embd // cfg.n_head, cfg.n_layer, self.device, self.dtype)
+        self.waiting.append((prompt, rows, cache))
+
+    def stop(self, row):
+        """End `row` now: it gets no more tokens (a server's client that left)."""
+        row.ended = True
+
+    @torch.inference_mode()
+    def prefill(self, budget=None):
+        """The waiting prompts, oldest first, up to `budget` tokens (class docstring); the rows that got a token."""
+        self.waiting = [w for w in self.waiting if not all(row.ended for row in w[1])]  # stopped while waiting
+        decoding = any(not row.ended for row in self.rows)
+        done, logits = [], []
+        while self.waiting and (budget is None or budget > 0):
+            prompt, rows, cache = self.waiting[0]
+            whole = budget is None or not (decoding or done)
+            end = len(prompt) if whole else min(len(prompt), cache.pos + budget)
+            budget = None if budget is None else budget - (end - cache.pos)
+            last = self.engine.model.prefill(torch.tensor([prompt[cache.pos:end]], device=self.device), cache)
+            if end < len(prompt):
+                break
+            done.append(self.waiting.pop(0))
+            logits.append(last.expand(len(rows), -1))  # each row starts from its prompt's prediction
+        self.joining += done
+        return self._take([row for _, rows, _ in done for row in rows], torch.cat(logits)) if done else []
+
+    @torch.inference_mode()
+    def step(self):
+        """One token for every running row (the rows arranged first: class docstring); the rows that got one."""
+        if self.joining or (self.cache is not None and self.cache.pos >= self.cache.max_len):
+            self._remake()
+        keep = [i for i, row in enumerate(self.rows) if not row.ended]
+        if not keep:
+            return []
+        if 4 * (len(self.rows) - len(keep)) >= len(self.rows) and not self.engine.compile_decode:
+            index = torch.tensor(keep, device=self.device)
+            self.cache.keep_rows(index)
+            self.padding = self.padding[index]
+            self.key_mask = None if self.key_mask is None else self.key_mask[index]
+            self.rows = [self.rows[i] for i in keep]
+        if self.weights is None:  # after the first tokens are out, so they do not delay them
+            self.weights = self.engine.weights(len(self.rows), static=self.engine.compile_decode)
+        return self._take(self.rows, self._forward())
+
+    def close(self):
+        """The batch is over: the compiled step's cache goes back to the engine, for the next batch of its shape."""
+        self.engine._keep_static_cache(self.cache)
+        self.cache = None
+
+    def _remake(self):
+        """A new cache: the running rows, then the joining ones, right-aligned at the longest (class docstring)."""
+        engine = self.engine
+        cfg = engine.model.config
+        old = self.cache
+        keep = [i for i, row in enumerate(self.rows) if not row.ended]
+        joining, self.joining = self.joining, []
+        padding = [] if old is None else self.padding.tolist()
+        lengths = [old.pos - padding[i] for i in keep] + [c.pos for _, joined, c in joining for _ in joined]
+        rows = [self.rows[i] for i in keep] + [row for _, joined, _ in joining for row in joined]
+        self.rows, self.cache, self.weights = rows, None, None
+        if not rows:
+            self.engine._keep_static_cache(old)
+            return
+        pos = max(lengths)
+        if engine.compile_decode:  # one of a few shapes, kept between batches (a CUDA graph's addresses)
+            size = 1 << (len(rows) - 1).bit_length()
+            cache = engine._static_cache(size, -(-self.max_len // 128) * 128, self.cache_dtype)
+        else:
+            size = len(rows)
+            cache = KVCache(size, cfg.n_kv_head, self.max_len, cfg.n_embd // cfg.n_head, cfg.n_layer, self.device,
+                            self.cache_dtype, capacity=pos + 256)
+        cache.k[:, :, :, :pos] = 0
+        cache.v[:, :, :, :pos] = 0
+        if keep:  # the kept rows' filled columns in one copy (the padding inside them is zeros already)
+            span = max(lengths[:len(keep)])
+            index = torch.tensor(keep, device=self.device)
+            cache.k[:, :len(keep), :, pos - span:pos] = old.k[:, index, :, old.pos - span:old.pos]
+            cache.v[:, :len(keep), :, pos - span:pos] = old.v[:, index, :, old.pos - span:old.pos]
+        first = len(keep)
+        for _, joined, prompt_cache in joining:
+            cache.place(prompt_cache, slice(first, first + len(joined)), pos)
+            first += len(joined)
+        cache.advance(pos)
+        # the rows past the batch's (compiled) start at this column: they attend to their own keys only
+        self.padding = torch.tensor([pos - n for n in lengths] + [pos] * (size - len(rows)), device=self.device)
+        self.key_mask = None
+        if self.padding.any() or engine.compile_decode:  # compiled: always a mask, one variant less to compile
+            columns = torch.arange(cache.max_len, device=self.device)
+            self.key_mask = columns[None, None, None, :] >= self.padding[:, None, None, None]
+        self.cache = cache
+        engine._keep_static_cache(old)  # after the copy: a compiled batch may get the same shape again
+
+    def _forward(self):
+        """The step: the logits (rows, vocab) of every row's newest token, which goes into the cache."""
+        model = self.engine.model
+        cache = self.cache
+        newest = [row.last for row in self.rows] + [0] * (cache.batch_size - len(self.rows))
+        idx = torch.tensor(newest, dtype=torch.long, device=self.device)
+        positions = None if self.key_mask is None else cache.pos - self.padding  # each row's own, if not all alike
+        if not self.engine.compile_decode:
+            return decode_step(model, idx, cache, self.weights, positions, self.key_mask)
+        where = torch.tensor([cache.pos], device=self.device)
+        if self.device.type == "cuda":  # a new step: the last one's graph outputs (its logits) are used up
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(self.device.type, enabled=False):  # the weights are copies in the compute dtype
+            logits = self.engine._static_step(self.weights, idx, where, positions, cache.k_layers, cache.v_layers,
+                                              model.cos, model.sin, self.key_mask, model.config, self.dtype)
+        cache.advance()
+        return logits[:len(self.rows)]
+
+    def _sample(self, rows, logits):
+        """Each row's sampled token, from its row of `logits`: rows of one temperature and top_k in one call."""
+        groups = {}
+        for i, row in enumerate(rows):
+            groups.setdefault((row.temperature, row.top_k), []).append(i)
+        tokens = [None] * len(rows)
+        for (temperature, top_k), members in groups.items():
+            rngs = [rows[i].rng for i in members]
+            rng = rngs[0] if all(g is rngs[0] for g in rngs) else rngs  # one shared generator: one draw
+            group = logits if len(members) == len(rows) else logits[members]
+            for i, token in zip(members, sample_next_token(group, rng, temperature, top_k).tolist()):
+                tokens[i] = token
+        return tokens
+
+    def _take(self, rows, logits):
+        """Every running row of `rows` takes its next token: forced by the tool, else sampled from `logits`."""
+        engine = self.engine
+        took = []
+        for row, sampled in zip(rows, self._sample(rows, logits)):
+            if row.ended:
+                continue
+            row.mask = 0 if row.forced else 1
+            token = row.forced.popleft() if row.forced else sampled
+            row.last = token
+            row.generated += 1
+            if token in engine.end_tokens:
+                row.end_token = token
+            elif token == engine.python_start:
+                row.expression = []
+            elif token == engine.python_end and row.expression is not None:
+                result = use_calculator(engine.tokenizer.decode(row.expression))
+                row.expression = None
+                if result is not None:
+                    row.forced.extend([engine.output_start, *engine.tokenizer.encode(result), engine.output_end])
+            elif row.expression is not None:
+                row.expression.append(token)
+            row.ended = row.end_token is not None or row.generated >= row.max_tokens
+            took.append(row)
+        return took
+
+
+# -----------------------------------------------------------------------------
+# The engine
 
 
 def _check_int(name, value, minimum, allow_none=False):
@@ -335,14 +514,14 @@ class Engine:
     """
     Generation from `model` (a GPT) with `tokenizer` (see the module docstring). Public attributes: `context_len`
     (the longest prompt + generation), `end_tokens` (the ids of <|assistant_end|> and <|bos|>), `vocab_size`,
-    `model`, `tokenizer`.
+    `model`, `tokenizer`, `compile_decode`, `static_caches`.
     """
 
     def __init__(self, model, tokenizer, context_len=None, compile_decode=False):
         """
         `context_len`: the longest sequence (prompt + generated) a generation may reach; default
         model.config.sequence_len, the training length. At most model.rotary_len. `compile_decode`: decode with
-        static_step under torch.compile (mode "reduce-overhead" on CUDA: each step one CUDA graph), over a cache of
+        static_step under torch.compile (mode "reduce-overhead" on CUDA: each step one CUDA graph), over caches of
         fixed shape kept between calls (docs/engine.md, "The compiled step"); the first step of each new batch size
         and cache size compiles.
         """
@@ -360,17 +539,17 @@ class Engine:
         self.python_end = special("<|python_end|>")
         self.output_start = special("<|output_start|>")
         self.output_end = special("<|output_end|>")
-        self._weights = {}  # row_major -> (key, weights): both layouts kept, as a server's batch grows and shrinks
+        self._weights = {}  # layout -> (key, weights): both layouts kept, as a server's batch grows and shrinks
         if not isinstance(compile_decode, bool):
             raise UserError(f"compile_decode must be True or False, got {compile_decode!r}")
         self.compile_decode = compile_decode
-        self._static_caches = {}  # (rows, capacity, dtype) -> KVCache: the compiled step's caches, kept between calls
+        self.static_caches = {}  # (rows, capacity, dtype) -> KVCache: the compiled step's caches, kept between calls
         if compile_decode:  # static shapes (dynamic=False): a new batch size or capacity compiles anew, once
             cuda = model.lm_head.weight.device.type == "cuda"
             self._static_step = torch.compile(static_step, mode="reduce-overhead" if cuda else None, dynamic=False,
                                               fullgraph=True)
 
-    def _decode_weights(self, rows=None, static=False):
+    def weights(self, rows=None, static=False):
         """
         decode_weights(model) in the dtype in use, for decoding `rows` rows (row-major copies where
         probes.native_bf16_gemv says so), made again only when the dtype, the layout or a parameter changed since the
@@ -401,12 +580,12 @@ class Engine:
 
     def _static_cache(self, rows, capacity, dtype):
         """
-        An empty KVCache of `rows` rows and `capacity` positions for the compiled step: the one a past generation of
-        that shape left (a CUDA graph replays on the addresses it was recorded with), else a new one, zeros (finite:
-        static_step reads every column). A generation holds it alone until it ends (_keep_static_cache): two at once
-        get two caches.
+        An empty KVCache of `rows` rows and `capacity` positions for the compiled step: the one a past batch of that
+        shape left (a CUDA graph replays on the addresses it was recorded with), else a new one, zeros (finite:
+        static_step reads every column). A batch holds it alone until it lets it go (_keep_static_cache): two at
+        once get two caches.
         """
-        cache = self._static_caches.pop((rows, capacity, dtype), None)
+        cache = self.static_caches.pop((rows, capacity, dtype), None)
         if cache is None:
             cfg = self.model.config
             cache = KVCache(rows, cfg.n_kv_head, capacity, cfg.n_embd // cfg.n_head, cfg.n_layer,
@@ -419,25 +598,15 @@ class Engine:
         return cache
 
     def _keep_static_cache(self, cache):
-        """Keep a generation's cache for the next of its shape; at most 4 shapes, the least recently used dropped."""
-        self._static_caches[(cache.batch_size, cache.capacity, cache.k.dtype)] = cache
-        if len(self._static_caches) > 4:
-            self._static_caches.pop(next(iter(self._static_caches)))
+        """Keep a batch's cache (None: none) for the next of its shape; at most 4 shapes, the least recent dropped."""
+        if cache is None or not self.compile_decode:
+            return
+        self.static_caches[(cache.batch_size, cache.capacity, cache.k.dtype)] = cache
+        if len(self.static_caches) > 4:
+            self.static_caches.pop(next(iter(self.static_caches)))
 
-    def dtypes(self):
-        """
-        (the compute dtype, the KV cache's dtype) of a generation started now, in this thread: autocast's dtype or
-        the weights', and fp32 for the cache of a bf16 decode on a CPU where probes.fp32_cache_pays.
-        """
-        device = self.model.lm_head.weight.device
-        autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else self.model.lm_head.weight.dtype
-        if device.type == "cpu" and dtype == torch.bfloat16 and fp32_cache_pays():
-            return dtype, torch.float32
-        return dtype, dtype
-
-    def _check_arguments(self, tokens, num_samples, max_tokens, temperature, top_k, seed):
-        """The prompt as a list of ints, and the number of steps to run; UserError for a bad argument."""
+    def check_arguments(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
+        """generate()'s arguments checked: the prompt as a list of ints, and the number of steps to run; UserError."""
         try:
             tokens = [operator.index(t) for t in tokens]
         except TypeError:
@@ -475,7 +644,7 @@ class Engine:
         `max_tokens` steps (None: until the context is full); returns early when every sample has ended. Arguments
         are checked at the call (UserError), before the first step is asked for.
         """
-        tokens, steps = self._check_arguments(tokens, num_samples, max_tokens, temperature, top_k, seed)
+        tokens, steps = self.check_arguments(tokens, num_samples, max_tokens, temperature, top_k, seed)
         return self._generate([tokens], num_samples, steps, temperature, top_k, seed)
 
     def generate_many(self, prompts, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, seed=42):
@@ -486,115 +655,32 @@ class Engine:
         """
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not prompts:
             raise UserError("prompts must be a non-empty list of prompts (lists of token ids)")
-        checked = [self._check_arguments(p, num_samples, max_tokens, temperature, top_k, seed) for p in prompts]
+        checked = [self.check_arguments(p, num_samples, max_tokens, temperature, top_k, seed) for p in prompts]
         return self._generate([tokens for tokens, _ in checked], num_samples, min(steps for _, steps in checked),
                               temperature, top_k, seed)
 
     @torch.inference_mode()
     def _generate(self, prompts, num_samples, steps, temperature, top_k, seed):
+        """One Batch: the prompts' samples as its rows, one generator drawing for all of them (docs/engine.md)."""
         if steps == 0:
             return
-        model = self.model
-        cfg = model.config
-        device = model.lm_head.weight.device
-        dtype, cache_dtype = self.dtypes()
-        head_dim = cfg.n_embd // cfg.n_head
-        rng = torch.Generator(device=device).manual_seed(seed)
-        longest = max(len(tokens) for tokens in prompts)
-        rows = len(prompts) * num_samples
-
-        # Each prompt once at batch 1, then copied into its samples' rows, right-aligned (docs/engine.md). The last
-        # token sampled is never fed back, hence the - 1.
-        compiled = self.compile_decode
-        if compiled:  # the capacity rounded up to 128 positions: fewer shapes to compile, at most 127 columns more
-            cache = self._static_cache(rows, -(-(longest + steps - 1) // 128) * 128, cache_dtype)
-        else:
-            cache = KVCache(rows, cfg.n_kv_head, longest + steps - 1, head_dim, cfg.n_layer, device, cache_dtype,
-                            capacity=longest + 256)
-        logits = []
-        for p, tokens in enumerate(prompts):
-            prompt_cache = KVCache(1, cfg.n_kv_head, len(tokens), head_dim, cfg.n_layer, device, dtype)
-            prompt = torch.tensor([tokens], dtype=torch.long, device=device)
-            logits.append(model.prefill(prompt, prompt_cache))  # (1, vocab)
-            rows_of_p = slice(p * num_samples, (p + 1) * num_samples)
-            cache.place(prompt_cache, rows_of_p, longest)
-            # masked-out padding still multiplies its value by a zero weight: zeros, not uninitialised memory (0 x NaN)
-            cache.k[:, rows_of_p, :, :longest - len(tokens)] = cache.v[:, rows_of_p, :, :longest - len(tokens)] = 0
-        cache.advance(longest)
-        # every sample starts from its prompt's prediction
-        logits = torch.cat(logits).repeat_interleave(num_samples, dim=0)
-        padding = torch.tensor([longest - len(tokens) for tokens in prompts], device=device)
-        padding = padding.repeat_interleave(num_samples)
-        if padding.any():  # prompts of different lengths: each row at its own position, its padding masked out
-            key_mask = torch.arange(cache.max_len, device=device)[None, None, None, :] >= padding[:, None, None, None]
-        else:  # one prompt, or prompts of one length: the plain step
-            padding = key_mask = None
-
-        # Decode. The cache's rows are the samples still running (`in_cache`, sample numbers); when a quarter of them
-        # have ended, the rest move to a smaller cache, so ended samples stop costing compute (docs/engine.md).
-        samples = [Sample() for _ in range(rows)]
-        in_cache = list(range(rows))
-        weights = None
+        rng = torch.Generator(device=self.model.lm_head.weight.device).manual_seed(seed)
+        batch = Batch(self, max(len(tokens) for tokens in prompts) + steps - 1)  # the last token is never fed back
+        rows = []
+        for tokens in prompts:
+            samples = [Row(temperature, top_k, steps, rng) for _ in range(num_samples)]
+            batch.add(tokens, samples)
+            rows += samples
         try:
-            for step in range(steps):
-                sampled = dict(zip(in_cache, sample_next_token(logits, rng, temperature, top_k).tolist()))
-                column = []
-                masks = []
-                for i, sample in enumerate(samples):
-                    token, mask = self.next_token(sample, sampled.get(i))
-                    column.append(token)
-                    masks.append(mask)
-                yield column, masks
-                running = [k for k, i in enumerate(in_cache) if samples[i].end_token is None]  # positions in the cache
-                if step == steps - 1 or not running:
+            took = set(batch.prefill())
+            while True:  # a row that ended pads the column with its end token, mask 0
+                yield ([row.last if row in took else row.end_token for row in rows],
+                       [row.mask if row in took else 0 for row in rows])
+                if not batch.running:
                     return
-                if len(running) <= 0.75 * len(in_cache) and not compiled:  # compiled: one shape, no recompiling
-                    keep = torch.tensor(running, device=device)
-                    cache.keep_rows(keep)
-                    padding = None if padding is None else padding[keep]
-                    key_mask = None if key_mask is None else key_mask[keep]
-                    in_cache = [in_cache[k] for k in running]
-                if weights is None:  # made after the first token is out, so they do not delay it
-                    weights = self._decode_weights(len(in_cache), static=compiled)
-                positions = None if padding is None else cache.pos - padding
-                newest = torch.tensor([column[i] for i in in_cache], dtype=torch.long, device=device)
-                if compiled:
-                    where = torch.tensor([cache.pos], device=device)
-                    positions = where.expand(len(in_cache)) if positions is None else positions
-                    if device.type == "cuda":  # a new step: the last one's graph outputs (its logits) are used up
-                        torch.compiler.cudagraph_mark_step_begin()
-                    with torch.autocast(device.type, enabled=False):  # the weights are copies in the compute dtype
-                        logits = self._static_step(weights, newest, where, positions, cache.k_layers, cache.v_layers,
-                                                   model.cos, model.sin, key_mask, cfg, dtype)
-                    cache.advance()
-                else:
-                    logits = decode_step(model, newest, cache, weights, positions, key_mask)
-        finally:  # the cache free again for the next generation of its shape (none shares it meanwhile)
-            if compiled:
-                self._keep_static_cache(cache)
-
-    def next_token(self, sample, sampled):
-        """The token sample `sample` gets this step, and its mask; runs the tool when an expression closes."""
-        if sample.end_token is not None:
-            return sample.end_token, 0  # padding: the sample has ended
-        if sample.forced:
-            token = sample.forced.popleft()
-            mask = 0
-        else:
-            token = sampled
-            mask = 1
-        if token in self.end_tokens:
-            sample.end_token = token
-        elif token == self.python_start:
-            sample.expression = []
-        elif token == self.python_end and sample.expression is not None:
-            result = use_calculator(self.tokenizer.decode(sample.expression))
-            sample.expression = None
-            if result is not None:
-                sample.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
-        elif sample.expression is not None:
-            sample.expression.append(token)
-        return token, mask
+                took = set(batch.step())
+        finally:  # the compiled step's cache free again for the next generation of its shape
+            batch.close()
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """

@@ -75,12 +75,17 @@ max_batch = 8  # most replies a worker decodes together (its batch); more wait i
 max_queue = 64  # most requests waiting for a place in a batch; beyond: 429 "the server is busy"
 max_tokens_in_flight = 32768  # most prompt + max_tokens tokens a worker's batch holds (its KV cache); beyond: wait
 prefill_chunk = 256  # a prompt arriving while others decode is prefilled this many tokens per step
+compile_decode = "auto"  # the decode step under torch.compile, one CUDA graph a step: auto (= on for CUDA, where
+#                         it saves the launches that bound a small batch's step; off for CPU and MPS, where the eager
+#                         step measured faster: bench/RESULTS.md) | true | false. Each batch size (rows rounded up to
+#                         a power of two) compiles at its first step
 config = configure(globals())
 check_config(config, positive=["num_gpus", "max_tokens", "max_messages", "max_message_chars",
                                "max_conversation_chars", "max_tokens_limit", "max_batch", "max_tokens_in_flight",
                                "prefill_chunk"],
              non_negative=["top_k", "max_queue"], choices={"source": ("base", "mid", "sft", "rl"),
-                                              "device_type": ("", "cuda", "cpu", "mps")})
+                                              "device_type": ("", "cuda", "cpu", "mps"),
+                                              "compile_decode": ("auto", "true", "false")})
 if not 0 <= temperature <= 2:
     raise UserError(f"--temperature must be between 0 and 2, got {temperature}")
 if max_tokens > max_tokens_limit:
@@ -106,9 +111,10 @@ device_type = device_type or autodetect_device_type()
 compute_init(device_type)
 print0(compute_dtype_line(device_type))
 workers = []
+compiled = compile_decode == "true" or (compile_decode == "auto" and device_type == "cuda")
 for index, device in enumerate(worker_devices(device_type, num_gpus)):  # one model per device: replies in parallel
     model, tokenizer, _ = load_model(source, device, phase="eval", model_tag=model_tag or None, step=step)
-    workers.append(Worker(index, Engine(model, tokenizer), prefill_chunk=prefill_chunk))
+    workers.append(Worker(index, Engine(model, tokenizer, compile_decode=compiled), prefill_chunk=prefill_chunk))
 pool = WorkerPool(workers, max_batch=max_batch, max_queue=max_queue, max_tokens_in_flight=max_tokens_in_flight)
 app = create_app(pool, Settings(temperature=temperature, top_k=top_k, max_tokens=max_tokens,
                                 max_tokens_limit=max_tokens_limit, max_messages=max_messages,
@@ -123,6 +129,6 @@ if host not in ("127.0.0.1", "localhost", "::1"):
     print0(f"WARNING: listening on {host}:{port}, beyond this machine: anyone who can reach it can use the model "
            f"(there is no authentication). Use the default --host=127.0.0.1 to keep it private.")
 shown = "127.0.0.1" if host == "0.0.0.0" else host
-print0(f"{len(pool.workers)} worker(s) on {', '.join(pool.stats()['devices'])}; context {pool.context_len} tokens. "
-       f"Chat at http://{shown}:{port}/")
+print0(f"{len(pool.workers)} worker(s) on {', '.join(pool.stats()['devices'])}; context {pool.context_len} tokens; "
+       f"decode step {'compiled' if compiled else 'eager'}. Chat at http://{shown}:{port}/")
 uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5)  # Ctrl-C: open streams get 5 s to end

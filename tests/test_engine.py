@@ -13,8 +13,8 @@ import torch
 from helpers import bigram_model, build_once, engine_stream
 from nanochat.output import UserError
 import nanochat.engine as engine_module
-from nanochat.engine import (Engine, KVCache, TextStreamer, decode_step, decode_weights, generate_naive,
-                             sample_next_token)
+from nanochat.engine import (Batch, Engine, KVCache, Row, TextStreamer, decode_step, decode_weights,
+                             generate_naive, sample_next_token)
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import Tokenizer
 
@@ -111,7 +111,7 @@ def test_an_engine_follows_weight_updates(tiny):
     engine = Engine(model, tokenizer)
     prompt = prompts[1][:10]
     before, _ = engine_stream(engine, prompt, max_tokens=20, temperature=0)
-    assert engine._decode_weights() is engine._decode_weights()  # unchanged weights: made once
+    assert engine.weights() is engine.weights()  # unchanged weights: made once
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)  # an "optimizer step"
@@ -144,7 +144,7 @@ def test_the_compiled_step_decodes_what_naive_generation_does(tiny):
     expected = naive_until_end(model, engine, prompt, 40, temperature=0)
     streams, _ = engine_stream(engine, prompt, num_samples=2, max_tokens=40, temperature=0)
     assert streams == [expected] * 2 and len(set(expected)) >= 3, expected
-    kept = engine._static_caches[(2, 128, torch.float32)].k  # 12 + 40 - 1 positions, rounded up to 128
+    kept = engine.static_caches[(2, 128, torch.float32)].k  # 12 + 40 - 1 positions, rounded up to 128
     chosen = [prompts[0][:7], prompts[1][:19]]
     columns = [column for column, _ in engine.generate_many(chosen, max_tokens=25, temperature=0)]
     for row, one in enumerate(chosen):
@@ -152,8 +152,8 @@ def test_the_compiled_step_decodes_what_naive_generation_does(tiny):
         assert [column[row] for column in columns][:len(wanted)] == wanted, row
     again, _ = engine_stream(engine, prompt, num_samples=2, max_tokens=40, temperature=0)  # the kept cache, reused
     # 2 rows of 128 columns in all three calls: the same cache tensors (a CUDA graph's addresses) every time
-    assert again == streams and list(engine._static_caches) == [(2, 128, torch.float32)]
-    assert engine._static_caches[(2, 128, torch.float32)].k is kept
+    assert again == streams and list(engine.static_caches) == [(2, 128, torch.float32)]
+    assert engine.static_caches[(2, 128, torch.float32)].k is kept
     # two generations of one shape at once (interleaved steps): each its own cache, each naive generation's tokens
     pairs = list(zip(engine.generate(prompt, 2, max_tokens=40, temperature=0),
                      engine.generate(prompt, 2, max_tokens=40, temperature=0)))
@@ -268,12 +268,12 @@ def test_decoding_in_bf16_uses_bf16_weight_copies(tiny):
     engine = Engine(model, tokenizer)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         (tokens,), _ = engine_stream(engine, prompts[0][:10], max_tokens=20, temperature=0)
-        weights = engine._decode_weights()
+        weights = engine.weights()
         # the lookup tables stay as they are
         matrices = [w for layer in weights.layers for w in layer[:5] if w is not None]
         assert weights.lm_head.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in matrices)
-        assert engine._decode_weights().lm_head is weights.lm_head
-    assert len(tokens) > 0 and engine._decode_weights().lm_head.dtype == torch.float32
+        assert engine.weights().lm_head is weights.lm_head
+    assert len(tokens) > 0 and engine.weights().lm_head.dtype == torch.float32
     bf16_steps_match_the_forward(model, prompts[1], decode_weights(model, torch.bfloat16))
 
 
@@ -307,10 +307,10 @@ def test_one_sample_bf16_decoding_multiplies_with_the_kernels_the_probe_chose(ti
     engine = Engine(model, tokenizer)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         (tokens,), _ = engine_stream(engine, prompts[0][:10], max_tokens=20, temperature=0)
-        weights = engine._decode_weights(1)
+        weights = engine.weights(1)
     assert len(tokens) > 0 and weights.lm_head.dtype == torch.bfloat16
     assert weights.lm_head.is_contiguous() == native and weights.layers[0].qkv.is_contiguous() == native
-    assert engine._decode_weights(3).lm_head.is_contiguous() is False  # more rows: oneDNN's layout, made again
+    assert engine.weights(3).lm_head.is_contiguous() is False  # more rows: oneDNN's layout, made again
     seen = []
 
     def spy(x, w):
@@ -321,6 +321,45 @@ def test_one_sample_bf16_decoding_multiplies_with_the_kernels_the_probe_chose(ti
     bf16_steps_match_the_forward(model, prompts[1], spied)
     assert len(seen) == 10 * 4 * model.config.n_layer and set(seen) == {not native}
     assert torch.backends.mkldnn.enabled
+
+
+def test_rows_that_join_and_leave_a_batch_decode_as_each_alone(tiny):
+    """
+    engine.Batch driven as the server's worker drives it: a row decodes; a second one joins it mid-way, its prompt
+    prefilled 2 tokens a step, with more tokens to go than the cache has columns left; the first ends and leaves
+    (the second stays in its columns), then the cache is full and made anew (the row right-aligned again). Greedy,
+    each row gets naive generation's tokens.
+    """
+    model, tokenizer, prompts = tiny
+    engine = Engine(model, tokenizer)
+    first, second = prompts[2][:10], prompts[3][:5]
+    expected = [naive_until_end(model, engine, first, 8, temperature=0),
+                naive_until_end(model, engine, second, 20, temperature=0)]
+    assert [len(tokens) for tokens in expected] == [8, 20]  # neither ends early: both run to max_tokens
+    rng = torch.Generator()
+    rows = [Row(0, None, 8, rng), Row(0, None, 20, rng)]
+    got = {row: [] for row in rows}
+    positions = []  # the cache's column after each step, and its rows
+    with torch.inference_mode():
+        batch = Batch(engine, max_len=24)  # the first row fills 17 columns, the second 24 from column 15 on
+        batch.add(first, rows[:1])
+        for step in range(40):
+            if step == 4:
+                batch.add(second, rows[1:])
+            for row in batch.prefill(2):  # row.last: its newest token, read before the next call
+                got[row].append(row.last)
+            for row in batch.step():
+                got[row].append(row.last)
+            if batch.cache is not None:
+                positions.append((batch.cache.pos, len(batch.rows)))
+            if not (batch.running or batch.waiting):
+                break
+        batch.close()
+    assert [got[row] for row in rows] == expected
+    assert rows[0].ended and rows[1].ended and rows[0].end_token is None  # max_tokens ended them
+    # the second row alone in a cache still as long as before (the first left it), then made anew: shorter
+    shrunk = [i for i in range(1, len(positions)) if positions[i][0] < positions[i - 1][0]]
+    assert len(shrunk) == 1 and positions[shrunk[0] - 1] == (24, 1), positions
 
 
 def test_a_prefilled_prompt_is_placed_right_aligned_in_its_rows(tiny):

@@ -135,6 +135,33 @@ def test_no_module_stands_apart_in_its_folder():
     assert not apart, f"imported by nothing of their folder (nor, for nanochat/, by a script): {apart}"
 
 
+def test_nothing_outside_engine_py_uses_its_private_names():
+    """
+    A request's way (HTTP -> worker -> engine) never climbs back into the engine's parts: nothing outside
+    nanochat/engine.py imports one of its `_names` or reads an attribute so named (its module's functions and classes,
+    its classes' methods and attributes).
+    """
+    engine_path = os.path.join(REPO_ROOT, "nanochat", "engine.py")
+    private = set()
+    for node in ast.walk(ast.parse(open(engine_path, encoding="utf-8").read())):
+        defined = isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)  # self._x = ...
+        name = node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else node.attr if defined else ""
+        if name.startswith("_") and not name.startswith("__"):
+            private.add(name)
+    assert "_static_step" in private  # what this test looks for
+    offenders = []
+    for path in python_files(*FOLDERS):
+        if path == engine_path:
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                offenders.append(f"{os.path.relpath(path, REPO_ROOT)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "nanochat.engine":
+                offenders += [f"{os.path.relpath(path, REPO_ROOT)}:{node.lineno} import {alias.name}"
+                              for alias in node.names if alias.name.startswith("_")]
+    assert not offenders, offenders
+
+
 def test_every_module_says_its_job_in_its_first_docstring_line():
     missing = [os.path.relpath(p, REPO_ROOT) for p in project_modules().values() if not module_docstring(p).strip()]
     assert not missing, f"no module docstring: {missing}"

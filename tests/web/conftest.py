@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from web.served import HELLO, engine_reply, free_port, wait_no_batch
+from web.served import HELLO, before_worker_steps, engine_reply, free_port, wait_no_batch
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +46,11 @@ class ChatWebServer:
 
 
 @contextlib.contextmanager
-def serve(model, tokenizer):
+def serve(model, tokenizer, compile_decode=False):
     """
     The app of nanochat.serving (both APIs) with one CPU worker on `model` and chat_web's default settings, served
-    by uvicorn in a thread on a free port: the ChatWebServer, stopped on exit.
+    by uvicorn in a thread on a free port: the ChatWebServer, stopped on exit. compile_decode: its engine decodes
+    with the compiled step (chat_web --compile_decode).
     """
     import uvicorn
 
@@ -57,7 +58,7 @@ def serve(model, tokenizer):
     from nanochat.openai_api import mount
     from nanochat.batching import Worker, WorkerPool
     from nanochat.serving import Settings, create_app
-    pool = WorkerPool([Worker(0, Engine(model, tokenizer))])
+    pool = WorkerPool([Worker(0, Engine(model, tokenizer, compile_decode=compile_decode))])
     app = create_app(pool, Settings(temperature=0.8, top_k=50, max_tokens=512, max_tokens_limit=4096, max_messages=500,
                                     max_message_chars=8000, max_conversation_chars=32000, model_name="nanochat",
                                     api_key=""))
@@ -88,6 +89,14 @@ def chat_web_server(chat_web_base):
         mp.setenv("NANOCHAT_BASE_DIR", str(chat_web_base))
         model, tokenizer, _ = load_model("base", "cpu", phase="eval")
     with serve(model, tokenizer) as served:
+        yield served
+
+
+@pytest.fixture
+def compiled_server(chat_web_server):
+    """The session's model served by a second server, whose engine decodes with the compiled step, in fp32."""
+    with serve(chat_web_server.engine.model, chat_web_server.tokenizer, compile_decode=True) as served:
+        served.pool.workers[0].autocast = contextlib.nullcontext
         yield served
 
 
@@ -126,15 +135,9 @@ def fp32(chat_web_server, monkeypatch):
     in fp32 too), its steps paced by 2 ms (so that requests sent one after the other meet in the batch), and
     /stats's largest batch of the test in `peak`.
     """
-    from nanochat import batching
     wait_no_batch(chat_web_server)
     monkeypatch.setattr(chat_web_server.pool.workers[0], "autocast", contextlib.nullcontext)
-    real_step = batching.decode_step
-
-    def paced_step(*args, **kwargs):
-        time.sleep(0.002)
-        return real_step(*args, **kwargs)
-    monkeypatch.setattr(batching, "decode_step", paced_step)
+    before_worker_steps(monkeypatch, lambda: time.sleep(0.002))
     chat_web_server.peak = 0
     done = threading.Event()
 

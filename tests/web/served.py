@@ -2,10 +2,11 @@
 What the web server's tests share (tests/web); not a test module: they import from here.
 
 A free port, waiting for a started chat_web, the engine's own reply to compare a served one with, texts after which
-a model ends its document.
+a model ends its document, the server's decoding steps paced, held or failed.
 """
 
 import os
+import threading
 import time
 
 import pytest
@@ -75,6 +76,23 @@ def engine_reply(served, messages, max_tokens, temperature, top_k, seed):
         results, _ = served.engine.generate_batch(prompt, max_tokens=budget, temperature=temperature, top_k=top_k,
                                                   seed=seed)
     return served.tokenizer.decode(results[0][len(prompt):]), len(results[0]) - len(prompt)
+
+
+def before_worker_steps(monkeypatch, before):
+    """
+    engine.decode_step with before() run first (a pause, a gate, an injected failure) in the server's worker threads
+    only: the engine's own replies that the tests compute meanwhile, in their own thread, run as they are. Returns
+    the step it wraps.
+    """
+    from nanochat import engine
+    real_step = engine.decode_step
+
+    def step(*args, **kwargs):
+        if threading.current_thread().name.startswith("nanochat-worker"):
+            before()
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(engine, "decode_step", step)
+    return real_step
 
 
 def wait_idle(served, timeout=10):

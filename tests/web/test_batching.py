@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
-from web.served import HELLO, engine_reply, told_text, wait_no_batch
+from web.served import HELLO, before_worker_steps, engine_reply, told_text, wait_no_batch
 
 openai = pytest.importorskip("openai", reason="needs the openai pip package: pip install openai")
 
@@ -64,13 +65,8 @@ def test_a_request_that_joins_mid_decode_gets_its_unbatched_reply(fp32, monkeypa
     A long stream decodes; two others join it in turn, one greedy and one sampled of a long prompt; all three get
     their own replies. The long prompt is prefilled 16 tokens per step (prefill_chunk) between the stream's steps.
     """
-    from nanochat import batching
-    paced_step = batching.decode_step
-
-    def slower_step(*args, **kwargs):  # 10 ms a step: the long reply outlasts the others' requests, even on a busy CPU
-        time.sleep(0.008)
-        return paced_step(*args, **kwargs)
-    monkeypatch.setattr(batching, "decode_step", slower_step)
+    # 10 ms a step: the long reply outlasts the others' requests, even on a busy CPU
+    before_worker_steps(monkeypatch, lambda: time.sleep(0.008))
     long_seed = long_reply_seed(fp32, HELLO, 150)
     expected_long = engine_reply(fp32, HELLO, 400, 2.0, 0, long_seed)
     joiners = [REQUESTS[0], REQUESTS[2]]
@@ -161,13 +157,8 @@ def test_streams_and_stop_strings_in_one_batch_with_clients_in_threads(fp32, cli
 
 def test_a_client_that_leaves_leaves_the_batch_at_once(fp32, monkeypatch):
     """Two streams decode together; one client goes: its row leaves at once, the other reply goes on, unchanged."""
-    from nanochat import batching
-    paced_step = batching.decode_step
-
-    def slower_step(*args, **kwargs):  # 250 steps take 2.5 s at least: the second request meets the first
-        time.sleep(0.008)
-        return paced_step(*args, **kwargs)
-    monkeypatch.setattr(batching, "decode_step", slower_step)
+    # 250 steps take 2.5 s at least: the second request meets the first
+    before_worker_steps(monkeypatch, lambda: time.sleep(0.008))
     seed = long_reply_seed(fp32, HELLO, 250)
     expected = engine_reply(fp32, HELLO, 400, 2.0, 0, seed)[0]
     body = {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 400, "seed": seed}
@@ -196,17 +187,48 @@ def test_a_client_that_leaves_leaves_the_batch_at_once(fp32, monkeypatch):
     assert told_text([first, *events[:-1]]) == expected
 
 
+def test_the_compiled_step_serves_the_eager_steps_replies(fp32, compiled_server):
+    """
+    A server whose engine decodes with the compiled step (chat_web --compile_decode=true), in fp32: three greedy
+    requests of different lengths that start together, then one that joins them mid-decode; each gets the eager
+    engine's reply, token for token. The worker is held between steps (Worker.submit) so that they meet as planned:
+    four rows, one shape to compile.
+    """
+    requests = [(m, 0, 0, n, 0) for m, _, _, n, _ in REQUESTS[:3]] + [(HELLO, 0, 0, 10, 0)]
+    expected = [expect(fp32, r) for r in requests]
+    assert min(n for _, n in expected[:3]) >= 10, expected  # long enough to still decode when the last one comes
+    worker = compiled_server.pool.workers[0]
+    client = openai.OpenAI(base_url=compiled_server.url + "/v1", api_key="k", max_retries=0, timeout=300)
+    gates = [threading.Event(), threading.Event()]
+
+    def wait_for(condition):
+        deadline = time.time() + 60
+        while not condition():
+            assert time.time() < deadline
+            time.sleep(0.005)
+    with ThreadPoolExecutor(len(requests)) as threads:
+        worker.submit(gates[0].wait, 60)
+        answers = [threads.submit(chat, client, *r) for r in requests[:3]]
+        wait_for(lambda: worker.inbox.qsize() == 3)  # the three wait for the worker together
+        gates[0].set()
+        wait_for(lambda: worker.tokens_generated >= 3)  # their first tokens are out
+        worker.submit(gates[1].wait, 60)
+        wait_for(lambda: worker.inbox.empty())  # the worker waits between two steps
+        answers.append(threads.submit(chat, client, *requests[3]))
+        wait_for(lambda: worker.inbox.qsize() == 1)
+        assert compiled_server.stats()["batch_rows"][0] >= 1  # it joins a batch that decodes
+        gates[1].set()
+        for answer, (text, n_tokens) in zip(answers, expected):
+            assert (answer.result().choices[0].message.content, answer.result().usage.completion_tokens) == \
+                (text, n_tokens)
+    assert list(compiled_server.engine.static_caches) == [(4, 512, torch.float32)]  # one shape: 4 rows, the context
+
+
 def test_a_full_queue_is_answered_with_one_line_429_and_what_never_fits_with_400(chat_web_server, client, monkeypatch):
-    from nanochat import batching
     server = chat_web_server
     wait_no_batch(server)
     gate = threading.Event()
-    real_step = batching.decode_step
-
-    def held_step(*args, **kwargs):  # the running request holds its row until the gate opens
-        gate.wait(timeout=30)
-        return real_step(*args, **kwargs)
-    monkeypatch.setattr(batching, "decode_step", held_step)
+    before_worker_steps(monkeypatch, lambda: gate.wait(timeout=30))  # the running request holds its row till then
     monkeypatch.setattr(server.pool, "max_batch", 1)
     monkeypatch.setattr(server.pool, "max_queue", 1)
     body = {"messages": HELLO, "temperature": 0, "max_tokens": 5}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from helpers import run_script, start_script
-from web.served import HELLO, engine_reply, free_port, told_text, wait_idle, wait_serving
+from web.served import HELLO, before_worker_steps, engine_reply, free_port, told_text, wait_idle, wait_serving
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's `chromium` package (Playwright's own browser download needs the network)
 
@@ -219,20 +219,13 @@ def test_a_client_that_leaves_frees_its_worker_and_stops_its_generation(server, 
 
 def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatch):
     # one row per worker, held by a first request, paced: after its first token its next step waits for `gate`
-    from nanochat import batching
-    real_step = batching.decode_step
     gate = threading.Event()
-
-    def paced_step(*args, **kwargs):
-        gate.wait(timeout=30)
-        return real_step(*args, **kwargs)
-
     monkeypatch.setattr(server.pool, "max_batch", 1)
     before = wait_idle(server)
     # a reply that needs the gate
     seed = next(s for s in range(200) if engine_reply(server, HELLO, 8, 1.0, 0, s)[1] >= 3)
     body = {"messages": HELLO, "temperature": 1.0, "top_k": 0, "max_tokens": 8, "seed": seed}
-    monkeypatch.setattr(batching, "decode_step", paced_step)
+    before_worker_steps(monkeypatch, lambda: gate.wait(timeout=30))
     with httpx.Client(timeout=30, verify=False) as first, httpx.Client(timeout=30, verify=False) as second:
         with first.stream("POST", server.url + "/chat/completions", json=body) as held:
             lines = held.iter_lines()  # kept: dropping the iterator would close the connection
@@ -257,19 +250,16 @@ def test_a_client_that_leaves_while_queued_gives_up_its_place(server, monkeypatc
 
 
 def test_a_failing_generation_sends_an_error_event_and_the_server_goes_on(server, long_seed, monkeypatch):
-    from nanochat import batching
-    real_step = batching.decode_step
     calls = []
 
-    def failing_step(*args, **kwargs):  # fault injection: the first token and two real steps, then the device "fails"
+    def fail_the_third():  # fault injection: the first token and two real steps, then the device "fails"
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected failure")
-        return real_step(*args, **kwargs)
 
     before = wait_idle(server)
     seed, _ = long_seed
-    monkeypatch.setattr(batching, "decode_step", failing_step)
+    before_worker_steps(monkeypatch, fail_the_third)
     status, events = post_chat(server.url, {"messages": HELLO, "temperature": 2.0, "top_k": 0, "max_tokens": 50,
                                             "seed": seed})
     assert status == 200
@@ -316,6 +306,7 @@ def test_the_command_line_serves_and_warns_when_listening_beyond_loopback(chat_w
             process.kill()
             out, _ = process.communicate()
     assert "WARNING: listening on 0.0.0.0" in out and "no authentication" in out, out
+    assert "decode step eager" in out, out  # --compile_decode=auto on a CPU: the eager step, which measured faster
 
 
 def test_a_missing_checkpoint_is_one_line_naming_the_stage(tmp_path):
@@ -386,23 +377,21 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             # 1. a message: the reply shows while it is generated. The worker is paced for this one reply: after its
             # 5th token its next step waits for `gate`, so the page can be looked at mid-reply. (The seed, given to
             # the request by the server, makes the reply long.)
-            from nanochat import batching, serving
+            from nanochat import engine, serving
             hello = [{"role": "user", "content": "Hello there"}]
             seed = next(s for s in range(200) if engine_reply(server, hello, 300, 0.8, 50, s)[1] >= 10)
-            real_step = batching.decode_step
             real_check = serving.check_sampling
             gate = threading.Event()
             calls = []
 
-            def paced_step(*args, **kwargs):
+            def held_at_the_fifth():
                 calls.append(1)
                 if len(calls) == 5:
                     gate.wait(timeout=30)
-                return real_step(*args, **kwargs)
 
             def seeded_check(*args, **kwargs):
                 return dict(real_check(*args, **kwargs), seed=seed)
-            monkeypatch.setattr(batching, "decode_step", paced_step)
+            real_step = before_worker_steps(monkeypatch, held_at_the_fifth)
             monkeypatch.setattr(serving, "check_sampling", seeded_check)
             with page.expect_response(lambda r: r.url.endswith("/chat/completions")) as response:
                 page.fill("#input", "Hello there")
@@ -413,7 +402,7 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             assert page.text_content("#send") == "Stop"  # still generating, and the first pieces are on the page
             gate.set()
             page.wait_for_selector("#send:text('Send')")
-            monkeypatch.setattr(batching, "decode_step", real_step)
+            monkeypatch.setattr(engine, "decode_step", real_step)
             monkeypatch.setattr(serving, "check_sampling", real_check)
             events = events_of(response.value.text())
             assert replies() == [reply_text(events)]
@@ -464,16 +453,16 @@ def test_the_page_in_a_browser(server, tmp_path, monkeypatch):
             assert len(page.query_selector_all(".message")) == 2
 
             # 7. an error event during the stream shows too
-            real_generate = server.engine.generate
+            real_check = server.engine.check_arguments
 
-            def failing_generate(*args, **kwargs):
+            def failing_check(*args, **kwargs):  # the worker's first look at the request
                 raise RuntimeError("injected failure")
-            monkeypatch.setattr(server.engine, "generate", failing_generate)
+            monkeypatch.setattr(server.engine, "check_arguments", failing_check)
             page.fill("#input", "One more")
             page.press("#input", "Enter")
             page.wait_for_selector(".error:has-text('injected failure')")
             page.wait_for_selector("#send:text('Send')")
-            monkeypatch.setattr(server.engine, "generate", real_generate)
+            monkeypatch.setattr(server.engine, "check_arguments", real_check)
             assert len(page.query_selector_all(".message")) == 2
             assert page_errors == []
         finally:

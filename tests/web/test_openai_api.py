@@ -12,7 +12,7 @@ document reported).
 import pytest
 import torch
 
-from web.served import HELLO, document_ends, engine_reply, wait_idle
+from web.served import HELLO, before_worker_steps, document_ends, engine_reply, wait_idle
 
 openai = pytest.importorskip("openai", reason="needs the openai pip package: pip install openai")
 
@@ -205,19 +205,16 @@ def test_a_client_that_leaves_a_stream_frees_its_worker(chat_web_server, client,
 
 
 def test_a_failing_generation_is_an_error_and_the_server_goes_on(chat_web_server, client, monkeypatch):
-    from nanochat import batching
-    real_step = batching.decode_step
     calls = []
 
-    def failing_step(*args, **kwargs):  # fault injection: the first token and one real step, then the device "fails"
+    def fail_every_second():  # fault injection: the first token and one real step, then the device "fails"
         calls.append(1)
         if len(calls) % 2 == 0:
             raise RuntimeError("injected failure")
-        return real_step(*args, **kwargs)
 
     seed = reply_seed(chat_web_server, HELLO, 5)
     kwargs = dict(temperature=1.0, max_tokens=20, seed=seed, extra_body={"top_k": 50})
-    monkeypatch.setattr(batching, "decode_step", failing_step)
+    before_worker_steps(monkeypatch, fail_every_second)
     with pytest.raises(openai.APIError, match="injected failure"):  # streamed: an error event, which the client raises
         list(chat(client, stream=True, **kwargs))
     with pytest.raises(openai.InternalServerError, match="injected failure"):
