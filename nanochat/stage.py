@@ -305,7 +305,9 @@ class Stage:
         self.made_from = fingerprint(name, config, inputs)
         # --rerun=auto decides what to do with the checkpoint directory of the model this run writes
         self._planned_tag = inputs["source"]["model_tag"] if source is not None else self._model_tag
-        self._rerun = config["rerun"] == "auto" and not self.resumed and not self.overwrite
+        # no source model yet: nothing can have been made from it; the run goes on to say what is missing
+        self._rerun = (config["rerun"] == "auto" and not self.resumed and not self.overwrite
+                       and (source is None or inputs["source"]["step"] is not None))
         if self._rerun and training_done(name, self._planned_tag, self.made_from):
             sys.exit(0)
         self.last_saved_step = None

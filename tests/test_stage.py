@@ -197,3 +197,6 @@ def test_a_stage_is_made_from_what_its_script_reads_and_one_made_already_exits(t
     assert "Base model training: done at " in capsys.readouterr().out
     Stage("base", dict(config, overwrite=True), model_tag="d1")  # --overwrite: made again
     Stage("base", dict(config, rerun="no"), model_tag="d1")
+    # a chat stage with --rerun=auto before its source model exists: not done, and no error about an empty
+    # --model_tag; its loading says what is missing (run `python -m scripts.chat_sft` first)
+    assert not Stage("rl", stage_config(rerun="auto"), source="sft")._rerun
