@@ -179,7 +179,7 @@ class DummyWandb:
         pass
 
 
-def init_wandb(run, master_process, config, project="nanochat"):
+def init_wandb(run, master_process, config, project):
     """
     A real wandb run on the master process unless `run == "dummy"`; DummyWandb otherwise. Checked at
     start-up, before any training: a run name without a way to log (no `wandb login`, no WANDB_API_KEY, and
