@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.files import DiskFull, atomic_write, get_base_dir, out_of_space
+from nanochat.optim import rows_of
 from nanochat.output import UserError, format_bytes, print0
 from nanochat.ranks import gather_from_ranks, is_distributed
 
@@ -460,10 +461,6 @@ def load_for_resume(checkpoint_dir, step, device, model=None, tokenizer=None):
 # optimizers (adamw.py, muon.py) gives its part with owned_state(name_of) and takes it with load_owned_state.
 
 
-def _rows_view(t):
-    return t.view(1) if t.ndim == 0 else t
-
-
 def optimizer_shard(optimizers, model):
     """This rank's optimizer state in the world-size-free form above: one dict per optimizer, in order."""
     name_of = {p: n for n, p in model.named_parameters()}
@@ -495,7 +492,7 @@ def load_optimizer_shards(optimizers, model, shards, where="checkpoint"):
             entries = pieces.get(name)
             if not entries:
                 return None
-            rows = _rows_view(params[name]).size(0)
+            rows = rows_of(params[name]).size(0)
             keys = [k for k in entries[0] if k not in ("row_start", "step")]
             full = {"step": entries[0]["step"]}
             covered = torch.zeros(rows, dtype=torch.bool)

@@ -259,6 +259,6 @@ def check_config(config, positive=(), positive_or_unset=(), non_negative=(), fra
             raise UserError(f"--{key} must be one of {shown}, got {config[key]!r}")
 
 
-def closest(name, candidates, n=3):
-    """For error messages: the candidates that look most like a mistyped `name`."""
-    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)
+def closest(name, candidates):
+    """For error messages: the (at most 3) candidates that look most like a mistyped `name`."""
+    return difflib.get_close_matches(name, list(candidates), cutoff=0.5)

@@ -368,19 +368,19 @@ def _evaluate_examples(model, tokenizer, task, data, indices, device, num_fewsho
 
 
 def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_tokens=DEFAULT_BATCH_TOKENS,
-                  max_seq_len=None, verbose=True, stop=None):
+                  verbose=True, stop=None):
     """
     `model` (model(ids) -> logits (B, T, vocab); the uncompiled one: shapes vary) on every task of the bundle in
     `bundle_dir`, under the caller's autocast; under torchrun every rank calls it and all get the same result.
-    max_per_task > 0: the first N examples of each task's fixed shuffle; max_seq_len: rows cropped from the left
-    (default the model's context); verbose: a line per task with the time left (rank 0); stop: asked before every
-    forward, Interrupted on every rank at the end of the task. Returns {"name": "CORE" (offline: "pydocs-CORE"),
-    "score": mean centered accuracy, "tasks": {label: {"type", "shots", "examples", "correct", "accuracy", "baseline",
-    "centered", "seconds"}}, "bundle_dir", "max_per_task"}. Few-shot counts above len(examples) - 1 are clamped.
+    max_per_task > 0: the first N examples of each task's fixed shuffle. Rows are cropped from the left to the
+    model's context (model.config.sequence_len, if it has one). verbose: a line per task with the time left (rank
+    0); stop: asked before every forward, Interrupted on every rank at the end of the task. Returns {"name": "CORE"
+    (offline: "pydocs-CORE"), "score": mean centered accuracy, "tasks": {label: {"type", "shots", "examples",
+    "correct", "accuracy", "baseline", "centered", "seconds"}}, "bundle_dir", "max_per_task"}. Few-shot counts above
+    len(examples) - 1 are clamped.
     """
     bundle = load_bundle(bundle_dir)
-    if max_seq_len is None:
-        max_seq_len = getattr(getattr(model, "config", None), "sequence_len", None)
+    max_seq_len = getattr(getattr(model, "config", None), "sequence_len", None)
     name = bundle["name"]
     tasks = bundle["tasks"]
     results = {}

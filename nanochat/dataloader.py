@@ -3,7 +3,7 @@ The data loader of pretraining: parquet documents in, token batches out, forever
 
 Also the micro-steps a step of total_batch_size tokens takes (grad_accum_steps_for; mid_train uses it too).
 
-    loader = tokenizing_distributed_data_loader(B, T, "train", device, total_batch_size=...)
+    loader = tokenizing_distributed_data_loader(B, T, "train", device, tokenizer=tokenizer, total_batch_size=...)
     x, y = next(loader)   # x (B, T) int32, y (B, T) int64, on `device`
 
 Each call returns one micro-batch of B rows for this rank: `B = device_batch_size`, never B x world_size.
@@ -418,17 +418,14 @@ class DistributedTokenLoader:
         return {"slots": states, "micro": micro, "num_slots": self.num_slots, "split": self.split}
 
 
-def tokenizing_distributed_data_loader(B, T, split, device="cpu", *, tokenizer=None, total_batch_size=None, seed=0,
-                                       bos_aligned=False, tokenizer_threads=4, tokenizer_batch_size=128):
+def tokenizing_distributed_data_loader(B, T, split, device="cpu", *, tokenizer, total_batch_size=None, seed=0,
+                                       bos_aligned=False, tokenizer_threads=4):
     """
     Micro-batches of (B, T) tokens of `split` for this rank. `total_batch_size` (tokens per optimizer
     step across all ranks) defines the data slots; None means one slot per rank (evaluation).
     """
     from nanochat.processes import get_dist_info
-    from nanochat.tokenizer import get_tokenizer
     _, rank, _, world_size = get_dist_info()
-    tokenizer = tokenizer or get_tokenizer()
     return DistributedTokenLoader(B=B, T=T, split=split, device=device, tokenizer=tokenizer, rank=rank,
                                   world_size=world_size, total_batch_size=total_batch_size, seed=seed,
-                                  bos_aligned=bos_aligned,
-                                  tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size)
+                                  bos_aligned=bos_aligned, tokenizer_threads=tokenizer_threads)

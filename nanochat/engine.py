@@ -70,9 +70,6 @@ class KVCache:
         if t1 > self.capacity:
             self._allocate(min(self.max_len, max(t1, 2 * self.capacity)), self.k.device, self.k.dtype)
 
-    def get_pos(self):  # the number of positions filled
-        return self.pos
-
     def advance(self, n=1):
         self.pos += n
 

@@ -386,8 +386,8 @@ class GPT(nn.Module):
 
     def _final_hidden(self, idx, kv_cache=None):
         """The transformer without its head: idx (B, T) -> the final normed hidden states (B, T, n_embd)."""
-        B, T = idx.size()
-        t0 = kv_cache.get_pos() if kv_cache is not None else 0
+        T = idx.size(1)
+        t0 = kv_cache.pos if kv_cache is not None else 0
         if t0 + T > self.rotary_len:
             raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
         # under autocast the residual stream (and the rotary tables) in the compute dtype too: docs/model.md

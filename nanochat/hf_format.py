@@ -88,7 +88,6 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
         raise UserError(f"the model's setting {', '.join(f'{k}={v!r}' for k, v in lacking.items())} "
                         f"has no equivalent in the Hugging Face NanoChat format (nor mlx-lm's): {fix}")
     c = model_config
-    special = tokenizer.get_special_tokens()
     config = {
         "architectures": ["NanoChatForCausalLM"], "model_type": "nanochat",
         "vocab_size": c["vocab_size"], "hidden_size": c["n_embd"], "intermediate_size": 4 * c["n_embd"],
@@ -97,8 +96,7 @@ def hf_config(model_config, tokenizer, dtype, layout="hf"):
         "hidden_act": "relu2", "attention_dropout": 0.0, "attention_bias": False, "rms_norm_eps": RMS_EPS,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(c["rope_base"])},
         "final_logit_softcapping": SOFTCAP, "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
-        "bos_token_id": special["<|bos|>"],
-        "eos_token_id": [special["<|assistant_end|>"], special["<|bos|>"]],  # our Engine stops on either
+        **generation_config(tokenizer),  # our Engine stops on either of its eos ids
         # no pad id: HF makes it the embedding's padding_idx, whose row a finetune would then never update
         "pad_token_id": None,
         "dtype": dtype,
@@ -262,7 +260,7 @@ def bpe_merges(mergeable_ranks):
     each step, the adjacent pair that makes the lowest-ranked token, which is tiktoken's rule.
     """
     merges = []
-    for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
+    for token in sorted(mergeable_ranks, key=mergeable_ranks.get):
         splits = [(token[:i], token[i:]) for i in range(1, len(token))
                   if token[:i] in mergeable_ranks and token[i:] in mergeable_ranks]
         merges += sorted(splits, key=lambda pair: (mergeable_ranks[pair[0]], mergeable_ranks[pair[1]]))

@@ -84,7 +84,7 @@ class ColoredFormatter(logging.Formatter):
         return super().format(record)
 
 
-def setup_default_logging(level=logging.INFO):
+def setup_default_logging():
     """
     For scripts (configure() and compute_init() call it; idempotent): "nanochat" and its children log to stderr
     through ColoredFormatter, a UserError ends the program in one line. The root logger is never touched.
@@ -96,7 +96,7 @@ def setup_default_logging(level=logging.INFO):
         handler._nanochat = True
         nano.addHandler(handler)
         nano.propagate = False  # our handler prints it; do not print it a second time via a root handler
-    nano.setLevel(level)
+    nano.setLevel(logging.INFO)
     sys.excepthook = _user_error_hook
 
 

@@ -120,13 +120,13 @@ def random_matrices(device, dtype, n):
     return tuple(torch.randn(n, n, device=device, dtype=dtype, generator=rng) for _ in range(2))
 
 
-def measure_matmul_flops(device, dtype, n=1024, repeats=5):
+def measure_matmul_flops(device, dtype, n, repeats):
     """Best observed FLOP/s of an n^3 matmul on `device` in `dtype` (a warm-up, then the best of `repeats` calls)."""
     a, b = random_matrices(device, dtype, n)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     a @ b
     sync()  # then every timed call starts on an idle device and ends when its product is done
-    return 2 * n ** 3 / best_in_turns({"matmul": lambda: (a @ b, sync())}, repeats, 1, warm=False)["matmul"]
+    return 2 * n ** 3 / best_in_turns({"matmul": lambda: (a @ b, sync())}, repeats, 1)["matmul"]
 
 
 # -----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ SUMMARY_METRICS = [
     ("midtraining", "Final validation bpb", "Chat val bpb, after midtraining"),
 ]
 # The report card under the summary: each stage's headline evaluations side by side, one column per stage, "-"
-# where a stage was not evaluated. The base column holds the base model's CORE-style score(s) (see _base_scores);
+# where a stage was not evaluated. The base column holds the base model's CORE-style score(s) (report_card says which);
 # the chat stages' columns hold keys of their "Chat evaluation <stage>" sections: the accuracies of the tasks that
 # the section's card labels put on the card ({task: label}, in the card's order: scripts/chat_eval.py gives them from
 # tasks/registry.py, which the library never imports), then these scores:
@@ -260,14 +260,6 @@ def plot_curves(directory, sections):
     return written
 
 
-def _base_scores(section):
-    """
-    The base model's score keys of the base-model-evaluation section: "CORE metric" and, for the offline CORE-style
-    score, any key ending in "score" or "CORE metric" (e.g. "pydocs-CORE metric").
-    """
-    return [k for k in section if k == "CORE metric" or k.endswith("score") or k.endswith("CORE metric")]
-
-
 def report_card(sections):
     """
     The report card as markdown lines ([] when nothing has been evaluated): rows are metrics, columns the base model
@@ -279,7 +271,9 @@ def report_card(sections):
         labels.update(sections.get(f"chat-evaluation-{stage}", {}).get("card_labels") or {})
     found = {name: values(state) for name, state in sections.items()}
     base = found.get("base-model-evaluation", {})
-    rows = [(key.removesuffix(" metric"), [base[key]] + ["-"] * len(REPORT_CARD_STAGES)) for key in _base_scores(base)]
+    # the base model's scores: "CORE metric" and the offline CORE-style ones (e.g. "pydocs-CORE metric", "... score")
+    rows = [(key.removesuffix(" metric"), [base[key]] + ["-"] * len(REPORT_CARD_STAGES))
+            for key in base if key.endswith(("CORE metric", "score"))]
     for key, label in list(labels.items()) + REPORT_CARD_SCORES:
         cells = [found.get(f"chat-evaluation-{stage}", {}).get(key, "-") for stage in REPORT_CARD_STAGES]
         if any(v != "-" for v in cells):

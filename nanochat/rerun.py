@@ -133,7 +133,7 @@ def training_done(stage, model_tag, made_from):
     training_plan.)
     """
     section = TRAINING_SECTIONS[stage]
-    what, step = training_plan(stage, section, checkpoint_dir_for(stage, model_tag), made_from)
+    what, step = training_plan(section, checkpoint_dir_for(stage, model_tag), made_from)
     if what != "done":
         return False
     _, stamp, run = made_before(section)
@@ -142,7 +142,7 @@ def training_done(stage, model_tag, made_from):
     return True
 
 
-def training_plan(stage, section, checkpoint_dir, made_from):
+def training_plan(section, checkpoint_dir, made_from):
     """
     What a training stage with --rerun=auto does with `checkpoint_dir` (made_from: its fingerprint): ("done", step)
     if its report section and its last complete checkpoint were made from it; ("resume", step) from the last complete

@@ -129,7 +129,7 @@ class StopRequest:
             try:
                 self._store = dist.distributed_c10d._get_default_store()
             except (AttributeError, RuntimeError):  # a torch without it: the ranks still agree at each step's end
-                self._store = None
+                pass
         self._posted = False
 
     def listen(self):
@@ -179,7 +179,7 @@ class DummyWandb:
         pass
 
 
-def init_wandb(run, master_process, config, project="nanochat"):
+def init_wandb(run, master_process, config, project):
     """
     A real wandb run on the master process unless `run == "dummy"`; DummyWandb otherwise. Checked at
     start-up, before any training: a run name without a way to log (no `wandb login`, no WANDB_API_KEY, and
@@ -343,7 +343,7 @@ class Stage:
         """--rerun=auto: what this run does with what its checkpoint directory holds (rerun.training_plan)."""
         checkpoint_dir = checkpoint_dir_for(self.name, self._planned_tag)
         section = TRAINING_SECTIONS[self.name]
-        plan = [training_plan(self.name, section, checkpoint_dir, self.made_from) if self.rank == 0 else None]
+        plan = [training_plan(section, checkpoint_dir, self.made_from) if self.rank == 0 else None]
         if is_distributed():  # rank 0's decision for every rank: they must all skip, resume or start alike
             dist.broadcast_object_list(plan, src=0)
         what, steps = plan[0]

@@ -199,21 +199,18 @@ class Tokenizer:
     def _as_id(self, token):
         return self.encode_special(token) if isinstance(token, str) else int(token)
 
-    def encode(self, text_or_list, prepend=None, append=None, num_threads=8):
+    def encode(self, text_or_list, prepend=None, num_threads=8):
         """
-        str -> list[int]; list[str] -> list[list[int]] (encoded in parallel by tiktoken, `num_threads`). `prepend` /
-        `append`: a token id or a special token string (e.g. "<|bos|>") added to each sequence. Always ordinary text:
+        str -> list[int]; list[str] -> list[list[int]] (encoded in parallel by tiktoken, `num_threads`). `prepend`:
+        a token id or a special token string (e.g. "<|bos|>") put before each sequence. Always ordinary text:
         special-token strings in it are plain characters. decode(encode(s)) == s for every valid string; lone
         surrogates (e.g. "\\ud800") are repaired as tiktoken does (pairs joined, a lone one becomes U+FFFD "\ufffd").
         """
         pre = None if prepend is None else self._as_id(prepend)
-        post = None if append is None else self._as_id(append)
 
         def wrap(ids):
             if pre is not None:
                 ids.insert(0, pre)
-            if post is not None:
-                ids.append(post)
             return ids
 
         if isinstance(text_or_list, str):
@@ -221,9 +218,6 @@ class Tokenizer:
         if isinstance(text_or_list, (list, tuple)):
             return [wrap(ids) for ids in self.enc.encode_ordinary_batch(list(text_or_list), num_threads=num_threads)]
         raise TypeError(f"encode expects a str or a list of str, got {type(text_or_list).__name__}")
-
-    def __call__(self, *args, **kwargs):
-        return self.encode(*args, **kwargs)
 
     def decode(self, ids):
         """list[int] -> str. Special tokens come out as their names; an incomplete UTF-8 sequence as U+FFFD."""

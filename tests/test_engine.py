@@ -253,7 +253,7 @@ def test_decode_step_equals_full_forward(tiny, batch):
         for t in range(3, 40):
             logits = decode_step(model, idx[:, t], cache, weights)
             torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-5)
-    assert cache.get_pos() == 40 and cache.capacity == 40
+    assert cache.pos == 40 and cache.capacity == 40
     with pytest.raises(ValueError, match="KV cache full"):
         decode_step(model, idx[:, 0], cache, weights)
 

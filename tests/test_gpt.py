@@ -95,7 +95,7 @@ def test_kv_cache_matches_full_forward():
     pieces = [model(idx[:, :8], kv_cache=cache)]  # prefill
     pieces += [model(idx[:, t:t + 1], kv_cache=cache) for t in range(8, 12)]  # one token at a time
     pieces.append(model(idx[:, 12:20], kv_cache=cache))  # a chunk after a cached prefix
-    assert cache.get_pos() == 20
+    assert cache.pos == 20
     assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
 
 

@@ -298,17 +298,17 @@ def test_a_training_stage_plans_from_its_checkpoints_and_its_section(isolated_en
     from nanochat.report import get_report
     from nanochat.rerun import training_plan
     directory = isolated_env / "mid_checkpoints" / "d1"
-    assert training_plan("mid", "Midtraining", str(directory), "a" * 16) == ("fresh", None)
+    assert training_plan("Midtraining", str(directory), "a" * 16) == ("fresh", None)
     directory.mkdir(parents=True)
     for step, made in ((2, "a" * 16), (4, "a" * 16)):
         (directory / f"meta_{step:06d}.json").write_text(json.dumps({"made_from": made}))
-    assert training_plan("mid", "Midtraining", str(directory), "a" * 16) == ("resume", 4)
-    assert training_plan("mid", "Midtraining", str(directory), "b" * 16) == ("replace", [2, 4])
+    assert training_plan("Midtraining", str(directory), "a" * 16) == ("resume", 4)
+    assert training_plan("Midtraining", str(directory), "b" * 16) == ("replace", [2, 4])
     get_report().log("Midtraining", [{"Stopped early": False}], made_from="a" * 16)
-    assert training_plan("mid", "Midtraining", str(directory), "a" * 16) == ("done", 4)
+    assert training_plan("Midtraining", str(directory), "a" * 16) == ("done", 4)
     # the last checkpoint made otherwise (a later run of other settings): not done, replaced
     (directory / "meta_000006.json").write_text(json.dumps({"made_from": "b" * 16}))
-    assert training_plan("mid", "Midtraining", str(directory), "a" * 16)[0] == "replace"
+    assert training_plan("Midtraining", str(directory), "a" * 16)[0] == "replace"
 
 
 def test_forget_names_what_it_deletes_and_keeps_the_data(isolated_env, capsys):

@@ -114,8 +114,7 @@ def test_special_tokens_never_come_from_text(tok):
     assert tok.encode_special("<|output_end|>") == n_bpe + 8
     with pytest.raises(ValueError, match="not a special token"):
         tok.encode_special("<|endoftext|>")
-    assert (tok.encode("hi", prepend="<|bos|>", append="<|assistant_end|>")
-            == [n_bpe] + tok.encode("hi") + [specials["<|assistant_end|>"]])
+    assert tok.encode("hi", prepend="<|assistant_end|>") == [specials["<|assistant_end|>"]] + tok.encode("hi")
     assert tok.encode("hi", prepend=tok.get_bos_token_id()) == [n_bpe] + tok.encode("hi")
     assert tok.id_to_token(n_bpe) == "<|bos|>"
 
