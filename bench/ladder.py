@@ -125,6 +125,18 @@ def check_rungs(rungs, st, codebase):
                  f"{heads} heads (its heads are ceil(width / 128)); use even depths")
 
 
+def check_dataset(rungs, data, st):
+    """The largest rung must fit in one epoch of the dataset's training text: a one-line error otherwise."""
+    largest = max(rungs, key=lambda r: r["tokens"])
+    print(f"dataset {data['name']}: ~{data['train_tokens']:,} training tokens by our tokenizer; the largest rung "
+          f"(depth {largest['depth']}) trains on {largest['tokens']:,}", flush=True)
+    if largest["tokens"] > data["train_tokens"]:
+        fail(f"the largest rung (depth {largest['depth']}: {largest['tokens']:,} tokens) needs more than the "
+             f"~{data['train_tokens']:,} training tokens of {data['name']} (by our tokenizer): repeated text would "
+             f"make its curve one of memorization. Lower --ratio or the depths, or give a larger --dataset"
+             + (f" / more --shards (now {st['shards']})" if data["name"] != "pydocs" else ""))
+
+
 def flops_per_token(linear_params, config, seq_len):
     """6 x every Linear's parameters + sum over layers of 12 x heads x head_dim x min(window, T)."""
     from nanochat.gpt import layer_windows  # ours: HEAD's windows at every T (its docstring); 088726a has none
@@ -422,6 +434,15 @@ def prepare(args, st, overrides):
     return cb, True, eval_set, data, shards
 
 
+def same_experiment(before, now, name, path):
+    """A one-line error if experiment `name` was made otherwise than `now` says (a dirty tree aside)."""
+    changed = [k for k in now if before.get(k) != now[k]
+               and not (k == "commit" and before[k].removesuffix("+dirty") == now[k].removesuffix("+dirty"))]
+    if changed:
+        what = "; ".join(f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in changed)
+        fail(f"experiment {name} was made otherwise ({what}): name a new experiment, or delete {path}")
+
+
 def run(args):
     st = settings_from(args)
     work = os.path.abspath(args.work)
@@ -437,41 +458,46 @@ def run(args):
           f"{st['dataset']}; seeds {42 + args.first_seed}..{42 + args.first_seed + args.seeds - 1}; "
           f"on {st['device_type']}\n{machine_line()}", flush=True)
 
-    cb, has_seed, eval_set, data, shards = prepare(args, st, overrides)
-    largest = max(rungs, key=lambda r: r["tokens"])
-    if largest["tokens"] > data["train_tokens"]:
-        fail(f"the largest rung (depth {largest['depth']}: {largest['tokens']:,} tokens) needs more than the "
-             f"~{data['train_tokens']:,} training tokens of {st['dataset']} (by our tokenizer): repeated text would "
-             f"make its curve one of memorization. Lower --ratio or the depths, or give a larger --dataset"
-             + (f" / more --shards (now {st['shards']})" if st["dataset"] != "pydocs" else ""))
-    if not has_seed:
-        fail("our scripts.base_train has no --init_seed: its seeds could not differ")
-    identity = dict(codebase=args.codebase, code=cb.label.split(" (")[0], commit=git_commit(cb.root),
-                    overrides=overrides, ratio=st["ratio"], seq_len=st["seq_len"],
-                    tokens_per_step=st["tokens_per_step"], device_batch_size=st["device_batch_size"],
+    # What the experiment is: what this command says (checked now), then the data it prepares (checked after)
+    root = ROOT if args.codebase == "ours" else os.path.abspath(args.ref088 if args.codebase == "088" else args.refhead)
+    code = "ours" if args.codebase == "ours" else quality.ANCHORS[args.codebase][0]
+    identity = dict(codebase=args.codebase, code=code, commit=git_commit(root), overrides=overrides,
+                    ratio=st["ratio"], seq_len=st["seq_len"], tokens_per_step=st["tokens_per_step"],
+                    device_batch_size=st["device_batch_size"],
                     vocab_size=st["vocab_size"], evals=st["evals"], core_per_task=st["core_per_task"],
-                    device_type=st["device_type"], dtype=args.dtype, dataset=data["name"], shards=data["shards"],
-                    eval_set=eval_set)
-    os.makedirs(os.path.join(path, "logs"), exist_ok=True)
+                    device_type=st["device_type"], dtype=args.dtype, dataset=st["dataset"])
     meta_path = os.path.join(path, "experiment.json")
+    before = None
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             before = json.load(f)["identity"]
-        changed = [k for k in identity if before.get(k) != identity[k] and k != "commit"]
-        if changed or before["commit"].removesuffix("+dirty") != identity["commit"].removesuffix("+dirty"):
-            what = ", ".join(f"{k}: {before.get(k)!r} -> {identity[k]!r}" for k in changed + ["commit"]
-                             if before.get(k) != identity[k])
-            fail(f"experiment {args.name} was made otherwise ({what}): name a new experiment, or delete {path}")
+        same_experiment(before, identity, args.name, path)
+    done = {(r["depth"], r["seed"]) for r in read_records(path)}
+    plan = [(seed, r) for seed in range(args.first_seed, args.first_seed + args.seeds) for r in rungs]
+    todo = [(seed, r) for seed, r in plan if (r["depth"], 42 + seed) not in done]
+    print(f"{len(plan)} rung(s), {len(plan) - len(todo)} done before; records: {path}/curve.jsonl", flush=True)
+    if not todo:  # nothing to train: nothing to prepare either
+        for k, (seed, r) in enumerate(plan, 1):
+            print(f"[{k}/{len(plan)}] seed {42 + seed}, depth {r['depth']}: done before, skipped")
+        print(f"experiment {args.name}: every rung done; compare it: python bench/ladder.py compare <baseline> "
+              f"{args.name}")
+        return
+
+    cb, has_seed, eval_set, data, shards = prepare(args, st, overrides)
+    check_dataset(rungs, data, st)
+    if not has_seed:
+        fail("our scripts.base_train has no --init_seed: its seeds could not differ")
+    # as JSON reads it back (lists, not tuples), so that a rerun compares like with like
+    identity = json.loads(json.dumps(dict(identity, shards=data["shards"], eval_set=eval_set)))
+    os.makedirs(os.path.join(path, "logs"), exist_ok=True)
+    if before is not None:
+        same_experiment(before, identity, args.name, path)
     else:
         with open(meta_path, "w") as f:
             json.dump(dict(name=args.name, identity=identity, settings=st, created=time.strftime("%Y-%m-%d %H:%M"),
                            machine=machine_line()), f, indent=1)
 
-    done = {(r["depth"], r["seed"]) for r in read_records(path)}
-    plan = [(seed, r) for seed in range(args.first_seed, args.first_seed + args.seeds) for r in rungs]
-    todo = [(seed, r) for seed, r in plan if (r["depth"], 42 + seed) not in done]
     est_flops = {r["depth"]: r["tokens"] * (6 * r["scaling_params"]) for r in rungs}  # for the time left only
-    print(f"{len(plan)} rung(s), {len(plan) - len(todo)} done before; records: {path}/curve.jsonl", flush=True)
     exp = dict(name=args.name, st=st, overrides=overrides, has_seed=has_seed, eval_set=eval_set, val_shard=shards[-1],
                path=path)
     timed = []

@@ -193,8 +193,9 @@ def parse_variants(names, custom):
 
 def prepare_ours(ours, vocab_size, work, variants, shards=8):
     """Our corpus and tokenizer (reused when there), our base_train's settings; whether it has --init_seed."""
-    ours.run(["-m", "nanochat.dataset"] + ([] if ours.dataset == "pydocs" else ["-n", str(shards)]),
-             f"{work}/logs/ours_dataset.log", f"getting the {ours.dataset} corpus")
+    if ours.dataset != "pydocs" or not os.path.isdir(os.path.join(ours.base, "base_data", "pydocs")):  # built once
+        ours.run(["-m", "nanochat.dataset"] + ([] if ours.dataset == "pydocs" else ["-n", str(shards)]),
+                 f"{work}/logs/ours_dataset.log", f"getting the {ours.dataset} corpus")
     ensure_tokenizer(ours, ["-m", "scripts.tok_train", f"--vocab_size={vocab_size}"], work)
     _, help_text = ours.run(["-m", "scripts.base_train", "--help"], f"{work}/logs/ours_help.log", "base_train --help")
     keys = set(re.findall(r"^\s+--(\w+)\s", help_text, re.M))
