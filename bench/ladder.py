@@ -15,10 +15,11 @@ depth, how much compute the baseline needs to reach the variant's final bpb, ove
     python bench/ladder.py run gpu-base --gpu                                # HEAD's ladder on a GPU
     python bench/ladder.py run base --help                                   # every setting and its default
 
-The CPU ladder (default): depths 1-4 at 0.1 tokens per scaling parameter, sequence 512, 2,048 tokens a step,
+The CPU ladder (default): depths 1-4 at 0.08 tokens per scaling parameter, sequence 512, 2,048 tokens a step,
 4 checkpoints scored per rung over the first documents of pydocs' validation shard holding 65,536 tokens, vocab
-8,192. Its largest rung (depth 4, 521k tokens) stays inside one epoch of pydocs (~0.63M training tokens): a curve
-over repeated text measures memorization, and the CM assumes the infinite-data regime. Time per seed: docs/ladder.md.
+8,192, CORE over 25 examples per task. Its largest rung (depth 4, 420k tokens) stays inside one epoch of pydocs
+(~0.63M training tokens): a curve over repeated text measures memorization, and the CM assumes fresh text. Its time
+per seed: docs/ladder.md.
 The GPU ladder (--gpu): karpathy/nanochat HEAD's, depths 12, 14, 16, 20 and 24 at 12 tokens per scaling parameter,
 sequence 2,048, 524,288 tokens a step, on ClimbMix (its shards must be on disk: the tool says how many).
 
@@ -66,8 +67,8 @@ import quality  # bench/quality.py: how each codebase is prepared and trained
 from ab import machine_line  # bench/ab.py
 
 ROOT = quality.ROOT
-CPU = dict(depths="1,2,3,4", ratio=0.1, seq_len=512, tokens_per_step=2048, device_batch_size=4, evals=4,
-           eval_tokens=65536, core_per_task=50, vocab_size=8192, dataset="pydocs", shards=8, device_type="cpu",
+CPU = dict(depths="1,2,3,4", ratio=0.08, seq_len=512, tokens_per_step=2048, device_batch_size=4, evals=4,
+           eval_tokens=65536, core_per_task=25, vocab_size=8192, dataset="pydocs", shards=8, device_type="cpu",
            eval_device="cpu")
 GPU = dict(depths="12,14,16,20,24", ratio=12.0, seq_len=2048, tokens_per_step=524288, device_batch_size=32, evals=8,
            eval_tokens=2097152, core_per_task=500, vocab_size=32768, dataset="climbmix", shards=500,
@@ -122,7 +123,7 @@ def check_rungs(rungs, st, codebase):
         heads = max(1, -(-width // 128))
         if codebase == "088" and width % heads:  # 088726a: heads of ceil(width / 128), asserted to divide the width
             fail(f"depth {d} does not fit karpathy/nanochat 088726a's model: width {width} does not split into "
-                 f"{heads} heads (its heads are ceil(width / 128)); use even depths")
+                 f"{heads} heads (its heads are ceil(width / 128)); even depths always fit")
 
 
 def check_dataset(rungs, data, st):
@@ -407,7 +408,7 @@ def variant_overrides(spec):
 def prepare(args, st, overrides):
     """
     The codebase that trains (ours, or an anchor beside ours), our corpus and tokenizer (the eval set is counted in
-    our tokens, as bench/quality.py counts it) and the eval set. Returns (codebase, has_seed, eval_set, data).
+    our tokens, as bench/quality.py counts it) and the eval set: (codebase, has_seed, eval_set, data, shards).
     """
     prep = os.path.join(os.path.abspath(args.work), f"{st['dataset']}-v{st['vocab_size']}")
     ours = quality.Codebase("ours", f"ours ({git_commit(ROOT)})", ROOT, sys.executable, os.path.join(prep, "ours"),
@@ -508,7 +509,8 @@ def run(args):
             if (r["depth"], 42 + seed) in done:
                 print(f"{where}: done before, skipped", flush=True)
                 continue
-            print(f"{where}: {r['steps']:,} steps, {r['tokens']:,} tokens ...", flush=True)
+            print(f"{where}: {r['steps']:,} steps, {r['tokens']:,} tokens (its log: {path}/logs/d{r['depth']}_s"
+                  f"{42 + seed}_train.log) ...", flush=True)
             t0 = time.time()
             record = run_rung(cb, exp, seed, r)
             wall = time.time() - t0
@@ -595,7 +597,10 @@ def compare(args):
     if not depths:
         fail(f"no depth finished in both {args.baseline} ({sorted({r['depth'] for r in base})}) and "
              f"{args.variant} ({sorted({r['depth'] for r in var})})")
-    rows = [depth_cm([r for r in base if r["depth"] == d], [r for r in var if r["depth"] == d]) for d in depths]
+    try:
+        rows = [depth_cm([r for r in base if r["depth"] == d], [r for r in var if r["depth"] == d]) for d in depths]
+    except ValueError as e:  # seeds of one depth scored at different steps: not one experiment's rungs
+        fail(f"{args.baseline}: {e}")
     summary = summary_cm(base, var, depths)
     commits = {r["commit"] for r in base + var}
     print(f"baseline {args.baseline}: {describe(base_exp, base)}\nvariant  {args.variant}: {describe(var_exp, var)}")
@@ -654,6 +659,7 @@ def draw(base_name, base, var_name, var, rows, summary, png):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), dpi=120)
     for name, records, color in ((base_name, base, "tab:blue"), (var_name, var, "tab:green")):
         for r in records:
@@ -668,6 +674,11 @@ def draw(base_name, base, var_name, var, rows, summary, png):
             left.annotate(f"d{d}", (x, y), xytext=(4, 4), textcoords="offset points", fontsize=8, color=color)
     left.set(xscale="log", yscale="log", xlabel="training FLOPs", ylabel="val bpb",
              title="curves per rung and seed (final points: seed mean)")
+    bpbs = [p[2] for r in base + var for p in r["points"]]
+    ticks = [min(bpbs) * (max(bpbs) / min(bpbs)) ** (k / 4) for k in range(5)]  # bpb spans far less than a decade
+    left.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    left.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3f"))
+    left.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     left.legend()
     shown = [row for row in rows if row["cm"] is not None]
     right.axhline(1.0, color="gray", ls="--", lw=1, label="CM = 1")

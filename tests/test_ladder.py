@@ -132,9 +132,9 @@ def test_the_cpu_ladder_is_four_rungs_inside_one_epoch_of_pydocs():
     st = dict(ladder.CPU, depths=[1, 2, 3, 4])
     rungs = [ladder.plan_rung(d, st) for d in st["depths"]]
     ladder.check_rungs(rungs, st, "ours")
-    # 0.1 tokens per scaling parameter: depth 1: 0.1 x (12 x 64^2 + 64 x 8192) / 2048 = 28 steps; depth 4: 256
-    assert [r["steps"] for r in rungs] == [28, 70, 142, 256]
-    assert rungs[-1]["tokens"] == 524288 and rungs[-1]["save_every"] == 64
+    # 0.08 tokens per scaling parameter: depth 1: round(0.08 x (12 x 64^2 + 64 x 8192) / 2048) = 22 steps
+    assert [r["steps"] for r in rungs] == [22, 56, 113, 205]
+    assert rungs[-1]["tokens"] == 419840 and rungs[-1]["save_every"] == 52
     assert ladder.scaling_params(12, 32768) == 12 * 12 * 768 ** 2 + 768 * 32768  # HEAD's d12: 110M
     gpu = [ladder.plan_rung(d, dict(ladder.GPU)) for d in (12, 20, 28)]
     assert [r["device_batch_size"] for r in gpu] == [32, 16, 8]
@@ -179,7 +179,7 @@ def test_a_bad_ladder_is_one_line_before_anything_runs(tmp_path, capsys, args, m
 
 def test_a_dataset_too_small_for_the_largest_rung_is_refused():
     rungs = [ladder.plan_rung(d, dict(ladder.CPU)) for d in (1, 4)]
-    with pytest.raises(SystemExit, match=r"depth 4: 524,288 tokens\) needs more than the ~400,000 training tokens"):
+    with pytest.raises(SystemExit, match=r"depth 4: 419,840 tokens\) needs more than the ~400,000 training tokens"):
         ladder.check_dataset(rungs, dict(name="pydocs", train_tokens=400000), dict(ladder.CPU))
     ladder.check_dataset(rungs, dict(name="pydocs", train_tokens=630000), dict(ladder.CPU))
 
