@@ -435,10 +435,16 @@ def prepare(args, st, overrides):
     return cb, True, eval_set, data, shards
 
 
-def same_experiment(before, now, name, path):
-    """A one-line error if experiment `name` was made otherwise than `now` says (a dirty tree aside)."""
+def same_experiment(before, now, name, path, commit=True):
+    """
+    A one-line error if experiment `name` was made otherwise than `now` says (a dirty tree aside; with commit=False,
+    when nothing is left to train, another commit is only noted).
+    """
     changed = [k for k in now if before.get(k) != now[k]
                and not (k == "commit" and before[k].removesuffix("+dirty") == now[k].removesuffix("+dirty"))]
+    if not commit and "commit" in changed:
+        changed.remove("commit")
+        print(f"note: experiment {name} was made at commit {before['commit']}; this checkout is {now['commit']}")
     if changed:
         what = "; ".join(f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in changed)
         fail(f"experiment {name} was made otherwise ({what}): name a new experiment, or delete {path}")
@@ -469,13 +475,13 @@ def run(args):
                     device_type=st["device_type"], dtype=args.dtype, dataset=st["dataset"])
     meta_path = os.path.join(path, "experiment.json")
     before = None
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            before = json.load(f)["identity"]
-        same_experiment(before, identity, args.name, path)
     done = {(r["depth"], r["seed"]) for r in read_records(path)}
     plan = [(seed, r) for seed in range(args.first_seed, args.first_seed + args.seeds) for r in rungs]
     todo = [(seed, r) for seed, r in plan if (r["depth"], 42 + seed) not in done]
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            before = json.load(f)["identity"]
+        same_experiment(before, identity, args.name, path, commit=bool(todo))
     print(f"{len(plan)} rung(s), {len(plan) - len(todo)} done before; records: {path}/curve.jsonl", flush=True)
     if not todo:  # nothing to train: nothing to prepare either
         for k, (seed, r) in enumerate(plan, 1):
@@ -696,6 +702,7 @@ def draw(base_name, base, var_name, var, rows, summary, png):
                        xytext=(5, -12), textcoords="offset points", fontsize=8)
     right.set(xscale="log", xlabel="training FLOPs (variant)", ylabel="compute multiplier",
               title=f"CM of {var_name} against {base_name} (bars: 95% intervals; open: extrapolated)")
+    right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labels of 2x10^9, 3x10^9, ... overlap
     right.legend()
     fig.tight_layout()
     fig.savefig(png)
