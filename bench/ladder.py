@@ -317,9 +317,15 @@ def read_records(path):
 
 
 def git_commit(root):
-    """The checkout's commit, '+dirty' when its tracked files differ from it ('unknown' outside git)."""
+    """
+    The checkout's commit, '+dirty' when its tracked files differ from it; outside git, what its COMMIT file says
+    (an extracted checkout: bench/gpu_prepare.sh, tests/helpers.py head_checkout), else 'unknown'.
+    """
     head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
-    if head.returncode:
+    if head.returncode or not os.path.exists(os.path.join(root, ".git")):
+        if os.path.exists(os.path.join(root, "COMMIT")):
+            with open(os.path.join(root, "COMMIT")) as f:
+                return f.read().strip() + " (COMMIT file)"
         return "unknown"
     dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()

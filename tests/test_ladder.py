@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from helpers import CORES, REPO_ROOT
+from helpers import CORES, HEAD_COMMIT, REPO_ROOT, head_checkout
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))  # bench/ is no package
 import ladder  # noqa: E402
@@ -212,8 +212,8 @@ def test_compare_refuses_two_datasets_and_draws_the_picture(tmp_path, capsys):
 # One tiny ladder, for real
 
 
-def ladder_cli(*args):
-    env = dict(os.environ, OMP_NUM_THREADS=str(CORES))
+def ladder_cli(*args, env=None):
+    env = dict(os.environ, OMP_NUM_THREADS=str(CORES), **(env or {}))
     result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "ladder.py"), *args], cwd=REPO_ROOT,
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -250,3 +250,18 @@ def test_a_tiny_ladder_end_to_end(tmp_path):
     rows = [line for line in compared.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and all(row.endswith("| within noise |") for row in rows), compared
     assert (tmp_path / "ladders" / "b" / "compare_vs_a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_an_anchor_rung_is_trained_and_scored_as_ours(tmp_path):
+    head = head_checkout(tmp_path / "head")
+    # HEAD's torch.compile is off (TORCHDYNAMO_DISABLE): a minute of compiling here, and the test is the plumbing
+    out = ladder_cli("run", "h", "--codebase=head", f"--refhead={head}", f"--ref_python={sys.executable}",
+                     f"--work={tmp_path}", "--depths=1", "--ratio=0.02", "--seq_len=64", "--tokens_per_step=256",
+                     "--evals=2", "--eval_tokens=2048", "--vocab_size=512", env={"TORCHDYNAMO_DISABLE": "1"})
+    assert "[1/1] seed 42, depth 1: val bpb" in out
+    record, = [json.loads(line) for line in (tmp_path / "ladders" / "h" / "curve.jsonl").read_text().splitlines()]
+    # HEAD's checkpoints, saved every 3 of its 6 steps and scored by the same quality_eval; its Linear class counted
+    assert [p[0] for p in record["points"]] == [3, 6] and record["commit"] == f"{HEAD_COMMIT} (COMMIT file)"
+    assert record["linear_params"] > ladder.scaling_params(1, 512) and record["core"] is None
+    assert "--save-every=3" in record["train_command"] and "--model-tag=L-h-d1-s42" in record["train_command"]
