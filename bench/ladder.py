@@ -18,7 +18,7 @@ depth, how much compute the baseline needs to reach the variant's final bpb, ove
 The CPU ladder (default): depths 1-4 at 0.08 tokens per scaling parameter, sequence 512, 2,048 tokens a step,
 4 checkpoints scored per rung over the first documents of pydocs' validation shard holding 65,536 tokens, vocab
 8,192, CORE over 25 examples per task. Its largest rung (depth 4, 420k tokens) stays inside one epoch of pydocs
-(~0.63M training tokens): a curve over repeated text measures memorization, and the CM assumes fresh text. Its time
+(~0.56M training tokens): a curve over repeated text measures memorization, and the CM assumes fresh text. Its time
 per seed: docs/ladder.md.
 The GPU ladder (--gpu): karpathy/nanochat HEAD's, depths 12, 14, 16, 20 and 24 at 12 tokens per scaling parameter,
 sequence 2,048, 524,288 tokens a step, on ClimbMix (its shards must be on disk: the tool says how many).
