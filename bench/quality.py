@@ -123,20 +123,21 @@ def fail(message):
 class Codebase:
     """Where one codebase's code, interpreter and base dir are, and the environment its processes get."""
 
-    def __init__(self, name, label, root, python, base, dtype=""):
+    def __init__(self, name, label, root, python, base, dtype="", dataset="pydocs"):
         self.name = name
         self.label = label
         self.root = root
         self.python = python
         self.base = base
         self.dtype = dtype
+        self.dataset = dataset  # our corpus (NANOCHAT_DATASET); an anchor reads its shards through links
 
     def env(self, dtype=None):
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONPATH", "NANOCHAT_DATASET", "NANOCHAT_DTYPE", "NANOCHAT_BASE_DIR")}
         env.update(NANOCHAT_BASE_DIR=self.base, WANDB_MODE="disabled")
         if self.name == "ours":
-            env.update(PYTHONPATH=ROOT, NANOCHAT_DATASET="pydocs")
+            env.update(PYTHONPATH=ROOT, NANOCHAT_DATASET=self.dataset)
         dtype = self.dtype if dtype is None else dtype
         if dtype:
             env["NANOCHAT_DTYPE"] = dtype
@@ -190,9 +191,11 @@ def parse_variants(names, custom):
     return chosen
 
 
-def prepare_ours(ours, vocab_size, work, variants):
+def prepare_ours(ours, vocab_size, work, variants, shards=8):
     """Our corpus and tokenizer (reused when there), our base_train's settings; whether it has --init_seed."""
-    ours.run(["-m", "nanochat.dataset"], f"{work}/logs/ours_dataset.log", "building the pydocs corpus")
+    if ours.dataset != "pydocs" or not os.path.isdir(os.path.join(ours.base, "base_data", "pydocs")):  # built once
+        ours.run(["-m", "nanochat.dataset"] + ([] if ours.dataset == "pydocs" else ["-n", str(shards)]),
+                 f"{work}/logs/ours_dataset.log", f"getting the {ours.dataset} corpus")
     ensure_tokenizer(ours, ["-m", "scripts.tok_train", f"--vocab_size={vocab_size}"], work)
     _, help_text = ours.run(["-m", "scripts.base_train", "--help"], f"{work}/logs/ours_help.log", "base_train --help")
     keys = set(re.findall(r"^\s+--(\w+)\s", help_text, re.M))
@@ -271,18 +274,28 @@ def prepare_anchor(name, root, python, work, our_shards, vocab_size, dtype):
     return cb
 
 
-def train_args(cb, variant, overrides, seed, has_seed, s):
-    """The training command (after the interpreter) of one run, and how the log shows it."""
+def train_args(cb, tag, overrides, seed, has_seed, s):
+    """
+    The training command (after the interpreter) of one run into checkpoint directory `tag`, and how the log shows
+    it. Optional in `s` (bench/ladder.py's rungs): save_every (checkpoints along the way, to score), rerun (ours:
+    --rerun=auto, a rerun resumes or skips, instead of starting over), core_per_task (ours: CORE at the end).
+    """
     depth = s["depth"]
     T = s["seq_len"]
     B = s["device_batch_size"]
     tps = s["tokens_per_step"]
     n = s["steps"]
+    save_every = s.get("save_every", -1)
     if cb.name == "ours":
+        core = s.get("core_per_task", 0)
         args = (["-m", "scripts.base_train", f"--device_type={s['device_type']}", f"--depth={depth}",
                  f"--max_seq_len={T}", f"--device_batch_size={B}", f"--total_batch_size={tps}",
-                 f"--num_iterations={n}", "--eval_every=-1", f"--eval_tokens={B * T}", "--core_metric_every=-1",
-                 "--sample_every=-1", "--run=dummy", f"--model_tag=q-{variant}-s{seed}", "--overwrite=True"]
+                 f"--num_iterations={n}", "--eval_every=-1", f"--eval_tokens={B * T}",
+                 (f"--core_metric_every={n}" if core else "--core_metric_every=-1"),
+                 "--sample_every=-1", "--run=dummy", f"--model_tag={tag}",
+                 ("--rerun=auto" if s.get("rerun") else "--overwrite=True")]
+                + ([f"--core_metric_max_per_task={core}"] if core else [])
+                + ([f"--save_every={save_every}"] if save_every > 0 else [])
                 + ([f"--init_seed={42 + seed}"] if has_seed else [])
                 + overrides)
         return args, None
@@ -290,12 +303,14 @@ def train_args(cb, variant, overrides, seed, has_seed, s):
         rest = [f"--device_type={s['device_type']}", f"--depth={depth}", f"--max_seq_len={T}",
                 f"--device_batch_size={B}", f"--total_batch_size={tps}", f"--num_iterations={n}",
                 f"--eval_every={n}", f"--eval_tokens={B * T}", "--core_metric_every=-1", f"--sample_every={n}",
-                "--run=dummy", f"--model_tag=s{seed}"]
+                "--run=dummy", f"--model_tag={tag}"]
+        rest += [f"--save_every={save_every}"] if save_every > 0 else []
     else:  # HEAD: argparse with dashes; as runs/runcpu.sh, with evaluation and samples off
         rest = [f"--device-type={s['device_type']}", f"--depth={depth}", "--head-dim=64", "--window-pattern=L",
                 f"--max-seq-len={T}", f"--device-batch-size={B}", f"--total-batch-size={tps}",
                 f"--num-iterations={n}", "--eval-every=-1", f"--eval-tokens={B * T}", "--core-metric-every=-1",
-                "--sample-every=-1", "--run=dummy", f"--model-tag=s{seed}"]
+                "--sample-every=-1", "--run=dummy", f"--model-tag={tag}"]
+        rest += [f"--save-every={save_every}"] if save_every > 0 else []
     return (["-c", LAUNCHER, str(seed), "scripts.base_train", *rest],
             f"-c LAUNCHER {seed} scripts.base_train {shlex.join(rest)}")
 
@@ -321,7 +336,7 @@ def parse_log(cb, out, device_type):
 
 def one_run(cb, variant, overrides, seed, has_seed, s, eval_set, work):
     tag = f"q-{variant}-s{seed}" if cb.name == "ours" else f"s{seed}"
-    args, shown = train_args(cb, variant, overrides, seed, has_seed, s)
+    args, shown = train_args(cb, tag, overrides, seed, has_seed, s)
     print(f"  {variant} seed {seed}: training ({cb.label}) ...", flush=True)
     wall, out = cb.run(args, f"{work}/logs/{cb.name}_{variant}_s{seed}_train.log",
                        f"base_train ({variant}, seed {seed})", shown=shown)

@@ -8,6 +8,7 @@ own environment.
         --model_tag=s0 --val_shard=<base_data>/shard_00004.parquet --docs=990 --seq_len=512
     cd <checkout> && NANOCHAT_BASE_DIR=<base> <its python> /path/to/bench/quality_eval.py --check \
         --docs_for_tokens=65536 --val_shard=<shard>
+    ... quality_eval.py --model_tag=s0 --steps=40,80,120 ...   # several checkpoints of one run (bench/ladder.py)
 
 Runs in any of: this repository, karpathy/nanochat 088726a, karpathy/nanochat HEAD. It imports only torch,
 pyarrow and the checkout's own modules (the checkout is the working directory, put first on sys.path), and
@@ -23,7 +24,9 @@ of a UTF-8 character as the 3 bytes of U+FFFD, and the three loaders pack rows d
 - nats: the summed cross-entropy of the model's logits (fp32 weights and matmuls: on CUDA with TF32 off) over
   every non-BOS target, in float64;
 - bpb = nats / ln 2 / bytes, bytes = sum of len(doc.encode("utf-8")) over the documents.
-Prints one JSON line. --check prints, without a model, the validation shard the codebase's own data code
+Prints one JSON line per checkpoint scored (--steps: each of them, in order; else the last), with the number of
+parameters of every nn.Linear (a subclass included: HEAD's Linear), what bench/ladder.py counts FLOPs from.
+--check prints, without a model, the validation shard the codebase's own data code
 reads (bench/quality.py compares it with ours) and, with --docs_for_tokens=K, the number of first documents
 that hold >= K target tokens by this codebase's tokenizer.
 """
@@ -103,6 +106,8 @@ def main():
     parser.add_argument("--docs", type=int, default=0, help="evaluate the first this many documents (0: all)")
     parser.add_argument("--seq_len", type=int, default=512, help="tokens of context per window")
     parser.add_argument("--model_tag", default="", help="base_checkpoints/<model_tag> under $NANOCHAT_BASE_DIR")
+    parser.add_argument("--steps", default="",
+                        help="comma-separated checkpoint steps to score, one JSON line each (default: the last)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where to run the model (fp32 either way)")
     parser.add_argument("--batch_tokens", type=int, default=4096,
@@ -130,23 +135,28 @@ def main():
         return
 
     from nanochat.checkpoint_manager import load_model
-    t0 = time.time()
-    torch.manual_seed(0)
     device = torch.device(args.device)
-    model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag)
-    torch.set_float32_matmul_precision("highest")  # fp32 means fp32 on a GPU too (no TF32), whatever the loader set
-    torch.backends.cudnn.allow_tf32 = False
-    for p in model.parameters():  # fp32 weights whatever the training dtype; buffers stay as the code made them
-        p.data = p.data.float()  # (088726a asserts its rotary tables are bf16)
-    bos = tokenizer.get_bos_token_id()
     texts = documents(args.val_shard, args.docs or None)
-    rows = [w for text in texts for w in windows(tokenizer.encode(text, prepend=bos), args.seq_len)]
-    nats, targets = summed_nats(model, rows, bos, args.batch_tokens, device)
     num_bytes = sum(len(text.encode("utf-8")) for text in texts)
-    print(json.dumps(dict(bpb=nats / math.log(2) / num_bytes, nats=nats, targets=targets, bytes=num_bytes,
-                          docs=len(texts), windows=len(rows), params=sum(p.numel() for p in model.parameters()),
-                          vocab_size=tokenizer.get_vocab_size(), model_config=meta.get("model_config"),
-                          step=meta.get("step"), seconds=time.time() - t0)))
+    rows = None  # tokenized once: every checkpoint of a run has the same tokenizer
+    for step in [int(s) for s in args.steps.split(",") if s] or [None]:
+        t0 = time.time()
+        torch.manual_seed(0)
+        model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=step)
+        torch.set_float32_matmul_precision("highest")  # fp32 means fp32 on a GPU too (no TF32), whatever the loader set
+        torch.backends.cudnn.allow_tf32 = False
+        for p in model.parameters():  # fp32 weights whatever the training dtype; buffers stay as the code made them
+            p.data = p.data.float()  # (088726a asserts its rotary tables are bf16)
+        bos = tokenizer.get_bos_token_id()
+        if rows is None:
+            rows = [w for text in texts for w in windows(tokenizer.encode(text, prepend=bos), args.seq_len)]
+        nats, targets = summed_nats(model, rows, bos, args.batch_tokens, device)
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        print(json.dumps(dict(bpb=nats / math.log(2) / num_bytes, nats=nats, targets=targets, bytes=num_bytes,
+                              docs=len(texts), windows=len(rows), params=sum(p.numel() for p in model.parameters()),
+                              linear_params=linear, vocab_size=tokenizer.get_vocab_size(),
+                              model_config=meta.get("model_config"), step=meta.get("step", step),
+                              seconds=time.time() - t0)), flush=True)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def main():
     dtypes = {}
     for r in range(args.rounds):
         for cb in (ref, ours) if r % 2 else (ours, ref):
-            train, shown = train_args(cb, "speed", [], 0, False, s)
+            train, shown = train_args(cb, "q-speed-s0" if cb.name == "ours" else "s0", [], 0, False, s)
             _, out = cb.run(train, f"{work}/logs/{cb.name}_round{r}.log", f"base_train (round {r + 1})", shown=shown)
             tok_s, dtypes[cb.name] = parse_log(cb, out, "cpu")
             rates[cb.name].append(tok_s)
