@@ -133,19 +133,41 @@ def computed_as_in_scripts():
         torch.set_num_threads(threads)
 
 
-def run_script(*args, nproc=1, env=None, timeout=300, cwd=REPO_ROOT, text=True, **kwargs):
+def run_script(*args, nproc=1, env=None, timeout=300, cwd=REPO_ROOT, text=True, input=None):
     """
-    Run a script the way a user does (see script_command), from the repo root, in script_env(env); stdout and
-    stderr captured (as text, or bytes with text=False). Returns the CompletedProcess.
+    Run a script the way a user does (see script_command), from the repo root, in script_env(env), `input` on its
+    stdin; stdout and stderr captured (as text, or bytes with text=False). Returns the CompletedProcess.
     """
     import subprocess
-    return subprocess.run(script_command(args, nproc), cwd=cwd, env=script_env(env), capture_output=True, text=text,
-                          timeout=timeout, **kwargs)
+    with script_popen(args, nproc, env, cwd, stdin=None if input is None else subprocess.PIPE,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text) as proc:
+        try:
+            stdout, stderr = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def start_script(*args, nproc=1, env=None, cwd=REPO_ROOT, **popen_kwargs):
     """run_script's Popen: the script started and left running (for signals, servers, interactive input)."""
+    return script_popen(args, nproc, env, cwd, **popen_kwargs)
+
+
+def script_popen(args, nproc, env, cwd, **popen_kwargs):
+    """
+    The Popen of a script run: a python script on one process forks from this test process's fork server
+    (tests/forkserver.py: no ~4 s of imports per run), unless NANOCHAT_TEST_FORK=0 (the test's environment or
+    `env`); anything else (torchrun, a shell script) starts as script_command says.
+    """
     import subprocess
+
+    import forkserver
+    args = [str(a) for a in args]
+    fork = (env or {}).get("NANOCHAT_TEST_FORK", os.environ.get("NANOCHAT_TEST_FORK", "1")) != "0"
+    if nproc == 1 and forkserver.forkable(args) and fork:
+        return forkserver.ForkedPopen(args, cwd=cwd, env=script_env(env), **popen_kwargs)
     return subprocess.Popen(script_command(args, nproc), cwd=cwd, env=script_env(env), **popen_kwargs)
 
 
