@@ -19,9 +19,9 @@ Training-step benchmark on this machine, two ways.
     python bench/base_train.py --compare=/tmp/old --device_batch_sizes=1 --total_batch_size=512 --vocab_size=4096
     python bench/base_train.py --compare=/tmp/old --depth=8 --device_batch_sizes=8 --total_batch_size=8192
 
-   Prints per tree: the compute dtype line, tokens/s and MFU (medians over the steps after the first, then over the
-   rounds), the time from process start to the end of the first step, and peak memory (RSS), with the CPU model,
-   its bf16 flags and the load; then new / old.
+   Prints per tree: the compute dtype line, the attention kernel of its training steps, tokens/s and MFU (medians
+   over the steps after the first, then over the rounds), the time from process start to the end of the first step,
+   and peak memory (RSS), with the CPU model, its bf16 flags and the load; then new / old.
 
 Uses the pydocs corpus and a tokenizer of `vocab_size` in $NANOCHAT_BASE_DIR (default: a private bench
 directory), building them if missing.
@@ -96,15 +96,20 @@ def compare_trees():
             steps_seen = [dict(dt=number(m[0]) / 1000, mfu=number(m[1])) for m in
                           re.findall(r"\| dt: ([\d.,]+)ms \| tok/sec: [\d,]+ \| mfu %: ([\d.]+)", out)][1:]
             dt = median(st["dt"] for st in steps_seen)
+            # the attention kernel each tree's probe chose (a close call in bf16 on a CPU: it can differ per tree)
+            attention = re.search(r"^Attention in training steps: ([\w-]+)", out, re.M)
             return dict(dtype=re.search(r"^Compute dtype: .*$", out, re.M)[0], tok_s=total_batch_size / dt,
+                        attention=attention[1] if attention else "?",
                         mfu=median(st["mfu"] for st in steps_seen), first_step=first_step_end,
                         memory=re.search(r"^Peak memory: ([\d,]+) MiB", out, re.M)[1])
 
         results = interleaved(trees, repeats, measure)
-        print0("\n| code | compute dtype | tok/s (rounds) | MFU | process start -> end of step 1 | peak RSS |")
-        print0("|---|---|---|---|---|---|")
+        print0("\n| code | compute dtype | attention in training (rounds) | tok/s (rounds) | MFU | "
+               "process start -> end of step 1 | peak RSS |")
+        print0("|---|---|---|---|---|---|---|")
         for tree, rows in results.items():
             print0(f"| {label(tree)} | {rows[0]['dtype'].removeprefix('Compute dtype: ')} | "
+                   f"{', '.join(sorted({r['attention'] for r in rows}))} | "
                    f"{median(r['tok_s'] for r in rows):,.0f} ({', '.join(format(r['tok_s'], ',.0f') for r in rows)}) | "
                    f"{median(r['mfu'] for r in rows):.1f}% | {median(r['first_step'] for r in rows):.1f} s | "
                    f"{median(number(r['memory']) for r in rows):,.0f} MiB |")
