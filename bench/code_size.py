@@ -43,6 +43,9 @@ def library_tokens(commit):
 
 
 if __name__ == "__main__":
+    if any(arg.startswith("-") for arg in sys.argv[1:]):  # --help, or an option this script does not have
+        print(__doc__.strip())
+        sys.exit(0 if sys.argv[1:] in (["--help"], ["-h"]) else 2)
     for commit in sys.argv[1:] or ["HEAD"]:
         files = library_tokens(commit)
         print(f"{commit}: {sum(files.values()):,} code tokens in {len(files)} files of nanochat/")
