@@ -10,7 +10,15 @@ signals, a session of its own when asked, file descriptors 0-2 as the test gave 
 from OMP_NUM_THREADS included) and working directory. It is forked from a server that has done nothing but import
 (PRELOAD), so no test's state, monkeypatch or cache reaches it; its own imports of nanochat, tasks and scripts happen
 in it, under its environment. What it does not get: an interpreter start-up. Runs that still start one: every torchrun
-launch, every shell script (speedrun.sh: the pipeline tests), and every run with NANOCHAT_TEST_FORK=0.
+launch (the launcher and its ranks), and every run with NANOCHAT_TEST_FORK=0.
+
+A shell script a test runs (speedrun.sh: the pipeline tests start ~15 pythons a run) finds `python` in tests/forkbin
+first on its PATH (helpers.speedrun_env): a stand-in, run by the real interpreter without its site packages (~20 ms),
+that has the server fork the run (client()) and stays in the script's place until it ends: its pid is what the shell
+waits for and what a test finds by its command line; a signal sent to it goes on to the run, and its exit status is
+the run's (a death by a signal, by the same signal). A SIGKILL, which no process can pass on, ends the run too: the
+run watches its stand-in and kills itself when it is gone. Anything else (`python3 -m venv`, no server) is executed
+by the real interpreter.
 
 One server per test process, started at its first run and ended with it. Protocol: a Unix SEQPACKET socket, one
 connection per run: the test sends the request (JSON) with the run's three file descriptors (SCM_RIGHTS); the server
@@ -45,6 +53,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "torch.utils.dat
 def serve(path):
     for name in PRELOAD:
         importlib.import_module(name)
+    own_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # not the runs' (run())
     import torch
     default_threads = torch.get_num_threads()  # the server runs with no OMP_NUM_THREADS: a new interpreter's default
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -63,7 +72,7 @@ def serve(path):
                 for other in waiting.values():
                     other.close()
                 conn.close()
-                run(json.loads(message), fds, default_threads)  # never returns
+                run(json.loads(message), fds, default_threads, own_path)  # never returns
             for fd in fds:
                 os.close(fd)
             conn.send(str(pid).encode())
@@ -83,10 +92,12 @@ def serve(path):
             conn.close()
 
 
-def run(request, fds, default_threads):
+def run(request, fds, default_threads, server_pythonpath):
     """The child: becomes the requested `python ...` run, then exits as an interpreter does."""
     if request["new_session"]:
         os.setsid()
+    if request.get("stand_in"):
+        threading.Thread(target=die_with, args=(request["stand_in"],), daemon=True).start()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # an interpreter's (the server ignores Ctrl-C)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -104,7 +115,7 @@ def run(request, fds, default_threads):
     kind, target, *args = request["argv"]
     first = {"-m": os.getcwd(), "-c": ""}.get(kind, os.path.dirname(os.path.abspath(kind)))
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in request["server_pythonpath"]]]
+    sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in server_pythonpath]]
     code = 0
     try:
         if kind == "-m":
@@ -128,6 +139,13 @@ def run(request, fds, default_threads):
         code = 1
     finish()
     os._exit(code)
+
+
+def die_with(pid):
+    """A run forked for a stand-in (client()): SIGKILL to this run once the stand-in is gone (killed: -9 reached it)."""
+    gone = os.pidfd_open(pid)
+    select.select([gone], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def stream(fd, unbuffered, line_buffering, errors):
@@ -168,7 +186,6 @@ class Server:
         self.path = os.path.join(self.dir, "socket")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
         env.pop("OMP_NUM_THREADS", None)
-        self.pythonpath = [p for p in env["PYTHONPATH"].split(os.pathsep) if p]
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.path], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "ready":
@@ -177,12 +194,8 @@ class Server:
 
     def start(self, argv, env, cwd, new_session, fds):
         """Starts a run; returns (its pid, the connection its wait status comes on)."""
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        conn.connect(self.path)
-        request = dict(argv=list(argv), env=dict(env), cwd=os.path.abspath(cwd), new_session=bool(new_session),
-                       server_pythonpath=self.pythonpath)
-        socket.send_fds(conn, [json.dumps(request).encode()], fds)
-        return int(conn.recv(64)), conn
+        return start(self.path, dict(argv=list(argv), env=dict(env), cwd=os.path.abspath(cwd),
+                                     new_session=bool(new_session)), fds)
 
     def close(self):
         self.proc.kill()
@@ -193,6 +206,60 @@ class Server:
 
 
 _server = None
+
+
+def server():
+    """This test process's server (started at the first call)."""
+    global _server
+    if _server is None:
+        _server = Server(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return _server
+
+
+def start(path, request, fds):
+    """Has the server at `path` fork `request` with the file descriptors `fds`: (the run's pid, the status's socket)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect(path)
+    socket.send_fds(conn, [json.dumps(request).encode()], fds)
+    return int(conn.recv(64)), conn
+
+
+def stand_in_env(path):
+    """A shell script's environment with `path` (its PATH), in which its `python` is client()'s stand-in."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return dict(PATH=os.path.join(here, "forkbin") + os.pathsep + path, NANOCHAT_FORK_PYTHON=sys.executable,
+                NANOCHAT_FORK_CLIENT=os.path.abspath(__file__), NANOCHAT_FORKSERVER=server().path)
+
+
+def client(args):
+    """
+    `python <args>` in a shell script (tests/forkbin/python): the run forked by the server, this process standing in
+    for it until it ends, passing on the signals a process can catch, then exiting as it did.
+    """
+    real = os.environ["NANOCHAT_FORK_PYTHON"]
+    path = os.environ.get("NANOCHAT_FORKSERVER", "")
+    if not forkable(args) or not os.path.exists(path):
+        os.execv(real, [real, *args])
+    pending, child = [], []
+
+    def forward(signum, frame):
+        if child:
+            os.kill(child[0], signum)
+        else:
+            pending.append(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, forward)
+    request = dict(argv=args, env=dict(os.environ), cwd=os.getcwd(), new_session=False, stand_in=os.getpid())
+    pid, conn = start(path, request, [0, 1, 2])
+    child.append(pid)
+    for signum in pending:
+        os.kill(pid, signum)
+    status = int(conn.recv(64))
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    sys.exit(os.waitstatus_to_exitcode(status))
 
 
 def forkable(args):
@@ -208,16 +275,13 @@ class ForkedPopen(subprocess.Popen):
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
                        shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
-        global _server
-        if _server is None:
-            _server = Server(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         new_session = rest[-2]
         devnull = None
         if p2cread == -1:
             devnull = p2cread = os.open(os.devnull, os.O_RDONLY)
         fds = [p2cread, 1 if c2pwrite == -1 else c2pwrite, 2 if errwrite == -1 else errwrite]
         try:
-            self.pid, self._status = _server.start(args, env if env is not None else os.environ, cwd or os.getcwd(),
+            self.pid, self._status = server().start(args, env if env is not None else os.environ, cwd or os.getcwd(),
                                                   new_session, fds)
         finally:
             if devnull is not None:
@@ -250,5 +314,7 @@ class ForkedPopen(subprocess.Popen):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--client"]:
+        client(sys.argv[2:])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the test run ends the tests, then the server
     serve(sys.argv[1])

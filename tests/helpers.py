@@ -159,16 +159,20 @@ def script_popen(args, nproc, env, cwd, **popen_kwargs):
     """
     The Popen of a script run: a python script on one process forks from this test process's fork server
     (tests/forkserver.py: no ~4 s of imports per run), unless NANOCHAT_TEST_FORK=0 (the test's environment or
-    `env`); anything else (torchrun, a shell script) starts as script_command says.
+    `env`); anything else (torchrun, a shell script) starts as script_command says, a shell script with a `python`
+    that forks from the server too.
     """
     import subprocess
 
     import forkserver
     args = [str(a) for a in args]
-    fork = (env or {}).get("NANOCHAT_TEST_FORK", os.environ.get("NANOCHAT_TEST_FORK", "1")) != "0"
+    env = script_env(env)
+    fork = env.get("NANOCHAT_TEST_FORK", "1") != "0"
     if nproc == 1 and forkserver.forkable(args) and fork:
-        return forkserver.ForkedPopen(args, cwd=cwd, env=script_env(env), **popen_kwargs)
-    return subprocess.Popen(script_command(args, nproc), cwd=cwd, env=script_env(env), **popen_kwargs)
+        return forkserver.ForkedPopen(args, cwd=cwd, env=env, **popen_kwargs)
+    if args[0].endswith(".sh") and fork:
+        env.update(forkserver.stand_in_env(env["PATH"]))
+    return subprocess.Popen(script_command(args, nproc), cwd=cwd, env=env, **popen_kwargs)
 
 
 @contextlib.contextmanager

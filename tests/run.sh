@@ -10,8 +10,9 @@
 #   4. ruff check, then pytest with two test processes
 # An optional part that cannot be had is said in one line and its tests skip, each with its reason.
 # NANOCHAT_TORCH_INDEX sets the index of the CPU builds (default: PyTorch's); NANOCHAT_VLLM=0 leaves vLLM out.
-# A script a test runs on one process forks from a server that imported torch once (tests/forkserver.py: ~4 s of
-# CPU saved per run); NANOCHAT_TEST_FORK=0 starts each as a new interpreter instead.
+# A script a test runs on one process, and each `python` of a shell script a test runs (speedrun.sh), forks from a
+# server that imported torch once (tests/forkserver.py: ~4 s of CPU saved per run); NANOCHAT_TEST_FORK=0 starts each
+# as a new interpreter instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "tests/run.sh: $*"; }
