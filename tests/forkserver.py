@@ -9,16 +9,17 @@ signals, a session of its own when asked, file descriptors 0-2 as the test gave 
 `python -m <module>`, `python <file.py>` or `python -c <code>` would, with the test's arguments, environment (threads
 from OMP_NUM_THREADS included) and working directory. It is forked from a server that has done nothing but import
 (PRELOAD), so no test's state, monkeypatch or cache reaches it; its own imports of nanochat, tasks and scripts happen
-in it, under its environment. What it does not get: an interpreter start-up. Runs that still start one: every torchrun
-launch (the launcher and its ranks), and every run with NANOCHAT_TEST_FORK=0.
+in it, under its environment. What it does not get: an interpreter start-up. A torchrun launch (nproc > 1) is forked
+too, and its ranks are started by torchrun as always, through the stand-in below. Runs that still start an
+interpreter: every run with NANOCHAT_TEST_FORK=0.
 
-A shell script a test runs (speedrun.sh: the pipeline tests start ~15 pythons a run) finds `python` in tests/forkbin
-first on its PATH (helpers.speedrun_env): a stand-in, run by the real interpreter without its site packages (~20 ms),
-that has the server fork the run (client()) and stays in the script's place until it ends: its pid is what the shell
-waits for and what a test finds by its command line; a signal sent to it goes on to the run, and its exit status is
-the run's (a death by a signal, by the same signal). A SIGKILL, which no process can pass on, ends the run too: the
-run watches its stand-in and kills itself when it is gone. Anything else (`python3 -m venv`, no server) is executed
-by the real interpreter.
+A shell script a test runs (speedrun.sh: the pipeline tests start ~15 pythons a run) finds `python` and `torchrun` in
+tests/forkbin first on its PATH (stand_in_env), and torchrun starts its ranks with that `python`: a stand-in, run
+by the real interpreter without its site packages (~20 ms), that has the server fork the run (client()) and stays
+in the run's place until it ends: its pid is what the shell or torchrun waits for and what a test finds by its
+command line; a signal sent to it goes on to the run, and its exit status is the run's (a death by a signal, by the
+same signal). A SIGKILL, which no process can pass on, ends the run too: the run watches its stand-in and kills
+itself when it is gone. Anything else (`python3 -m venv`, no server) is executed by the real interpreter.
 
 One server per test process, started at its first run and ended with it. Protocol: a Unix SEQPACKET socket, one
 connection per run: the test sends the request (JSON) with the run's three file descriptors (SCM_RIGHTS); the server
@@ -225,10 +226,15 @@ def start(path, request, fds):
 
 
 def stand_in_env(path):
-    """A shell script's environment with `path` (its PATH), in which its `python` is client()'s stand-in."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return dict(PATH=os.path.join(here, "forkbin") + os.pathsep + path, NANOCHAT_FORK_PYTHON=sys.executable,
-                NANOCHAT_FORK_CLIENT=os.path.abspath(__file__), NANOCHAT_FORKSERVER=server().path)
+    """
+    An environment with `path` (its PATH) in which `python` and `torchrun` are stand-ins (tests/forkbin), and
+    torchrun starts its ranks through the `python` one (PYTHON_EXEC, which torch.distributed.run runs instead of
+    sys.executable).
+    """
+    forkbin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkbin")
+    return dict(PATH=forkbin + os.pathsep + path, PYTHON_EXEC=os.path.join(forkbin, "python"),
+                NANOCHAT_FORK_PYTHON=sys.executable, NANOCHAT_FORK_CLIENT=os.path.abspath(__file__),
+                NANOCHAT_FORKSERVER=server().path)
 
 
 def client(args):
@@ -238,6 +244,9 @@ def client(args):
     """
     real = os.environ["NANOCHAT_FORK_PYTHON"]
     path = os.environ.get("NANOCHAT_FORKSERVER", "")
+    if args[:1] == ["-u"]:  # how torchrun starts a rank: unbuffered
+        args = args[1:]
+        os.environ["PYTHONUNBUFFERED"] = "1"
     if not forkable(args) or not os.path.exists(path):
         os.execv(real, [real, *args])
     pending, child = [], []

@@ -157,22 +157,21 @@ def start_script(*args, nproc=1, env=None, cwd=REPO_ROOT, **popen_kwargs):
 
 def script_popen(args, nproc, env, cwd, **popen_kwargs):
     """
-    The Popen of a script run: a python script on one process forks from this test process's fork server
-    (tests/forkserver.py: no ~4 s of imports per run), unless NANOCHAT_TEST_FORK=0 (the test's environment or
-    `env`); anything else (torchrun, a shell script) starts as script_command says, a shell script with a `python`
-    that forks from the server too.
+    The Popen of a script run, as script_command says, but forked from this test process's fork server
+    (tests/forkserver.py: no ~4 s of imports per process) unless NANOCHAT_TEST_FORK=0 (the test's environment or
+    `env`): a python script, torchrun and the ranks it starts, each `python` and `torchrun` of a shell script.
     """
     import subprocess
 
     import forkserver
-    args = [str(a) for a in args]
+    command = script_command(args, nproc)
     env = script_env(env)
-    fork = env.get("NANOCHAT_TEST_FORK", "1") != "0"
-    if nproc == 1 and forkserver.forkable(args) and fork:
-        return forkserver.ForkedPopen(args, cwd=cwd, env=env, **popen_kwargs)
-    if args[0].endswith(".sh") and fork:
-        env.update(forkserver.stand_in_env(env["PATH"]))
-    return subprocess.Popen(script_command(args, nproc), cwd=cwd, env=env, **popen_kwargs)
+    if env.get("NANOCHAT_TEST_FORK", "1") == "0":
+        return subprocess.Popen(command, cwd=cwd, env=env, **popen_kwargs)
+    env.update(forkserver.stand_in_env(env["PATH"]))
+    if command[0] == sys.executable and forkserver.forkable(command[1:]):
+        return forkserver.ForkedPopen(command[1:], cwd=cwd, env=env, **popen_kwargs)
+    return subprocess.Popen(command, cwd=cwd, env=env, **popen_kwargs)
 
 
 @contextlib.contextmanager
