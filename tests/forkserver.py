@@ -107,6 +107,9 @@ def run(request, fds, default_threads, server_pythonpath):
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # the pythons this run starts itself ([sys.executable, ...]: chat_web_check's server, bench/ladder.py's runs)
+    # fork too, through the stand-in torchrun's ranks take (stand_in_env)
+    sys.executable = os.environ.get("PYTHON_EXEC", sys.executable)
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or default_threads))
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
