@@ -31,7 +31,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanochat.files import DiskFull, atomic_write, get_base_dir, out_of_space
+from nanochat.files import DiskFull, atomic_write, get_base_dir, out_of_space, write_json
 from nanochat.optim import rows_of
 from nanochat.output import UserError, format_bytes, print0
 from nanochat.ranks import gather_from_ranks, is_distributed
@@ -190,8 +190,7 @@ def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, ra
         if rank == 0:
             full_meta = dict(meta, step=step, world_size=world_size, has_optimizer=optimizer_shard is not None)
             written.append(os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
-            with atomic_write(written[-1], "w") as f:
-                json.dump(full_meta, f, indent=2)
+            write_json(written[-1], full_meta, indent=2)
 
     try:
         # the agreement after the files is also the barrier: every rank's files are in place before the marker

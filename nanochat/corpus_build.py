@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.files import DiskFull, atomic_write, file_sha256, get_base_dir, out_of_space
+from nanochat.files import DiskFull, atomic_write, file_sha256, get_base_dir, out_of_space, read_json, write_json
 from nanochat.output import UserError, format_bytes
 from nanochat.pydocs import pydocs_documents
 
@@ -185,11 +185,7 @@ def build_pydocs():
 
 def read_manifest(directory):
     """The manifest (a dict) of the corpus of your own in `directory`, or None if there is none."""
-    try:
-        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    return read_json(os.path.join(directory, MANIFEST))
 
 
 def _intact(directory, manifest):
@@ -237,8 +233,7 @@ def build_own_corpus(final, name, sources, field="text", split="file", skip_bad=
 
     def write(tmp):
         _write_shards(tmp, [train[i:i + OWN_SHARD_DOCS] for i in range(0, len(train), OWN_SHARD_DOCS)] + [val])
-        with atomic_write(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1, ensure_ascii=False)
+        write_json(os.path.join(tmp, MANIFEST), manifest, indent=1, ensure_ascii=False)
         return True
 
     if os.path.isdir(final) and read_manifest(final) is None and os.listdir(final):
