@@ -139,11 +139,9 @@ def _claim(checkpoint_dir, resume_from_step, overwrite):
     stale = [s for s in complete if s > resume_from_step]
     if not stale:
         return
-    if overwrite:
-        for name in os.listdir(checkpoint_dir):
-            m = CHECKPOINT_FILE.match(name)
-            if m and int(next(g for g in m.groups() if g)) > resume_from_step:
-                os.remove(os.path.join(checkpoint_dir, name))
+    if overwrite:  # the files of later steps are those of complete ones now: the others were removed above
+        for step in stale:
+            delete_checkpoint(checkpoint_dir, step)
         if resume_from_step < 0 and os.path.exists(os.path.join(checkpoint_dir, "metrics.jsonl")):
             os.remove(os.path.join(checkpoint_dir, "metrics.jsonl"))
         print0(f"--overwrite: deleted the checkpoints of step(s) {', '.join(map(str, stale))} in {checkpoint_dir}")
