@@ -92,6 +92,18 @@ def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world
                     f"try {' or '.join(options)}")
 
 
+def batch_to_device(inputs, targets, device):
+    """
+    A micro-batch on `device`: inputs int32 (contiguous), targets int64. To a GPU through page-locked staging memory,
+    which lets the copy run asynchronously (non_blocking); the caching host allocator keeps each buffer alive until
+    its copy has finished. Also the chat stages' packed loader's (nanochat/conversation_loader.py).
+    """
+    if device.type == "cuda":
+        return (inputs.to(torch.int32).pin_memory().to(device, non_blocking=True),
+                targets.to(torch.int64).pin_memory().to(device, non_blocking=True))
+    return inputs.to(device, torch.int32).contiguous(), targets.to(device, torch.int64)
+
+
 def _units(row_groups, num_slots):
     """Split the row groups into at least `num_slots` units: (row group index, j, k) = docs j::k."""
     k = max(1, -(-num_slots // len(row_groups)))
@@ -382,13 +394,7 @@ class DistributedTokenLoader:
             inputs = buf[:-1].view(self.B, self.T)
             targets = buf[1:].view(self.B, self.T)
         self.micro = (self.micro + 1) % len(self.slots)
-        if self.device.type == "cuda":
-            # page-locked staging memory lets the copy to the GPU run asynchronously (non_blocking); the
-            # caching host allocator keeps each buffer alive until its copy has finished
-            inputs = inputs.to(torch.int32).pin_memory().to(self.device, non_blocking=True)
-            targets = targets.to(torch.int64).pin_memory().to(self.device, non_blocking=True)
-            return inputs, targets
-        return inputs.to(self.device, torch.int32).contiguous(), targets.to(self.device, torch.int64)
+        return batch_to_device(inputs, targets, self.device)
 
     @property
     def epoch(self):
