@@ -109,11 +109,12 @@ class DistAdamW(ShardedGradients, AdamW):
     load_owned_state through nanochat.checkpoint_manager, across world sizes.
     """
 
-    def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, param_groups, **settings):
+        """`settings`: AdamW's (lr, betas, eps, weight_decay)."""
         if not is_distributed():
             raise RuntimeError("DistAdamW needs an initialised process group (torchrun + compute_init); "
                                "use nanochat.adamw.AdamW in a single process")
-        super().__init__(param_groups, lr, betas, eps, weight_decay)
+        super().__init__(param_groups, **settings)
 
     def _launch_reduce_scatters(self):
         world_size = dist.get_world_size()

@@ -92,10 +92,15 @@ def _batches(params):
     """
     if not params or params[0].device.type != "cpu" or torch.get_num_threads() == 1:
         return [[p] for p in params]
-    by_shape = {}
+    return _by_shape(params)
+
+
+def _by_shape(params):
+    """The matrices grouped by shape, in first-seen order (which is the same on every rank)."""
+    groups = {}
     for p in params:
-        by_shape.setdefault(tuple(p.shape), []).append(p)
-    return list(by_shape.values())
+        groups.setdefault(tuple(p.shape), []).append(p)
+    return list(groups.values())
 
 
 def _momentum_state(opt, params, name_of):
@@ -170,18 +175,14 @@ class DistMuon(ShardedGradients, Muon):
     sizes.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32,
-                 weight_decay=0.0):
+    def __init__(self, params, **settings):
+        """`settings`: Muon's (lr, momentum, nesterov, ns_steps, ns_dtype, weight_decay)."""
         if not is_distributed():
             raise RuntimeError("DistMuon needs an initialised process group (torchrun + compute_init); "
                                "use Muon in a single process")
         params = list(params)
         _check_matrices(params, "DistMuon")
-        by_shape = {}  # shape -> params, in first-seen order, which is the same on every rank
-        for p in params:
-            by_shape.setdefault(tuple(p.shape), []).append(p)
-        param_groups = [{"params": ps} for ps in by_shape.values()]
-        super().__init__(param_groups, lr, momentum, nesterov, ns_steps, ns_dtype, weight_decay)
+        super().__init__([{"params": ps} for ps in _by_shape(params)], **settings)
         # one zero matrix per shape, padding the last block; outside the param groups, so not in state_dict()
         self._zero_buffers = {}
 
