@@ -126,12 +126,11 @@ def decode_weights(model, dtype=None, row_major=False):
     kernels (probes.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte, value embeddings) are looked
     up, not multiplied: kept as they are. Copies are stale once the weights change.
     """
-    if model.lm_head.weight.device.type == "cpu":
-        if row_major:
-            return weights_of(model, lambda w: w.detach().to(dtype or w.dtype, copy=True))
+    cpu = model.lm_head.weight.device.type == "cpu"
+    if cpu and not row_major:
         return weights_of(model, lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t())
-    if dtype is not None and dtype != model.lm_head.weight.dtype:
-        return weights_of(model, lambda w: w.detach().to(dtype))
+    if cpu or dtype not in (None, model.lm_head.weight.dtype):
+        return weights_of(model, lambda w: w.detach().to(dtype or w.dtype, copy=True))
     return weights_of(model)
 
 

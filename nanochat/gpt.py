@@ -313,8 +313,8 @@ class GPT(nn.Module):
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
         self.rotary_len = config.sequence_len * 10
-        self.register_buffer("cos", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
+        for table in ("cos", "sin"):
+            self.register_buffer(table, torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
 
     INIT_RECIPES = ("2025", "2026")
 
