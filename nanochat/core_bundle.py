@@ -78,21 +78,20 @@ def _matched_items(rng, usable, pool_of, make_item):
     return items
 
 
-def _same_kind(docs):
-    """(usable entries, {kind: usable entries of that kind}): entries with a first line and a short header."""
+def _same_kind_items(docs, rng, make_item):
+    """_matched_items of the usable entries (a first line and a short header), the others of the same kind."""
     usable = [d for d in docs if d[2] and len(d[1]) <= MAX_HEADER]
     by_kind = collections.defaultdict(list)
     for d in usable:
         by_kind[d[0]["kind"]].append(d)
-    return usable, by_kind
+    return _matched_items(rng, usable, lambda d: by_kind[d[0]["kind"]], make_item)
 
 
 def _summary(docs, rng):
     def item(d, others):
         choices, gold = _options(rng, d[2], [o[2] for o in others])
         return {"query": d[1], "choices": choices, "gold": gold}
-    usable, by_kind = _same_kind(docs)
-    return _matched_items(rng, usable, lambda d: by_kind[d[0]["kind"]], item)
+    return _same_kind_items(docs, rng, item)
 
 
 def _schema_item(rng, d, others):
@@ -102,8 +101,7 @@ def _schema_item(rng, d, others):
 
 
 def _header(docs, rng):
-    usable, by_kind = _same_kind(docs)
-    return _matched_items(rng, usable, lambda d: by_kind[d[0]["kind"]], lambda d, others: _schema_item(rng, d, others))
+    return _same_kind_items(docs, rng, lambda d, others: _schema_item(rng, d, others))
 
 
 def _owner(docs, rng):
