@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from nanochat.files import DiskFull, atomic_write, get_base_dir, out_of_space, write_json
 from nanochat.optim import rows_of
-from nanochat.output import UserError, format_bytes, print0
+from nanochat.output import UserError, error_line, format_bytes, print0
 from nanochat.ranks import gather_from_ranks, is_distributed
 
 SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints",
@@ -272,9 +272,8 @@ def _torch_load(path, device):
         # every rank are opened by every rank when resuming on a different world size)
         return torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # truncated / corrupt: pickle, zip and EOF errors all land here
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointUnreadable(f"checkpoint file {path} is unreadable (truncated or corrupt: {type(e).__name__}: "
-                                   f"{reason}); delete that step's files or pick another step") from None
+        raise CheckpointUnreadable(f"checkpoint file {path} is unreadable (truncated or corrupt: {error_line(e)}); "
+                                   f"delete that step's files or pick another step") from None
 
 
 def read_meta(checkpoint_dir, step):

@@ -18,7 +18,7 @@ import tiktoken
 import torch
 
 from nanochat.files import atomic_write, get_base_dir
-from nanochat.output import UserError, _use_color
+from nanochat.output import UserError, _use_color, error_line
 
 logger = logging.getLogger(__name__)
 
@@ -443,7 +443,5 @@ def get_token_bytes(device="cpu", directory=None):
         if not (isinstance(token_bytes, torch.Tensor) and token_bytes.ndim == 1):
             raise ValueError(f"expected a 1-D tensor, found {type(token_bytes).__name__}")
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"{path} is unreadable ({type(e).__name__}: {reason}); "
-                        f"{TRAIN_HINT} to write it again") from None
+        raise UserError(f"{path} is unreadable ({error_line(e)}); {TRAIN_HINT} to write it again") from None
     return token_bytes.to(device)
