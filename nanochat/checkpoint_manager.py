@@ -52,11 +52,16 @@ class CheckpointUnreadable(UserError):
 # Where checkpoints live
 
 
-def checkpoint_dir_for(source, model_tag):
-    """<base_dir>/<source's directory>/<model_tag>, after checking that the tag is a plain name."""
+def source_dir(source):
+    """<base_dir>/<the directory of stage `source`'s models> (SOURCES)."""
     if source not in SOURCES:
         raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
-    return os.path.join(get_base_dir(), SOURCES[source], check_model_tag(model_tag))
+    return os.path.join(get_base_dir(), SOURCES[source])
+
+
+def checkpoint_dir_for(source, model_tag):
+    """<base_dir>/<source's directory>/<model_tag>, after checking that the tag is a plain name."""
+    return os.path.join(source_dir(source), check_model_tag(model_tag))
 
 
 def check_model_tag(model_tag):
@@ -322,9 +327,7 @@ def delete_checkpoint(checkpoint_dir, step):
 
 def find_checkpoint_dir(source, model_tag=None):
     """(model_tag, checkpoint_dir) of stage `source`'s model `model_tag`, or of its only model if no tag is given."""
-    if source not in SOURCES:
-        raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
-    model_tag = model_tag or find_model_tag(os.path.join(get_base_dir(), SOURCES[source]), STAGE_COMMANDS[source])
+    model_tag = model_tag or find_model_tag(source_dir(source), STAGE_COMMANDS[source])
     return model_tag, checkpoint_dir_for(source, model_tag)
 
 
