@@ -100,8 +100,12 @@ def record_checksums(directory, digests):
 # Writing: pydocs, and yours
 
 
-def _write_shards(directory, shards):
-    """Write each list of documents in `shards` as shard_00000.parquet, ... into the new `directory`, and SHA256SUMS."""
+def _write_shards(directory, train, val, shard_docs):
+    """
+    Write the documents `train` in shards of `shard_docs`, then `val`, the last shard, as shard_00000.parquet, ...
+    into the new `directory`, and SHA256SUMS. Returns the number of shards.
+    """
+    shards = [train[i:i + shard_docs] for i in range(0, len(train), shard_docs)] + [val]
     os.makedirs(directory)
     for index, shard in enumerate(shards):
         table = pa.table({"text": pa.array(shard, type=pa.string())})
@@ -110,6 +114,7 @@ def _write_shards(directory, shards):
                        compression="zstd")
     names = [shard_name(i) for i in range(len(shards))]
     write_checksums(directory, {name: file_sha256(os.path.join(directory, name)) for name in names})
+    return len(shards)
 
 
 def _write_pydocs(directory):
@@ -117,10 +122,8 @@ def _write_pydocs(directory):
     docs = pydocs_documents()
     if len(docs) < 2 * PYDOCS_VAL_DOCS:
         raise RuntimeError(f"pydocs found only {len(docs)} documents: is Python's standard library there?")
-    train, val = docs[:-PYDOCS_VAL_DOCS], docs[-PYDOCS_VAL_DOCS:]
-    shards = [train[i:i + PYDOCS_SHARD_DOCS] for i in range(0, len(train), PYDOCS_SHARD_DOCS)] + [val]
-    _write_shards(directory, shards)
-    return len(docs), sum(len(d) for d in docs), len(shards)
+    shards = _write_shards(directory, docs[:-PYDOCS_VAL_DOCS], docs[-PYDOCS_VAL_DOCS:], PYDOCS_SHARD_DOCS)
+    return len(docs), sum(len(d) for d in docs), shards
 
 
 def _build_in_place(final, write, is_done, text_bytes, again):
@@ -232,7 +235,7 @@ def build_own_corpus(final, name, sources, field="text", split="file", skip_bad=
         return old is not None and old["fingerprint"] == manifest["fingerprint"] and _intact(final, old)
 
     def write(tmp):
-        _write_shards(tmp, [train[i:i + OWN_SHARD_DOCS] for i in range(0, len(train), OWN_SHARD_DOCS)] + [val])
+        _write_shards(tmp, train, val, OWN_SHARD_DOCS)
         write_json(os.path.join(tmp, MANIFEST), manifest, indent=1, ensure_ascii=False)
         return True
 
