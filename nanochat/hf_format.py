@@ -166,9 +166,15 @@ REMOTE_MODEL_TYPE = "nanochat_gpt"
 REMOTE_CLASSES = ("NanoChatGPTConfig", "NanoChatGPTModel", "NanoChatGPTForCausalLM")  # AutoConfig, AutoModel, ...
 
 
+def package_file(name):
+    """The text of the file `name` of the nanochat package (gpt.py, the modeling file, the chat template)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), encoding="utf-8") as f:
+        return f.read()
+
+
 def architecture_source():
     """The text of gpt.py's architecture part: its "# ==== ARCHITECTURE (" line to its "ARCHITECTURE END" line."""
-    gpt = open(os.path.join(os.path.dirname(__file__), "gpt.py"), encoding="utf-8").read().splitlines(keepends=True)
+    gpt = package_file("gpt.py").splitlines(keepends=True)
     marks = [[i for i, line in enumerate(gpt) if line.startswith("# ====") and mark in line]
              for mark in ("ARCHITECTURE (", "ARCHITECTURE END")]
     if [len(found) for found in marks] != [1, 1]:
@@ -182,8 +188,7 @@ def modeling_source():
     import` statement (its lines up to the one that ends it with ")") replaced by architecture_source(): the
     architecture is written once, and the exported file runs without nanochat.
     """
-    modeling = open(os.path.join(os.path.dirname(__file__), MODELING_FILE),
-                    encoding="utf-8").read().splitlines(keepends=True)
+    modeling = package_file(MODELING_FILE).splitlines(keepends=True)
     imports = [i for i, line in enumerate(modeling) if line.startswith("from nanochat.gpt import ")]
     if len(imports) != 1:
         raise RuntimeError(f"{MODELING_FILE} must import nanochat.gpt in one statement")
@@ -356,8 +361,7 @@ def generation_config(tokenizer):
 
 # The chat template: Tokenizer.render_conversation in Jinja, with add_generation_prompt render_for_completion
 # (docs/export.md)
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja"), encoding="utf-8") as _f:
-    CHAT_TEMPLATE = _f.read()
+CHAT_TEMPLATE = package_file("chat_template.jinja")
 
 
 # -----------------------------------------------------------------------------
