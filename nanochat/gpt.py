@@ -433,8 +433,7 @@ class GPT(nn.Module):
         docs/model.md.
         """
         cfg = self.config
-        lookups = [self.transformer.wte.weight] + [t.weight for t in self.value_embeds.values()]
-        n_matmul = self.num_params() - sum(w.numel() for w in lookups)
+        n_matmul = self.num_params(value_embeds=False) - self.transformer.wte.weight.numel()
         T = cfg.sequence_len
         return 6 * n_matmul + sum(12 * cfg.n_embd * (T if w is None else min(w, T)) for w in layer_windows(cfg))
 
