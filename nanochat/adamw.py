@@ -50,8 +50,16 @@ def fused_exactly(p):
     return p.device.type == "cpu" and p.dtype == torch.float32 and p.ndim == 2 and p.size(1) % 64 == 0
 
 
-def _adamw_state(like):
-    return {"step": 0, "exp_avg": torch.zeros_like(like), "exp_avg_sq": torch.zeros_like(like)}
+def _adamw_step(state, p, g, group):
+    """
+    One step of `group`'s AdamW on p (a parameter, or this rank's rows of one) with gradient g: `state` (the step
+    count and the two moments, of p's shape) made at the first step, the step counted, then adamw_update_.
+    """
+    if not state:
+        state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    state["step"] += 1
+    adamw_update_(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], group["betas"], group["eps"],
+                  group["weight_decay"])
 
 
 class AdamW(torch.optim.Optimizer):
@@ -68,14 +76,8 @@ class AdamW(torch.optim.Optimizer):
     def step(self):
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(_adamw_state(p))
-                state["step"] += 1
-                adamw_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
-                              group["betas"], group["eps"], group["weight_decay"])
+                if p.grad is not None:
+                    _adamw_step(self.state[p], p, p.grad, group)
 
     def owned_state(self, name_of):
         """Every parameter's state (one process holds it all), whole, from row 0; see nanochat.checkpoint_manager."""
@@ -93,7 +95,7 @@ class AdamW(torch.optim.Optimizer):
                     self.state[p] = {"step": int(full["step"]), **moments}
 
 
-class DistAdamW(ShardedGradients, torch.optim.Optimizer):
+class DistAdamW(ShardedGradients, AdamW):
     """
     AdamW sharded across ranks, ZeRO-2 style (docs/optimizers.md). Every parameter is cut along dim 0 into W slices
     of ceil(rows / W) rows (W = world size; a 0-d parameter is one row); rank r owns slice r and keeps the state
@@ -107,12 +109,12 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
     load_owned_state through nanochat.checkpoint_manager, across world sizes.
     """
 
-    def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, param_groups, **settings):
+        """`settings`: AdamW's (lr, betas, eps, weight_decay)."""
         if not is_distributed():
             raise RuntimeError("DistAdamW needs an initialised process group (torchrun + compute_init); "
                                "use nanochat.adamw.AdamW in a single process")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(param_groups, defaults)
+        super().__init__(param_groups, **settings)
 
     def _launch_reduce_scatters(self):
         world_size = dist.get_world_size()
@@ -152,13 +154,7 @@ class DistAdamW(ShardedGradients, torch.optim.Optimizer):
             p_rows = p.view(1) if p.ndim == 0 else p
             full = zero_pad_rows(p_rows, rows_per_rank * world_size)  # p itself on the copy-free path
             p_slice = full[rank * rows_per_rank:(rank + 1) * rows_per_rank]
-
-            state = self.state[p]
-            if not state:
-                state.update(_adamw_state(p_slice))
-            state["step"] += 1
-            adamw_update_(p_slice, g, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
-                          group["betas"], group["eps"], group["weight_decay"])
+            _adamw_step(self.state[p], p_slice, g, group)
 
             # p_slice is a view into `full`: gathering into `full` leaves our slice in place
             gathers.append((p_rows, full, all_gather_single(full, p_slice, async_op=True)))

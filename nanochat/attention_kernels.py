@@ -105,13 +105,13 @@ def compiled_flex():
 def flex_attention(q, k, v, window=None):
     """q (B, H, T, D), k and v (B, Hkv, T, D) -> (B, H, T, D) by FlexAttention (GQA native)."""
     from torch.nn.attention.flex_attention import flex_attention as flex
-    T = q.size(2)
     if torch.compiler.is_compiling():  # inside a compiled model: traced with it (the mask's cost folds into the graph)
         if q.device.type == "cpu":  # torch 2.13's CPU template misreads strided views of computed tensors (tested)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return flex(q, k, v, block_mask=block_mask(T, window, q.device), enable_gqa=True, scale=q.size(-1) ** -0.5)
-    return compiled_flex()(q, k, v, block_mask=cached_block_mask(T, window, q.device), enable_gqa=True,
-                           scale=q.size(-1) ** -0.5)
+        kernel, mask = flex, block_mask(q.size(2), window, q.device)
+    else:
+        kernel, mask = compiled_flex(), cached_block_mask(q.size(2), window, q.device)
+    return kernel(q, k, v, block_mask=mask, enable_gqa=True, scale=q.size(-1) ** -0.5)
 
 
 KERNELS = {"sdpa": attention, "dense": dense_in_training, "eager": eager_attention, "flex": flex_attention}

@@ -65,9 +65,7 @@ class Worker:
         self.index = index
         self.engine = engine
         self.prefill_chunk = prefill_chunk
-        device = engine.model.lm_head.weight.device
-        self.device = device
-        self.device_type = device.type
+        self.device = engine.model.lm_head.weight.device
         self.inbox = queue.Queue()  # new replies and functions to run, from the event loop
         self.tokens_generated = 0  # written by the worker's thread only
         self.batch_rows = 0  # running rows of the batch, written by the worker's thread only: /stats
@@ -81,7 +79,7 @@ class Worker:
         A fresh autocast context in the compute dtype (nanochat/hardware.py), entered in this worker's thread around
         its work: autocast state is per thread, and one context object must not be entered twice at once.
         """
-        return autocast_context(self.device_type)[1]
+        return autocast_context(self.device.type)[1]
 
     def start(self, prompt, sampling, stop):
         """
@@ -111,7 +109,7 @@ class Worker:
 
     def _serve(self):
         """The thread: wait for work, then step a batch until no row is left."""
-        if self.device_type == "cuda":  # the thread's current device is the worker's GPU: nothing lands on GPU 0
+        if self.device.type == "cuda":  # the thread's current device is the worker's GPU: nothing lands on GPU 0
             torch.cuda.set_device(self.device)
         while True:
             item = self.inbox.get()

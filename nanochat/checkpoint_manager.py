@@ -31,9 +31,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanochat.files import DiskFull, atomic_write, get_base_dir, out_of_space
+from nanochat.files import DiskFull, atomic_write, get_base_dir, out_of_space, write_json
 from nanochat.optim import rows_of
-from nanochat.output import UserError, format_bytes, print0
+from nanochat.output import UserError, error_line, format_bytes, print0
 from nanochat.ranks import gather_from_ranks, is_distributed
 
 SOURCES = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints",
@@ -52,11 +52,16 @@ class CheckpointUnreadable(UserError):
 # Where checkpoints live
 
 
-def checkpoint_dir_for(source, model_tag):
-    """<base_dir>/<source's directory>/<model_tag>, after checking that the tag is a plain name."""
+def source_dir(source):
+    """<base_dir>/<the directory of stage `source`'s models> (SOURCES)."""
     if source not in SOURCES:
         raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
-    return os.path.join(get_base_dir(), SOURCES[source], check_model_tag(model_tag))
+    return os.path.join(get_base_dir(), SOURCES[source])
+
+
+def checkpoint_dir_for(source, model_tag):
+    """<base_dir>/<source's directory>/<model_tag>, after checking that the tag is a plain name."""
+    return os.path.join(source_dir(source), check_model_tag(model_tag))
 
 
 def check_model_tag(model_tag):
@@ -139,11 +144,9 @@ def _claim(checkpoint_dir, resume_from_step, overwrite):
     stale = [s for s in complete if s > resume_from_step]
     if not stale:
         return
-    if overwrite:
-        for name in os.listdir(checkpoint_dir):
-            m = CHECKPOINT_FILE.match(name)
-            if m and int(next(g for g in m.groups() if g)) > resume_from_step:
-                os.remove(os.path.join(checkpoint_dir, name))
+    if overwrite:  # the files of later steps are those of complete ones now: the others were removed above
+        for step in stale:
+            delete_checkpoint(checkpoint_dir, step)
         if resume_from_step < 0 and os.path.exists(os.path.join(checkpoint_dir, "metrics.jsonl")):
             os.remove(os.path.join(checkpoint_dir, "metrics.jsonl"))
         print0(f"--overwrite: deleted the checkpoints of step(s) {', '.join(map(str, stale))} in {checkpoint_dir}")
@@ -190,8 +193,7 @@ def save_checkpoint(checkpoint_dir, step, model_state, optimizer_shard, meta, ra
         if rank == 0:
             full_meta = dict(meta, step=step, world_size=world_size, has_optimizer=optimizer_shard is not None)
             written.append(os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
-            with atomic_write(written[-1], "w") as f:
-                json.dump(full_meta, f, indent=2)
+            write_json(written[-1], full_meta, indent=2)
 
     try:
         # the agreement after the files is also the barrier: every rank's files are in place before the marker
@@ -275,9 +277,8 @@ def _torch_load(path, device):
         # every rank are opened by every rank when resuming on a different world size)
         return torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # truncated / corrupt: pickle, zip and EOF errors all land here
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointUnreadable(f"checkpoint file {path} is unreadable (truncated or corrupt: {type(e).__name__}: "
-                                   f"{reason}); delete that step's files or pick another step") from None
+        raise CheckpointUnreadable(f"checkpoint file {path} is unreadable (truncated or corrupt: {error_line(e)}); "
+                                   f"delete that step's files or pick another step") from None
 
 
 def read_meta(checkpoint_dir, step):
@@ -326,9 +327,7 @@ def delete_checkpoint(checkpoint_dir, step):
 
 def find_checkpoint_dir(source, model_tag=None):
     """(model_tag, checkpoint_dir) of stage `source`'s model `model_tag`, or of its only model if no tag is given."""
-    if source not in SOURCES:
-        raise UserError(f"unknown checkpoint source {source!r}: use one of {', '.join(SOURCES)}")
-    model_tag = model_tag or find_model_tag(os.path.join(get_base_dir(), SOURCES[source]), STAGE_COMMANDS[source])
+    model_tag = model_tag or find_model_tag(source_dir(source), STAGE_COMMANDS[source])
     return model_tag, checkpoint_dir_for(source, model_tag)
 
 

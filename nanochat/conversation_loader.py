@@ -15,6 +15,7 @@ from collections import deque
 
 import torch
 
+from nanochat.dataloader import batch_to_device
 from nanochat.output import UserError, print0
 
 
@@ -164,10 +165,7 @@ class ConversationLoader:
         targets = tokens[1:].view(self.B, self.T)
         if not self.train_on_all_tokens:  # the loss counts only what the model must learn to write (mask 1)
             targets = torch.where(torch.tensor(mask[1:], dtype=torch.bool).view(self.B, self.T), targets, -1)
-        if self.device.type == "cuda":  # page-locked staging memory: the copy to the GPU runs asynchronously
-            return (inputs.to(torch.int32).pin_memory().to(self.device, non_blocking=True),
-                    targets.pin_memory().to(self.device, non_blocking=True))
-        return inputs.to(self.device, torch.int32), targets.to(self.device)
+        return batch_to_device(inputs, targets, self.device)
 
 
 def chat_train_loader(train_dataset, val_dataset, tokenizer, B, T, device, *, mixture, conversations, own_split,

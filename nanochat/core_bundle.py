@@ -6,8 +6,8 @@ and scores it with the same code; prepare_bundle("offline") builds it into <base
 same bytes for the same Python. Its score, "pydocs-CORE", is not comparable with CORE. Every task (TASKS) asks for
 text the corpus contains verbatim, so the score rises as the model learns the corpus. Items use entries with a header
 of at most MAX_HEADER characters and a first docstring line of 12-100 characters and 3+ words, verbatim; the options
-of an item are distinct; at most ITEMS_PER_TASK per task, drawn by random.Random(f"pydocs-core-{label}"). The tasks,
-with examples: docs/evaluation.md.
+of an item are distinct; at most ITEMS_PER_TASK per task (the first its builder yields), drawn by
+random.Random(f"pydocs-core-{label}"). The tasks, with examples: docs/evaluation.md.
 """
 
 import collections
@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+from itertools import islice
 
 from nanochat.pydocs import pydocs_document, pydocs_entries
 
@@ -65,34 +66,29 @@ def _options(rng, gold, others):
 
 def _matched_items(rng, usable, pool_of, make_item):
     """
-    Up to ITEMS_PER_TASK items: each usable entry, in random order, with OPTIONS - 1 others from pool_of(entry)
-    whose first lines all differ (entries for which no such others are found are skipped).
+    The items: each usable entry, in random order, with OPTIONS - 1 others from pool_of(entry) whose first lines all
+    differ (entries for which no such others are found are skipped).
     """
-    items = []
     for d in rng.sample(usable, len(usable)):
         others = _pick(rng, pool_of(d), OPTIONS - 1, {d[2]})
         if others:
-            items.append(make_item(d, others))
-        if len(items) == ITEMS_PER_TASK:
-            break
-    return items
+            yield make_item(d, others)
 
 
-def _same_kind(docs):
-    """(usable entries, {kind: usable entries of that kind}): entries with a first line and a short header."""
+def _same_kind_items(docs, rng, make_item):
+    """_matched_items of the usable entries (a first line and a short header), the others of the same kind."""
     usable = [d for d in docs if d[2] and len(d[1]) <= MAX_HEADER]
     by_kind = collections.defaultdict(list)
     for d in usable:
         by_kind[d[0]["kind"]].append(d)
-    return usable, by_kind
+    return _matched_items(rng, usable, lambda d: by_kind[d[0]["kind"]], make_item)
 
 
 def _summary(docs, rng):
     def item(d, others):
         choices, gold = _options(rng, d[2], [o[2] for o in others])
         return {"query": d[1], "choices": choices, "gold": gold}
-    usable, by_kind = _same_kind(docs)
-    return _matched_items(rng, usable, lambda d: by_kind[d[0]["kind"]], item)
+    return _same_kind_items(docs, rng, item)
 
 
 def _schema_item(rng, d, others):
@@ -102,8 +98,7 @@ def _schema_item(rng, d, others):
 
 
 def _header(docs, rng):
-    usable, by_kind = _same_kind(docs)
-    return _matched_items(rng, usable, lambda d: by_kind[d[0]["kind"]], lambda d, others: _schema_item(rng, d, others))
+    return _same_kind_items(docs, rng, lambda d, others: _schema_item(rng, d, others))
 
 
 def _owner(docs, rng):
@@ -127,16 +122,13 @@ def _default(docs, rng):
             if sites:
                 m = rng.choice(sites)
                 by_value[m.group(2)].append((header[:m.end(1)], m.group(2)))
-    items = []
     for value in DEFAULTS:  # the same number of items per answer
         for query, gold in rng.sample(by_value[value], min(ITEMS_PER_TASK // len(DEFAULTS), len(by_value[value]))):
             choices = rng.sample(DEFAULTS, len(DEFAULTS))
-            items.append({"query": query, "choices": choices, "gold": choices.index(gold)})
-    return items
+            yield {"query": query, "choices": choices, "gold": choices.index(gold)}
 
 
 def _next_word(docs, rng):
-    items = []
     for r, header, line in rng.sample(docs, len(docs)):
         if not line or len(header) > MAX_HEADER:
             continue
@@ -144,14 +136,10 @@ def _next_word(docs, rng):
         targets = [j for j in range(2, len(words)) if re.fullmatch(r"[A-Za-z]{2,}", words[j])]
         if targets:
             j = rng.choice(targets)
-            items.append({"context": f"{header}\n\n{' '.join(words[:j])}", "continuation": words[j]})
-        if len(items) == ITEMS_PER_TASK:
-            break
-    return items
+            yield {"context": f"{header}\n\n{' '.join(words[:j])}", "continuation": words[j]}
 
 
 def _next_param(docs, rng):
-    items = []
     for r, header, _ in rng.sample(docs, len(docs)):
         if r["kind"] not in ("function", "method"):
             continue
@@ -159,10 +147,7 @@ def _next_param(docs, rng):
                  if m.start() > len(r["name"]) and m.start() + 1 <= MAX_HEADER]
         if sites:
             m = rng.choice(sites)
-            items.append({"context": header[:m.start() + 1], "continuation": m.group(1)})
-        if len(items) == ITEMS_PER_TASK:
-            break
-    return items
+            yield {"context": header[:m.start() + 1], "continuation": m.group(1)}
 
 
 # label, icl_task_type, shots, continuation delimiter, builder, options (0 = language modeling), description
@@ -191,7 +176,7 @@ def write_offline_bundle(directory):
                   f"score_name: {SCORE_NAME}", "icl_tasks:"]
     meta_rows = []
     for label, kind, shots, delimiter, build, options, description in TASKS:
-        items = build(docs, random.Random(f"pydocs-core-{label}"))
+        items = list(islice(build(docs, random.Random(f"pydocs-core-{label}")), ITEMS_PER_TASK))
         uri = f"pydocs/{label.removeprefix('pydocs_')}.jsonl"
         with open(os.path.join(directory, "eval_data", uri), "w", encoding="utf-8", newline="\n") as f:
             f.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in items)

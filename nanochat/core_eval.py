@@ -25,7 +25,7 @@ from filelock import FileLock
 
 from nanochat.downloads import download_file_with_lock
 from nanochat.files import get_base_dir
-from nanochat.interrupt import Interrupted, interruptible
+from nanochat.interrupt import check_stop, interruptible
 from nanochat.output import UserError, duration, print0
 from nanochat.ranks import is_distributed
 
@@ -272,8 +272,7 @@ def score_rows(model, rows, batches, device, pad_id, stop=None):
     """
     results = [None] * len(rows)
     for batch in batches:
-        if stop is not None and stop():
-            raise Interrupted
+        check_stop(stop)
         for i, outcome in zip(batch, _forward_rows(model, [rows[i] for i in batch], device, pad_id)):
             results[i] = outcome
     return results

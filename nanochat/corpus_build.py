@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.files import DiskFull, atomic_write, file_sha256, get_base_dir, out_of_space
+from nanochat.files import DiskFull, atomic_write, file_sha256, get_base_dir, out_of_space, read_json, write_json
 from nanochat.output import UserError, format_bytes
 from nanochat.pydocs import pydocs_documents
 
@@ -100,8 +100,12 @@ def record_checksums(directory, digests):
 # Writing: pydocs, and yours
 
 
-def _write_shards(directory, shards):
-    """Write each list of documents in `shards` as shard_00000.parquet, ... into the new `directory`, and SHA256SUMS."""
+def _write_shards(directory, train, val, shard_docs):
+    """
+    Write the documents `train` in shards of `shard_docs`, then `val`, the last shard, as shard_00000.parquet, ...
+    into the new `directory`, and SHA256SUMS. Returns the number of shards.
+    """
+    shards = [train[i:i + shard_docs] for i in range(0, len(train), shard_docs)] + [val]
     os.makedirs(directory)
     for index, shard in enumerate(shards):
         table = pa.table({"text": pa.array(shard, type=pa.string())})
@@ -110,6 +114,7 @@ def _write_shards(directory, shards):
                        compression="zstd")
     names = [shard_name(i) for i in range(len(shards))]
     write_checksums(directory, {name: file_sha256(os.path.join(directory, name)) for name in names})
+    return len(shards)
 
 
 def _write_pydocs(directory):
@@ -117,10 +122,8 @@ def _write_pydocs(directory):
     docs = pydocs_documents()
     if len(docs) < 2 * PYDOCS_VAL_DOCS:
         raise RuntimeError(f"pydocs found only {len(docs)} documents: is Python's standard library there?")
-    train, val = docs[:-PYDOCS_VAL_DOCS], docs[-PYDOCS_VAL_DOCS:]
-    shards = [train[i:i + PYDOCS_SHARD_DOCS] for i in range(0, len(train), PYDOCS_SHARD_DOCS)] + [val]
-    _write_shards(directory, shards)
-    return len(docs), sum(len(d) for d in docs), len(shards)
+    shards = _write_shards(directory, docs[:-PYDOCS_VAL_DOCS], docs[-PYDOCS_VAL_DOCS:], PYDOCS_SHARD_DOCS)
+    return len(docs), sum(len(d) for d in docs), shards
 
 
 def _build_in_place(final, write, is_done, text_bytes, again):
@@ -185,11 +188,7 @@ def build_pydocs():
 
 def read_manifest(directory):
     """The manifest (a dict) of the corpus of your own in `directory`, or None if there is none."""
-    try:
-        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    return read_json(os.path.join(directory, MANIFEST))
 
 
 def _intact(directory, manifest):
@@ -236,9 +235,8 @@ def build_own_corpus(final, name, sources, field="text", split="file", skip_bad=
         return old is not None and old["fingerprint"] == manifest["fingerprint"] and _intact(final, old)
 
     def write(tmp):
-        _write_shards(tmp, [train[i:i + OWN_SHARD_DOCS] for i in range(0, len(train), OWN_SHARD_DOCS)] + [val])
-        with atomic_write(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1, ensure_ascii=False)
+        _write_shards(tmp, train, val, OWN_SHARD_DOCS)
+        write_json(os.path.join(tmp, MANIFEST), manifest, indent=1, ensure_ascii=False)
         return True
 
     if os.path.isdir(final) and read_manifest(final) is None and os.listdir(final):

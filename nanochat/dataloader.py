@@ -92,6 +92,18 @@ def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world
                     f"try {' or '.join(options)}")
 
 
+def batch_to_device(inputs, targets, device):
+    """
+    A micro-batch on `device`: inputs int32 (contiguous), targets int64. To a GPU through page-locked staging memory,
+    which lets the copy run asynchronously (non_blocking); the caching host allocator keeps each buffer alive until
+    its copy has finished. Also the chat stages' packed loader's (nanochat/conversation_loader.py).
+    """
+    if device.type == "cuda":
+        return (inputs.to(torch.int32).pin_memory().to(device, non_blocking=True),
+                targets.to(torch.int64).pin_memory().to(device, non_blocking=True))
+    return inputs.to(device, torch.int32).contiguous(), targets.to(device, torch.int64)
+
+
 def _units(row_groups, num_slots):
     """Split the row groups into at least `num_slots` units: (row group index, j, k) = docs j::k."""
     k = max(1, -(-num_slots // len(row_groups)))
@@ -159,25 +171,19 @@ class _BestFitBuffer:
 
 
 class _Slot:
-    """One data slot: its own position in the corpus and its own token buffer (best-fit: `width` = T+1)."""
+    """
+    One data slot of `loader` (its corpus, split, seed and tokenizer): its own position in the corpus and its own
+    token buffer (best-fit: `width` = T+1), from `state` (a saved one) or the start.
+    """
 
-    def __init__(self, slot, num_slots, row_groups, seed, tokenizer, bos_id, threads, doc_batch, shuffle, split,
-                 width=None, state=None):
+    def __init__(self, loader, slot, state=None):
+        self.loader = loader
         self.slot = slot
-        self.num_slots = num_slots
-        self.row_groups = row_groups
-        self.seed = seed
-        self.shuffle = shuffle
-        self.tokenizer = tokenizer
-        self.bos_id = bos_id
-        self.threads = threads
-        self.doc_batch = doc_batch
-        self.split = split
-        self.width = width
-        if width is None and isinstance(state, dict):
+        self.width = loader.width
+        if self.width is None and isinstance(state, dict):
             raise UserError("this data position was saved by a run with bos_aligned=True: resume with bos_aligned=True")
         pieces = []
-        if width is not None and state is not None:
+        if self.width is not None and state is not None:
             if not isinstance(state, dict):  # saved before best fit: a document start, nothing in a buffer
                 state = {"next": state[:3], "pieces": []}
             pieces = state["pieces"]
@@ -199,15 +205,16 @@ class _Slot:
             self._refill()
             self.offset = resume_offset
             self.buffered -= resume_offset
-        if width is not None:
-            self.bestfit = _BestFitBuffer(width)
+        if self.width is not None:
+            self.bestfit = _BestFitBuffer(self.width)
             self._load_pieces(pieces)
 
     def _epoch_units(self, epoch):
-        units = _units(self.row_groups, self.num_slots)
-        if self.shuffle:
-            random.Random(f"{self.seed}-{epoch}").shuffle(units)
-        return units[self.slot::self.num_slots]
+        loader = self.loader
+        units = _units(loader.row_groups, loader.num_slots)
+        if loader.split == "train":
+            random.Random(f"{loader.seed}-{epoch}").shuffle(units)
+        return units[self.slot::loader.num_slots]
 
     def snapshot(self):
         """Where this slot stands, cheaply: state() turns it into the saved form (small ints)."""
@@ -239,11 +246,11 @@ class _Slot:
             if (epoch, unit_pos) not in texts:
                 units.setdefault(epoch, self._epoch_units(epoch))
                 g, j, k = units[epoch][unit_pos]
-                texts[epoch, unit_pos] = read_row_group(*self.row_groups[g])[j::k]
+                texts[epoch, unit_pos] = read_row_group(*self.loader.row_groups[g])[j::k]
             docs[epoch, unit_pos, doc_idx] = texts[epoch, unit_pos][doc_idx]
         encoded = []
         if docs:
-            encoded = self.tokenizer.encode(list(docs.values()), prepend=self.bos_id, num_threads=self.threads)
+            encoded = self.loader.tokenize(list(docs.values()))
         tokens = {where: np.asarray(ids, dtype=np.int32) for where, ids in zip(docs, encoded)}
         for epoch, unit_pos, doc_idx, start, end in pieces:
             self.bestfit.put(((epoch, unit_pos, doc_idx), tokens[epoch, unit_pos, doc_idx], start, end))
@@ -252,9 +259,9 @@ class _Slot:
         """Tokenize the next few documents of this slot into the buffer."""
         if self.unit_texts is None:
             g, j, k = self.my_units[self.unit_pos]
-            self.unit_texts = read_row_group(*self.row_groups[g])[j::k]
-        texts = self.unit_texts[self.next_doc:self.next_doc + self.doc_batch]
-        encoded = self.tokenizer.encode(texts, prepend=self.bos_id, num_threads=self.threads) if texts else []
+            self.unit_texts = read_row_group(*self.loader.row_groups[g])[j::k]
+        texts = self.unit_texts[self.next_doc:self.next_doc + self.loader.doc_batch]
+        encoded = self.loader.tokenize(texts) if texts else []
         for i, ids in enumerate(encoded):
             self.docs.append([self.epoch, self.unit_pos, self.next_doc + i, np.asarray(ids, dtype=np.int32)])
             self.buffered += len(ids)
@@ -268,8 +275,8 @@ class _Slot:
                 self.epoch += 1
                 self.unit_pos = 0
                 self.my_units = self._epoch_units(self.epoch)
-                if self.split == "train":
-                    print0(f"Data slot {self.slot} ({self.split}): starting epoch {self.epoch}")
+                if self.loader.split == "train":
+                    print0(f"Data slot {self.slot} (train): starting epoch {self.epoch}")
                 elif self.epoch == 1:  # an evaluation stops here (losses.evaluate_bpb)
                     print0(f"Data slot {self.slot} (val): read to its end: the validation split is smaller than one "
                            f"evaluation, which counts it once")
@@ -347,8 +354,16 @@ class DistributedTokenLoader:
         # The corpus is listed once, here: every epoch reads the same units (shards downloaded later are not
         # picked up mid-run, which keeps the data order reproducible)
         self.row_groups = list_row_groups(split)
-        self.slot_args = (seed, tokenizer, tokenizer.get_bos_token_id(), tokenizer_threads, tokenizer_batch_size)
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.threads = tokenizer_threads
+        self.doc_batch = tokenizer_batch_size  # documents a slot tokenizes at a time
+        self.width = T + 1 if bos_aligned else None  # a best-fit row's tokens
         self.load_state_dict({"slots": {}, "micro": 0})
+
+    def tokenize(self, texts):
+        """The token ids of documents `texts`, each after a BOS, tokenized in parallel."""
+        return self.tokenizer.encode(texts, prepend=self.tokenizer.get_bos_token_id(), num_threads=self.threads)
 
     def load_state_dict(self, state):
         """
@@ -357,12 +372,7 @@ class DistributedTokenLoader:
         """
         states = state if isinstance(state, list) else [state]
         slot_states = {k: v for s in states for k, v in s["slots"].items()}
-        seed, tokenizer, bos_id, threads, doc_batch = self.slot_args
-        width = self.T + 1 if self.bos_aligned else None
-        self.slots = [_Slot(s, self.num_slots, self.row_groups, seed, tokenizer, bos_id, threads, doc_batch,
-                            shuffle=(self.split == "train"), split=self.split, width=width,
-                            state=slot_states.get(str(s)))
-                      for s in self.my_slots]
+        self.slots = [_Slot(self, s, slot_states.get(str(s))) for s in self.my_slots]
         self.micro = states[0].get("micro", 0) % self.accum  # which of my slots serves the next batch
         self.last = None  # (slot index, snapshot of its state before the last returned batch)
 
@@ -382,13 +392,7 @@ class DistributedTokenLoader:
             inputs = buf[:-1].view(self.B, self.T)
             targets = buf[1:].view(self.B, self.T)
         self.micro = (self.micro + 1) % len(self.slots)
-        if self.device.type == "cuda":
-            # page-locked staging memory lets the copy to the GPU run asynchronously (non_blocking); the
-            # caching host allocator keeps each buffer alive until its copy has finished
-            inputs = inputs.to(torch.int32).pin_memory().to(self.device, non_blocking=True)
-            targets = targets.to(torch.int64).pin_memory().to(self.device, non_blocking=True)
-            return inputs, targets
-        return inputs.to(self.device, torch.int32).contiguous(), targets.to(self.device, torch.int64)
+        return batch_to_device(inputs, targets, self.device)
 
     @property
     def epoch(self):

@@ -166,24 +166,20 @@ def list_parquet_files(split):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     name = dataset_name()
     corpus = corpus_of(name)
+    directory = corpus.build() if corpus.kind == "generated" else data_dir()
+    shards = _local_shards(directory)
     if corpus.kind == "generated":
-        directory = corpus.build()
-        shards = _local_shards(directory)
         if not shards:
             raise UserError(f"the {name} corpus at {directory} has no shards; delete that directory and run "
                             f"`{fetch_command()}`")
         val_index = max(shards)  # built all at once, atomically: the last shard present is the last shard
     elif corpus.kind == "own":
-        directory = data_dir()
-        shards = _local_shards(directory)
         val_index = own_manifest(name)["shards"] - 1  # also built whole; the manifest says how many
         missing = [shard_name(i) for i in range(val_index) if i not in shards]
         if missing:
             raise UserError(f"{name} is incomplete: {', '.join(missing[:3])} missing in {directory}; build it again "
                             f"with `{fetch_command()}`")
     else:
-        directory = data_dir()
-        shards = _local_shards(directory)
         val_index = hub_num_shards() - 1
     if split == "val":
         wanted = [val_index] if val_index in shards else []

@@ -104,6 +104,13 @@ class KVCache:
         self.v[:, rows, :, end - other.pos:end] = other.v[:, :, :, :other.pos]
 
 
+def model_cache(model, rows, max_len, dtype, capacity=None):
+    """An empty KVCache of `rows` rows and at most `max_len` positions for the layers and heads of `model`."""
+    cfg = model.config
+    return KVCache(rows, cfg.n_kv_head, max_len, cfg.n_embd // cfg.n_head, cfg.n_layer, model.lm_head.weight.device,
+                   dtype, capacity)
+
+
 # -----------------------------------------------------------------------------
 # One decoding step: gpt.py's blocks, their keys and values written into the cache; the next token's sampling;
 # naive generation (no cache), the reference
@@ -119,12 +126,11 @@ def decode_weights(model, dtype=None, row_major=False):
     kernels (probes.native_bf16_gemv: one or two rows in bf16); the lookup tables (wte, value embeddings) are looked
     up, not multiplied: kept as they are. Copies are stale once the weights change.
     """
-    if model.lm_head.weight.device.type == "cpu":
-        if row_major:
-            return weights_of(model, lambda w: w.detach().to(dtype or w.dtype, copy=True))
+    cpu = model.lm_head.weight.device.type == "cpu"
+    if cpu and not row_major:
         return weights_of(model, lambda w: w.detach().to(dtype or w.dtype).t().contiguous().t())
-    if dtype is not None and dtype != model.lm_head.weight.dtype:
-        return weights_of(model, lambda w: w.detach().to(dtype))
+    if cpu or dtype not in (None, model.lm_head.weight.dtype):
+        return weights_of(model, lambda w: w.detach().to(dtype or w.dtype, copy=True))
     return weights_of(model)
 
 
@@ -141,15 +147,7 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
     if pos + 1 > model.rotary_len:
         raise ValueError(f"sequence of {pos + 1} tokens exceeds the rotary table ({model.rotary_len})")
     kv_cache.reserve(pos + 1)
-    dtype = weights.wte.dtype
-    if torch.is_autocast_enabled(idx.device.type):
-        dtype = torch.get_autocast_dtype(idx.device.type)
-    if positions is None:  # every row at the cache's position
-        cos = model.cos[:, pos:pos + 1].to(dtype)
-        sin = model.sin[:, pos:pos + 1].to(dtype)
-    else:  # (B, 1, 1, D/2): each row at its own position
-        cos = model.cos[0, positions][:, None].to(dtype)
-        sin = model.sin[0, positions][:, None].to(dtype)
+    dtype = model.compute_dtype()
     mask = None if key_mask is None else key_mask[..., :pos + 1]
 
     def attend(i, q, k, v, window):  # this position's keys and values into the cache, then attend over all of it
@@ -167,8 +165,9 @@ def decode_step(model, idx, kv_cache, weights, positions=None, key_mask=None):
     native = idx.device.type == "cpu" and weights.lm_head.is_contiguous()
     autocast_off = torch.autocast(idx.device.type, enabled=False) if copies else nullcontext()
     with autocast_off, onednn_off() if native else nullcontext():
-        x = hidden_states(weights, idx[:, None], (cos, sin), attend, model.config)
-        logits = softcapped(F.linear(x[:, -1], weights.lm_head))
+        # every row at the cache's position, or each at its own
+        where = slice(pos, pos + 1) if positions is None else positions
+        logits = _logits(weights, idx, model.cos, model.sin, where, attend, model.config, dtype)
     kv_cache.advance()
     return logits
 
@@ -190,8 +189,6 @@ def static_step(weights, idx, column, positions, k_layers, v_layers, cos_table, 
     values (zeros). Returns the logits (B, vocab) fp32; the caller advances the cache.
     """
     capacity = k_layers[0].size(2)
-    cos = cos_table[0, positions][:, None].to(dtype)  # (B, 1, 1, D/2)
-    sin = sin_table[0, positions][:, None].to(dtype)
     columns = torch.arange(capacity, device=idx.device)
     seen = {}  # window -> (B or 1, 1, 1, capacity) bool, made once per step for all the layers sharing it
     for window in set(layer_windows(config)):
@@ -207,6 +204,17 @@ def static_step(weights, idx, column, positions, k_layers, v_layers, cos_table, 
                                            enable_gqa=q.size(1) != k_layer.size(1))
         return y.to(q.dtype)
 
+    return _logits(weights, idx, cos_table, sin_table, positions, attend, config, dtype)
+
+
+def _logits(weights, idx, cos_table, sin_table, positions, attend, config, dtype):
+    """
+    What decode_step and static_step share: the newest tokens idx (B,) through the blocks at `positions` ((B,) long,
+    each row's own, or a slice of one position for every row), keys and values where `attend` puts them, in `dtype`;
+    the logits (B, vocab) fp32.
+    """
+    cos = cos_table[0, positions][:, None].to(dtype)  # (B or 1, 1, 1, D/2)
+    sin = sin_table[0, positions][:, None].to(dtype)
     x = hidden_states(weights, idx[:, None], (cos, sin), attend, config)
     return softcapped(F.linear(x[:, -1], weights.lm_head))
 
@@ -324,8 +332,7 @@ class Batch:
         self.engine = engine
         self.max_len = max_len
         self.device = engine.model.lm_head.weight.device
-        autocast = torch.is_autocast_enabled(self.device.type)  # this thread's, now
-        self.dtype = torch.get_autocast_dtype(self.device.type) if autocast else engine.model.lm_head.weight.dtype
+        self.dtype = engine.model.compute_dtype()  # this thread's, now
         # the cache in fp32 for a bf16 decode on a CPU where probes.fp32_cache_pays measured it faster
         fp32_cache = self.device.type == "cpu" and self.dtype == torch.bfloat16 and fp32_cache_pays()
         self.cache_dtype = torch.float32 if fp32_cache else self.dtype
@@ -344,9 +351,7 @@ class Batch:
 
     def add(self, prompt, rows):
         """Rows (Row) that continue `prompt` (token ids): they wait for its prefill, into a cache of its own."""
-        cfg = self.engine.model.config
-        cache = KVCache(1, cfg.n_kv_head, len(prompt), cfg.n_embd // cfg.n_head, cfg.n_layer, self.device, self.dtype)
-        self.waiting.append((prompt, rows, cache))
+        self.waiting.append((prompt, rows, model_cache(self.engine.model, 1, len(prompt), self.dtype)))
 
     def stop(self, row):
         """End `row` now: it gets no more tokens (a server's client that left)."""
@@ -397,7 +402,6 @@ class Batch:
     def _remake(self):
         """A new cache: the running rows, then the joining ones, right-aligned at the longest (class docstring)."""
         engine = self.engine
-        cfg = engine.model.config
         old = self.cache
         keep = [i for i, row in enumerate(self.rows) if not row.ended]
         joining, self.joining = self.joining, []
@@ -406,7 +410,7 @@ class Batch:
         rows = [self.rows[i] for i in keep] + [row for _, joined, _ in joining for row in joined]
         self.rows, self.cache, self.weights = rows, None, None
         if not rows:
-            self.engine._keep_static_cache(old)
+            engine._keep_static_cache(old)
             return
         pos = max(lengths)
         if engine.compile_decode:  # one of a few shapes, kept between batches (a CUDA graph's addresses)
@@ -414,8 +418,7 @@ class Batch:
             cache = engine._static_cache(size, -(-self.max_len // 128) * 128, self.cache_dtype)
         else:
             size = len(rows)
-            cache = KVCache(size, cfg.n_kv_head, self.max_len, cfg.n_embd // cfg.n_head, cfg.n_layer, self.device,
-                            self.cache_dtype, capacity=pos + 256)
+            cache = model_cache(engine.model, size, self.max_len, self.cache_dtype, capacity=pos + 256)
         cache.k[:, :, :, :pos] = 0
         cache.v[:, :, :, :pos] = 0
         if keep:  # the kept rows' filled columns in one copy (the padding inside them is zeros already)
@@ -555,11 +558,8 @@ class Engine:
         weights cast at every step), every tensor marked as a static address (a CUDA graph reads it where it is
         instead of copying it in at each replay).
         """
-        head = self.model.lm_head.weight
-        dtype = head.dtype
-        if torch.is_autocast_enabled(head.device.type):
-            dtype = torch.get_autocast_dtype(head.device.type)
-        bf16_cpu = head.device.type == "cpu" and dtype == torch.bfloat16
+        dtype = self.model.compute_dtype()
+        bf16_cpu = self.model.lm_head.weight.device.type == "cpu" and dtype == torch.bfloat16
         layout = "static" if static else rows is not None and bf16_cpu and native_bf16_gemv(rows)
         key = (dtype, *((id(p), p._version) for p in self.model.parameters()))
         if self._weights.get(layout, (None,))[0] != key:
@@ -584,9 +584,7 @@ class Engine:
         """
         cache = self.static_caches.pop((rows, capacity, dtype), None)
         if cache is None:
-            cfg = self.model.config
-            cache = KVCache(rows, cfg.n_kv_head, capacity, cfg.n_embd // cfg.n_head, cfg.n_layer,
-                            self.model.lm_head.weight.device, dtype)
+            cache = model_cache(self.model, rows, capacity, dtype)
             cache.k.zero_()
             cache.v.zero_()
             for t in cache.k_layers + cache.v_layers:

@@ -6,6 +6,8 @@ The base directory, and files written all or nothing: a full disk (or quota) is 
   out_of_space   whether an exception, or one in its chain, is a write refused for lack of space (SPACE_ERRNOS)
   DiskFull       the one-line UserError to raise then, once what the failed write left is removed
   file_sha256    a file's sha256: a shard's checksum, checked when it is read again; what a cache was made from
+  read_json      a JSON file kept for later (the report's states, a corpus's manifest, the probes' answers), or None
+  write_json     writes one, through atomic_write
 
 Importing this module touches no RNG, no process group and no handler of the importing program's loggers; the base
 directory is created and checked at the first get_base_dir(), not at import.
@@ -14,6 +16,7 @@ directory is created and checked at the first get_base_dir(), not at import.
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -105,6 +108,21 @@ def atomic_write(path, mode="wb"):
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise UserError(f"cannot write {path}: {e.strerror}") from None
         raise
+
+
+def read_json(path):
+    """The JSON file at `path`, or None if there is none (or it is not JSON)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path, obj, **options):
+    """Write `obj` to `path` as JSON (json.dump's `options`: indent, ...), all or nothing (atomic_write)."""
+    with atomic_write(path, "w") as f:
+        json.dump(obj, f, **options)
 
 
 def file_sha256(path):

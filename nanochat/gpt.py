@@ -313,8 +313,8 @@ class GPT(nn.Module):
         build_parameters(self, config)
         head_dim = config.n_embd // config.n_head
         self.rotary_len = config.sequence_len * 10
-        self.register_buffer("cos", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
+        for table in ("cos", "sin"):
+            self.register_buffer(table, torch.empty(1, self.rotary_len, 1, head_dim // 2), persistent=False)
 
     INIT_RECIPES = ("2025", "2026")
 
@@ -384,16 +384,23 @@ class GPT(nn.Module):
         x = self._final_hidden(idx)
         return softcapped(self.lm_head(x[torch.arange(idx.size(0), device=idx.device), last]))
 
+    def compute_dtype(self):
+        """
+        The dtype the model computes in now: this thread's autocast dtype under autocast (the residual stream and the
+        rotary tables too, docs/model.md), else its weights'.
+        """
+        device_type = self.lm_head.weight.device.type
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return self.lm_head.weight.dtype
+
     def _final_hidden(self, idx, kv_cache=None):
         """The transformer without its head: idx (B, T) -> the final normed hidden states (B, T, n_embd)."""
         T = idx.size(1)
         t0 = kv_cache.pos if kv_cache is not None else 0
         if t0 + T > self.rotary_len:
             raise ValueError(f"sequence of {t0 + T} tokens exceeds the rotary table ({self.rotary_len})")
-        # under autocast the residual stream (and the rotary tables) in the compute dtype too: docs/model.md
-        dtype = self.lm_head.weight.dtype
-        if torch.is_autocast_enabled(idx.device.type):
-            dtype = torch.get_autocast_dtype(idx.device.type)
+        dtype = self.compute_dtype()
         cos_sin = self.cos[:, t0:t0 + T].to(dtype), self.sin[:, t0:t0 + T].to(dtype)
         training = torch.is_grad_enabled()  # autograd on = a training step (not self.training: the class says why)
         if kv_cache is None:  # the full context (training, evaluation): nothing kept, the model's kernel attends
@@ -426,8 +433,7 @@ class GPT(nn.Module):
         docs/model.md.
         """
         cfg = self.config
-        lookups = [self.transformer.wte.weight] + [t.weight for t in self.value_embeds.values()]
-        n_matmul = self.num_params() - sum(w.numel() for w in lookups)
+        n_matmul = self.num_params(value_embeds=False) - self.transformer.wte.weight.numel()
         T = cfg.sequence_len
         return 6 * n_matmul + sum(12 * cfg.n_embd * (T if w is None else min(w, T)) for w in layer_windows(cfg))
 

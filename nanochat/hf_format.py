@@ -138,16 +138,23 @@ def model_config_from_hf(config, where):
         ("rope_parameters.rope_type", rope.get("rope_type", "default"), "default"),
         ("head_dim", config.get("head_dim", hidden // heads), hidden // heads),
     ]
-    for key, value, ours in checks:
-        if value != ours:
-            raise UserError(f"{where} has {key}={value!r}; nanochat's GPT computes {key}={ours!r}: cannot import it")
-    eps = config.get("rms_norm_eps", 1e-6)
-    if not (isinstance(eps, (int, float)) and 0 <= eps <= 1e-5):
-        # F.rms_norm adds 1.2e-7; an epsilon up to 1e-5 changes unit-scale activations by < 1e-5 relative
-        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_EPS:.3g}: cannot import it")
+    check_computes(where, checks, config.get("rms_norm_eps", 1e-6))
     if not (isinstance(theta, (int, float)) and theta > 0):
         raise UserError(f"{where} has rope_theta={theta!r}: not a rotary base, cannot import it")
     return dict(model_config, rope_base=float(theta))
+
+
+def check_computes(where, checks, eps):
+    """
+    UserError unless every (key, value in the file, what our GPT computes) of `checks` agrees, and the file's
+    rms_norm_eps `eps` is one our RMSNorm matches: F.rms_norm adds 1.2e-7, and an epsilon up to 1e-5 changes
+    unit-scale activations by < 1e-5 relative.
+    """
+    for key, value, ours in checks:
+        if value != ours:
+            raise UserError(f"{where} has {key}={value!r}; nanochat's GPT computes {key}={ours!r}: cannot import it")
+    if not (isinstance(eps, (int, float)) and 0 <= eps <= 1e-5):
+        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_EPS:.3g}: cannot import it")
 
 
 # -----------------------------------------------------------------------------
@@ -159,9 +166,15 @@ REMOTE_MODEL_TYPE = "nanochat_gpt"
 REMOTE_CLASSES = ("NanoChatGPTConfig", "NanoChatGPTModel", "NanoChatGPTForCausalLM")  # AutoConfig, AutoModel, ...
 
 
+def package_file(name):
+    """The text of the file `name` of the nanochat package (gpt.py, the modeling file, the chat template)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), encoding="utf-8") as f:
+        return f.read()
+
+
 def architecture_source():
     """The text of gpt.py's architecture part: its "# ==== ARCHITECTURE (" line to its "ARCHITECTURE END" line."""
-    gpt = open(os.path.join(os.path.dirname(__file__), "gpt.py"), encoding="utf-8").read().splitlines(keepends=True)
+    gpt = package_file("gpt.py").splitlines(keepends=True)
     marks = [[i for i, line in enumerate(gpt) if line.startswith("# ====") and mark in line]
              for mark in ("ARCHITECTURE (", "ARCHITECTURE END")]
     if [len(found) for found in marks] != [1, 1]:
@@ -175,8 +188,7 @@ def modeling_source():
     import` statement (its lines up to the one that ends it with ")") replaced by architecture_source(): the
     architecture is written once, and the exported file runs without nanochat.
     """
-    modeling = open(os.path.join(os.path.dirname(__file__), MODELING_FILE),
-                    encoding="utf-8").read().splitlines(keepends=True)
+    modeling = package_file(MODELING_FILE).splitlines(keepends=True)
     imports = [i for i, line in enumerate(modeling) if line.startswith("from nanochat.gpt import ")]
     if len(imports) != 1:
         raise RuntimeError(f"{MODELING_FILE} must import nanochat.gpt in one statement")
@@ -218,13 +230,10 @@ def model_config_from_remote(config, where):
              if isinstance(v, bool) != (GPT_FIELDS[k].type is bool) or not isinstance(v, kinds[GPT_FIELDS[k].type])]
     if wrong:
         raise UserError(f"{where} has {', '.join(wrong)}: not a nanochat GPT's setting, cannot import it")
-    for key, value, ours in [("final_logit_softcapping", config.get("final_logit_softcapping"), SOFTCAP),
-                             ("tie_word_embeddings", config.get("tie_word_embeddings", False), False)]:
-        if value != ours:
-            raise UserError(f"{where} has {key}={value!r}; nanochat's GPT computes {key}={ours!r}: cannot import it")
-    eps = config.get("rms_norm_eps")
-    if eps is not None and not (isinstance(eps, (int, float)) and 0 <= eps <= 1e-5):
-        raise UserError(f"{where} has rms_norm_eps={eps!r}; nanochat's RMSNorm uses {RMS_EPS:.3g}: cannot import it")
+    eps = config.get("rms_norm_eps")  # None: F.rms_norm's default, which is ours
+    check_computes(where, [("final_logit_softcapping", config.get("final_logit_softcapping"), SOFTCAP),
+                           ("tie_word_embeddings", config.get("tie_word_embeddings", False), False)],
+                   RMS_EPS if eps is None else eps)
     return model_config
 
 
@@ -352,8 +361,7 @@ def generation_config(tokenizer):
 
 # The chat template: Tokenizer.render_conversation in Jinja, with add_generation_prompt render_for_completion
 # (docs/export.md)
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja"), encoding="utf-8") as _f:
-    CHAT_TEMPLATE = _f.read()
+CHAT_TEMPLATE = package_file("chat_template.jinja")
 
 
 # -----------------------------------------------------------------------------

@@ -3,6 +3,7 @@ Long phases that a stop request cuts short: Interrupted, and interruptible() so 
 
   Interrupted     raise it in a long phase (an evaluation, sampling) when its `stop()` says so: the incomplete
                   result is not reported (a stage catches it, saves a checkpoint and stops)
+  check_stop      `check_stop(stop)` between a phase's batches: Interrupted if `stop()` says so
   interruptible   `with interruptible():` around a rank's own share of a phase whose collectives follow: every rank
                   raises Interrupted there, or none does
 
@@ -20,6 +21,12 @@ class Interrupted(Exception):
     A long phase (an evaluation, sampling) stopped on a stop request (its `stop()`: a stage's StopRequest); its
     incomplete result is not reported. With collectives, raised on every rank at one point (interruptible).
     """
+
+
+def check_stop(stop):
+    """Raise Interrupted if the phase's `stop` (a callable, or None: never) says so."""
+    if stop is not None and stop():
+        raise Interrupted
 
 
 @contextlib.contextmanager

@@ -70,13 +70,17 @@ def _apply_update(p, update, group):
     p.add_(update, alpha=-lr)
 
 
-def _momentum_direction(grad, momentum_buffer, momentum, nesterov):
+def _momentum_direction(state, p, grad, group):
     """
-    The direction Muon orthogonalises, for one matrix: buf <- momentum * buf + (1 - momentum) * grad in place, then
-    (1 - momentum) * grad + momentum * buf if nesterov (a look one step ahead), else buf. grad is not touched.
+    The direction Muon orthogonalises, for the matrix p with gradient grad: its momentum buffer (in `state`, made at
+    the first step) buf <- momentum * buf + (1 - momentum) * grad in place, then (1 - momentum) * grad + momentum *
+    buf if the group's nesterov (a look one step ahead), else buf. grad is not touched.
     """
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(p)
+    buffer = state["momentum_buffer"]
+    buffer.lerp_(grad, 1 - group["momentum"])
+    return grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
 
 
 def _batches(params):
@@ -88,10 +92,15 @@ def _batches(params):
     """
     if not params or params[0].device.type != "cpu" or torch.get_num_threads() == 1:
         return [[p] for p in params]
-    by_shape = {}
+    return _by_shape(params)
+
+
+def _by_shape(params):
+    """The matrices grouped by shape, in first-seen order (which is the same on every rank)."""
+    groups = {}
     for p in params:
-        by_shape.setdefault(tuple(p.shape), []).append(p)
-    return list(by_shape.values())
+        groups.setdefault(tuple(p.shape), []).append(p)
+    return list(groups.values())
 
 
 def _momentum_state(opt, params, name_of):
@@ -131,13 +140,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for batch in _batches([p for p in group["params"] if p.grad is not None]):
-                directions = []
-                for p in batch:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    directions.append(_momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
-                                                          group["nesterov"]))
+                directions = [_momentum_direction(self.state[p], p, p.grad, group) for p in batch]
                 if len(batch) == 1:
                     updates = [zeropower_via_newtonschulz5(directions[0], group["ns_steps"], group["ns_dtype"])]
                 else:  # stacked straight into the compute dtype, and the updates applied in it: no fp32 round trips
@@ -158,7 +161,7 @@ class Muon(torch.optim.Optimizer):
         _load_momentum_state(self, [p for group in self.param_groups for p in group["params"]], name_of, full_state)
 
 
-class DistMuon(ShardedGradients, torch.optim.Optimizer):
+class DistMuon(ShardedGradients, Muon):
     """
     Muon sharded across ranks, ZeRO-2 style (docs/optimizers.md): each WHOLE matrix (Newton-Schulz needs all of it) has
     one owner rank, which alone keeps its momentum buffer and computes its update. Matrices are grouped by shape, one
@@ -172,20 +175,14 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
     sizes.
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32,
-                 weight_decay=0.0):
+    def __init__(self, params, **settings):
+        """`settings`: Muon's (lr, momentum, nesterov, ns_steps, ns_dtype, weight_decay)."""
         if not is_distributed():
             raise RuntimeError("DistMuon needs an initialised process group (torchrun + compute_init); "
                                "use Muon in a single process")
         params = list(params)
         _check_matrices(params, "DistMuon")
-        by_shape = {}  # shape -> params, in first-seen order, which is the same on every rank
-        for p in params:
-            by_shape.setdefault(tuple(p.shape), []).append(p)
-        param_groups = [{"params": ps} for ps in by_shape.values()]
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype,
-                        weight_decay=weight_decay)
-        super().__init__(param_groups, defaults)
+        super().__init__([{"params": ps} for ps in _by_shape(params)], **settings)
         # one zero matrix per shape, padding the last block; outside the param groups, so not in state_dict()
         self._zero_buffers = {}
 
@@ -231,12 +228,8 @@ class DistMuon(ShardedGradients, torch.optim.Optimizer):
             owned_grad = self._averaged(entry)  # waits for this block's reduce_scatter
             if rank < len(block):
                 p = block[rank]
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
                 # one matrix at a time: the block's others belong to other ranks
-                direction = _momentum_direction(owned_grad, state["momentum_buffer"], group["momentum"],
-                                                group["nesterov"])
+                direction = _momentum_direction(self.state[p], p, owned_grad, group)
                 update = zeropower_via_newtonschulz5(direction, group["ns_steps"], group["ns_dtype"])
                 _apply_update(p, update, group)
                 source = p

@@ -104,11 +104,14 @@ def check_model(model, settings):
 
 
 async def read_request(request):
-    """The request's JSON object (serving.read_body), for the model served (check_model)."""
+    """
+    (the request's JSON object (serving.read_body), for the model served (check_model); the server's settings; its
+    worker pool).
+    """
     body = await read_body(request)
     settings = request.app.state.settings
     check_model(checked_field(body, "model", "str", settings.model_name), settings)
-    return body
+    return body, settings, request.app.state.pool
 
 
 def openai_messages(body):
@@ -202,7 +205,7 @@ def completion_prompts(body, settings, pool):
             p = pool.tokenizer.encode(p)
         elif not isinstance(p, list) or not p:
             raise field_error(where, "must be a string or a non-empty list of token ids")
-        elif not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < pool.vocab_size for t in p):
+        elif not all(type(t) is int and 0 <= t < pool.vocab_size for t in p):
             raise field_error(where, f"token ids must be integers in [0, {pool.vocab_size}) (the model's vocabulary)")
         added = int(not p or p[0] != bos)
         p = [bos] * added + p
@@ -274,6 +277,17 @@ def check_key(request: Request):
 router = APIRouter(dependencies=[Depends(check_key)])
 
 
+def generation_failed(e):
+    """The APIError (500) of a generation that raised `e`, whose traceback goes to the log."""
+    logger.exception("generation failed")
+    return APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
+
+
+def error_body(error):
+    """An APIError in OpenAI's shape."""
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+
+
 def usage(prompt_tokens, completion_tokens):
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -296,9 +310,7 @@ async def retrieve_model(model: str, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    settings = request.app.state.settings
-    pool = request.app.state.pool
-    body = await read_request(request)
+    body, settings, pool = await read_request(request)
     if body.get("logprobs"):
         raise field_error("logprobs", "log-probabilities come from /v1/completions (logprobs), not from chat")
     stops = check_openai_fields(body)
@@ -321,8 +333,7 @@ async def chat_completions(request: Request):
             pieces = reply_pieces(job, request, prompt, sampling, stops, reply)
             content = "".join([piece async for _, piece in pieces])
         except Exception as e:
-            logger.exception("generation failed")
-            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error") from e
+            raise generation_failed(e) from e
         if reply.finish_reason is None:
             return Response(status_code=499)  # the client left: nobody reads this ("client closed request")
         job.outcome = "served"
@@ -354,17 +365,13 @@ async def chat_events(request, job, head, prompt, sampling, stops, include_usage
             yield sse({**head, "object": "chat.completion.chunk", "choices": [],
                        "usage": usage(len(prompt), len(reply.tokens))})
     except Exception as e:  # the openai client raises APIError on an event with an "error" key
-        logger.exception("generation failed")
-        yield sse({"error": {"message": f"generation failed: {type(e).__name__}: {e}", "type": "server_error",
-                             "param": None, "code": None}})
+        yield sse(error_body(generation_failed(e)))
     yield "data: [DONE]\n\n"
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    settings = request.app.state.settings
-    pool = request.app.state.pool
-    body = await read_request(request)
+    body, settings, pool = await read_request(request)
     if checked_field(body, "stream", "bool", False):
         raise field_error("stream", "streaming is not supported on /v1/completions: stream with /v1/chat/completions")
     stops = check_openai_fields(body)
@@ -392,8 +399,7 @@ async def completions(request: Request):
                 generated += choice.pop("generated")
                 choices.append({"index": index, **choice})
         except Exception as e:
-            logger.exception("generation failed")
-            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error") from e
+            raise generation_failed(e) from e
         job.outcome = "served"
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": settings.model_name, "choices": choices,
@@ -451,8 +457,7 @@ async def tokenize(request: Request):
     ("<|bos|>") are read as such, as Hugging Face tokenizers do (the harness finds the BOS id this way);
     add_special_tokens puts a <|bos|> first, as the model reads every prompt of /v1/completions.
     """
-    pool = request.app.state.pool
-    body = await read_request(request)
+    body, _, pool = await read_request(request)
     text = checked_field(body, "prompt", "str")
     if text is None:
         raise field_error("prompt", "missing: send the text to tokenize")
@@ -464,9 +469,9 @@ async def tokenize(request: Request):
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
-    pool = request.app.state.pool
-    tokens = checked_field(await read_request(request), "tokens", "list", [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < pool.vocab_size for t in tokens):
+    body, _, pool = await read_request(request)
+    tokens = checked_field(body, "tokens", "list", [])
+    if not all(type(t) is int and 0 <= t < pool.vocab_size for t in tokens):
         raise field_error("tokens", f"token ids must be integers in [0, {pool.vocab_size})")
     return {"prompt": pool.tokenizer.decode(tokens)}
 
@@ -479,9 +484,8 @@ def mount(app):
     app.include_router(router)
 
     async def api_error(request, error):
-        body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-        return JSONResponse(status_code=error.status, content=body, headers=headers)
+        return JSONResponse(status_code=error.status, content=error_body(error), headers=headers)
     app.add_exception_handler(APIError, api_error)
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)

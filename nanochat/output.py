@@ -12,6 +12,7 @@ What a script shows its user: one-line errors (UserError), the "nanochat" logger
   duration, format_value  a duration (45s, 6m, 1h05m) and a number (1.2346, 87.6, 12,345) for people: log lines and
                           the report
   format_bytes            a size for people (120.5 MB): a download, a checkpoint, what a full disk needed
+  error_line              an exception as one line ("ValueError: its message's first line"), for an error quoting it
   print_banner            the nanochat banner, which scripts print at start-up
 
 Importing this module touches no RNG, no process group and no handler of the importing program's loggers: it only
@@ -142,6 +143,12 @@ def format_bytes(n):
         if n < 1024 or unit == "GB":
             return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def error_line(e):
+    """`Type: the first line of its message` of the exception `e`: what a one-line error says of the one it caught."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def print_banner():

@@ -9,7 +9,6 @@ thresholds: bench/RESULTS.md.
 """
 
 import functools
-import json
 import os
 import platform
 import subprocess
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from filelock import FileLock
 
 from nanochat.cpu_kernels import onednn_off
-from nanochat.files import atomic_write, get_base_dir
+from nanochat.files import get_base_dir, read_json, write_json
 
 # -----------------------------------------------------------------------------
 # The machine, its kept answers, and the timing loop
@@ -59,16 +58,11 @@ def kept_per_machine(filename, key, update):
     """
     path = os.path.join(get_base_dir(), filename)
     with FileLock(path + ".lock"):
-        try:
-            with open(path, encoding="utf-8") as f:
-                known = json.load(f)
-        except (OSError, ValueError):
-            known = {}
+        known = read_json(path) or {}
         entry = update(known.get(key))
         if entry != known.get(key):
             known[key] = entry
-            with atomic_write(path, "w") as f:
-                json.dump(known, f, indent=2)
+            write_json(path, known, indent=2)
     return entry, path
 
 

@@ -261,7 +261,7 @@ def _pydocs_entries_cached():
 
     from filelock import FileLock
 
-    from nanochat.files import atomic_write, file_sha256, get_base_dir
+    from nanochat.files import file_sha256, get_base_dir, write_json
     path = os.path.join(get_base_dir(), "pydocs_entries.json")
     key = f"{sys.version} {_stdlib_dir()} {file_sha256(__file__)}"
     with FileLock(path + ".lock"):
@@ -273,8 +273,7 @@ def _pydocs_entries_cached():
         except (OSError, ValueError, KeyError, TypeError):
             pass
         records = _collect_entries()
-        with atomic_write(path, "w") as f:
-            json.dump({"key": key, "records": records}, f)
+        write_json(path, {"key": key, "records": records})
     return tuple(records)
 
 

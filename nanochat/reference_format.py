@@ -31,7 +31,7 @@ import re
 import torch
 
 from nanochat.hf_format import MODEL_CONFIG_KEYS, check_weight_names
-from nanochat.output import UserError
+from nanochat.output import UserError, error_line
 from nanochat.tokenizer import Tokenizer
 
 
@@ -166,8 +166,7 @@ def read_checkpoint(directory, step=-1):
     try:
         state = torch.load(model_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise UserError(f"{model_path} is unreadable "
-                        f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+        raise UserError(f"{model_path} is unreadable ({error_line(e)})") from None
     if not isinstance(state, dict):
         raise UserError(f"{model_path} does not hold a state dict")
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}

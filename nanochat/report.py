@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 
-from nanochat.files import atomic_write, get_base_dir
+from nanochat.files import atomic_write, get_base_dir, read_json, write_json
 from nanochat.output import format_value
 from nanochat.probes import cpu_model_name
 
@@ -72,15 +72,6 @@ def _time(stamp):
     return datetime.datetime.strptime(stamp, STAMP)
 
 
-def _load(path):
-    """The JSON file at `path`, or None if there is none."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def report_dir():
     path = os.path.join(get_base_dir(), "report")
     os.makedirs(path, exist_ok=True)
@@ -89,7 +80,7 @@ def report_dir():
 
 def runs():
     """When each run of the pipeline started ([] before `start`): the first run, then every rerun."""
-    return _load(os.path.join(report_dir(), "runs.json")) or []
+    return read_json(os.path.join(report_dir(), "runs.json")) or []
 
 
 def run_label(run):
@@ -99,7 +90,7 @@ def run_label(run):
 
 def read_state(section):
     """The state of the section titled `section` (what Report.log wrote), or None if it is not there."""
-    return _load(os.path.join(report_dir(), f"{_slug(section)}.json"))
+    return read_json(os.path.join(report_dir(), f"{_slug(section)}.json"))
 
 
 def values(state):
@@ -152,7 +143,7 @@ def get_report():
 
 def states(directory):
     """{section slug: its state} of every stage section in `directory`."""
-    found = {os.path.basename(p)[:-5]: _load(p) for p in glob.glob(os.path.join(directory, "*.json"))}
+    found = {os.path.basename(p)[:-5]: read_json(p) for p in glob.glob(os.path.join(directory, "*.json"))}
     return {name: state for name, state in found.items() if name not in ("header", "runs") and state}
 
 
@@ -209,7 +200,7 @@ def environment():
 
 def header(directory):
     """The header's state: when the report started and its environment (made now, "Generated", if never reset)."""
-    return _load(os.path.join(directory, "header.json")) or dict(Generated=_now(), environment=environment())
+    return read_json(os.path.join(directory, "header.json")) or dict(Generated=_now(), environment=environment())
 
 
 # -----------------------------------------------------------------------------
@@ -339,7 +330,7 @@ def stage_lines(directory):
     start-up and imports included, in whole seconds) and its headline number (HEADLINES). What `generate` prints, so
     that a run ends with a summary.
     """
-    head = _load(os.path.join(directory, "header.json"))
+    head = read_json(os.path.join(directory, "header.json"))
     previous = _time(head["Started"]) if head else None
     run_starts = [_time(s) for s in runs()]
     lines = []
@@ -362,8 +353,7 @@ def reset():
     for path in glob.glob(os.path.join(directory, "*")):
         if os.path.isfile(path):
             os.remove(path)
-    with atomic_write(os.path.join(directory, "header.json"), "w") as f:
-        json.dump(dict(Started=_now(), environment=environment()), f)
+    write_json(os.path.join(directory, "header.json"), dict(Started=_now(), environment=environment()))
     _add_run()
     return directory
 
@@ -379,8 +369,7 @@ def start():
 
 
 def _add_run():
-    with atomic_write(os.path.join(report_dir(), "runs.json"), "w") as f:
-        json.dump(runs() + [_now()], f)
+    write_json(os.path.join(report_dir(), "runs.json"), runs() + [_now()])
 
 
 def main(argv):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from nanochat.interrupt import Interrupted
+from nanochat.interrupt import check_stop
 from nanochat.output import duration, print0
 
 
@@ -44,8 +44,7 @@ def score_categorical(model, tokenizer, task, indices, batch_size, device, progr
         order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
         scored = [(False, None)] * len(prompts)  # a prompt longer than the rotary table keeps (False, None)
         for start in range(0, len(order), batch_size):
-            if stop is not None and stop():
-                raise Interrupted
+            check_stop(stop)
             batch = order[start:start + batch_size]
             rows = [k for k in batch if len(prompts[k]) <= limit]
             if rows:
@@ -83,8 +82,7 @@ def score_generative(engine, tokenizer, task, indices, num_samples, max_new_toke
                                      progress, stop)
     outcomes = []
     for i in indices:
-        if stop is not None and stop():
-            raise Interrupted
+        check_stop(stop)
         conversation = task[i]
         prompt = tokenizer.render_for_completion(conversation)
         room = engine.context_len - len(prompt)
@@ -118,8 +116,7 @@ def _score_greedy_batches(engine, tokenizer, task, indices, num_samples, max_new
             tokens = [[] for _ in group]
             steps = min(max_new_tokens, min(rooms[k] for k in group))
             for column, _ in engine.generate_many([prompts[k] for k in group], max_tokens=steps, temperature=0.0):
-                if stop is not None and stop():
-                    raise Interrupted
+                check_stop(stop)
                 for row, token in enumerate(column):
                     if not tokens[row] or tokens[row][-1] not in engine.end_tokens:
                         tokens[row].append(token)

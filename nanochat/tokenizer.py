@@ -18,7 +18,7 @@ import tiktoken
 import torch
 
 from nanochat.files import atomic_write, get_base_dir
-from nanochat.output import UserError, _use_color
+from nanochat.output import UserError, _use_color, error_line
 
 logger = logging.getLogger(__name__)
 
@@ -273,34 +273,31 @@ class Tokenizer:
         """Tokens and mask of validated messages (no truncation)."""
         ids, mask = [], []
 
+        special = self.special_tokens
+
         def add(token_ids, m):
-            token_ids = [token_ids] if isinstance(token_ids, int) else token_ids
             ids.extend(token_ids)
             mask.extend([m] * len(token_ids))
 
-        special = self.special_tokens
-        add(special["<|bos|>"], 0)
+        def block(name, text, m):  # <|name_start|> text <|name_end|>, every token with mask m
+            add([special[f"<|{name}_start|>"], *self.encode(text), special[f"<|{name}_end|>"]], m)
+
+        add([special["<|bos|>"]], 0)
         for message in messages:
             content = message["content"]
             if message["role"] == "user":
-                add(special["<|user_start|>"], 0)
-                add(self.encode(content), 0)
-                add(special["<|user_end|>"], 0)
+                block("user", content, 0)
                 continue
-            add(special["<|assistant_start|>"], 0)  # given at sampling time, so never a target
+            add([special["<|assistant_start|>"]], 0)  # given at sampling time, so never a target
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
             for part in parts:
                 if part["type"] == "text":
                     add(self.encode(part["text"]), 1)
                 elif part["type"] == "python":  # the model writes the tool call: trained
-                    add(special["<|python_start|>"], 1)
-                    add(self.encode(part["text"]), 1)
-                    add(special["<|python_end|>"], 1)
+                    block("python", part["text"], 1)
                 else:  # python_output: the tool writes it, the model only reads it
-                    add(special["<|output_start|>"], 0)
-                    add(self.encode(part["text"]), 0)
-                    add(special["<|output_end|>"], 0)
-            add(special["<|assistant_end|>"], 1)  # the model must learn to end its turn
+                    block("output", part["text"], 0)
+            add([special["<|assistant_end|>"]], 1)  # the model must learn to end its turn
         return ids, mask
 
     def render_conversation(self, conversation, max_tokens=2048):
@@ -443,7 +440,5 @@ def get_token_bytes(device="cpu", directory=None):
         if not (isinstance(token_bytes, torch.Tensor) and token_bytes.ndim == 1):
             raise ValueError(f"expected a 1-D tensor, found {type(token_bytes).__name__}")
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"{path} is unreadable ({type(e).__name__}: {reason}); "
-                        f"{TRAIN_HINT} to write it again") from None
+        raise UserError(f"{path} is unreadable ({error_line(e)}); {TRAIN_HINT} to write it again") from None
     return token_bytes.to(device)

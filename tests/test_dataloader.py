@@ -206,11 +206,11 @@ def placed_and_buffered(loader, batches):
     placed = Counter()
     for _ in range(batches):
         x, y = next(loader)
-        assert torch.all(x[:, 0] == slot.bos_id)
+        assert torch.all(x[:, 0] == loader.tokenizer.get_bos_token_id())
         placed.update(x.flatten().tolist() + y[:, -1].tolist())
     buffered = Counter(t for _, tokens, start, end in slot.bestfit.pieces.values() for t in tokens[start:end].tolist())
     pending = Counter(t for *_, tokens in slot.docs for t in tokens.tolist())  # read ahead, not yet in the buffer
-    read = Counter(t for ids in slot.tokenizer.encoded for t in ids) - pending
+    read = Counter(t for ids in loader.tokenizer.encoded for t in ids) - pending
     return placed, buffered, read
 
 
