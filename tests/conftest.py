@@ -13,9 +13,20 @@ from helpers import CORES, TASK_FIXTURES, TINY_MODELS, FileServer, build_once, r
 
 
 def pytest_configure(config):
-    """This process computes on its share of the cores (the scripts it runs: one thread each, see script_env)."""
+    """
+    This process computes on its share of the cores (the scripts it runs: one thread each, see script_env). Every
+    process of the session, and every run it starts:
+    - gets MFU against a fixed peak FLOP/s (NANOCHAT_PEAK_FLOPS): on a CPU each training run measures it otherwise,
+      ~4 s of CPU here. The measurement's tests remove it (test_hardware.py, test_base_train.py: the run that
+      measures the hardware, and the README's quick start, run as a user runs it);
+    - compiles in its own process (TORCHINDUCTOR_COMPILE_THREADS=1): torch.compile's default on 2 cores starts, in
+      every process that compiles, a pool of new interpreters (each importing torch) to compile in parallel on a
+      core the other test process keeps busy anyway (bench/RESULTS.md). The compiled code is the same.
+    """
     import torch
     torch.set_num_threads(min(torch.get_num_threads(), CORES))
+    os.environ["NANOCHAT_PEAK_FLOPS"] = "1e11"
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

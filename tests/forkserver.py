@@ -40,11 +40,14 @@ import sys
 import tempfile
 import threading
 
-# What a script run imports before it does anything, costly and the same for all: loaded once, in the server. Not
-# pyarrow: its import starts jemalloc's background thread, and a fork of a process with a second thread can inherit
-# a lock that thread held, which no one in the child will release (a run that hangs)
-PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "torch.utils.data", "numpy", "tiktoken", "psutil",
-           "filelock", "requests")
+# What a script run imports before it does anything, costly and the same for all: loaded once, in the server.
+# torch._dynamo: what torch.optim's optimizers and nn.Module.to_empty import on first use (~2 s of CPU), so every run
+# that builds a model or an optimizer (its config reads a few TORCH_COMPILE_* variables at import: a run that needs
+# one set runs with NANOCHAT_TEST_FORK=0). Not pyarrow: its import starts jemalloc's background thread, and a fork of
+# a process with a second thread can inherit a lock that thread held, which no one in the child will release (a run
+# that hangs)
+PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "torch.utils.data", "torch._dynamo", "numpy",
+           "tiktoken", "psutil", "filelock", "requests")
 
 
 # ---------------------------------------------------------------------------------------------

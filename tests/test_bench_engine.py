@@ -7,12 +7,10 @@ NANOCHAT_HEAD_REPO names: helpers.head_checkout; skipped without it).
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from helpers import HEAD_COMMIT, REPO_ROOT, head_checkout
+from helpers import HEAD_COMMIT, REPO_ROOT, head_checkout, run_script
 
 TINY = ["--depth=1", "--vocab_size=512", "--sequence_len=256", "--prompt_tokens=8", "--long_prompt_tokens=32",
         "--new_tokens=6", "--batch_sizes=1,3", "--threads=1", "--repeats=1", "--naive=False", "--bandwidth_mib=16",
@@ -21,9 +19,8 @@ TINY = ["--depth=1", "--vocab_size=512", "--sequence_len=256", "--prompt_tokens=
 
 def bench_engine(small_tokenizer_dir, tmp_path, *extra):
     shutil.copytree(small_tokenizer_dir, tmp_path / "tokenizer")
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "engine.py"), *TINY, *extra],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = run_script(os.path.join(REPO_ROOT, "bench", "engine.py"), *TINY, *extra, timeout=600,
+                        env={"NANOCHAT_BASE_DIR": tmp_path, "OMP_NUM_THREADS": None})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 

@@ -6,7 +6,6 @@ base directory (files.py), downloads (downloads.py), ranks agreeing (ranks.py).
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import platform
 import signal
@@ -215,24 +214,16 @@ def _payload(n=300_000):
     return bytes((i * 7919) % 251 for i in range(n))
 
 
-def _download_worker(url, filename, queue):
-    queue.put(download_file_with_lock(url, filename))
-
-
 def test_concurrent_callers_download_once(file_server):
     data = _payload()
     open(os.path.join(file_server.root, "f.bin"), "wb").write(data)
     file_server.slow_paths["/f.bin"] = 0.05  # slow enough that all callers arrive while it downloads
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_download_worker, args=(f"{file_server.url}/f.bin", "dl/f.bin", queue))
-             for _ in range(4)]
-    for p in procs:
-        p.start()
-    paths = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs)
+    code = ("from nanochat.downloads import download_file_with_lock; "
+            f"print(download_file_with_lock('{file_server.url}/f.bin', 'dl/f.bin'))")
+    procs = [start_script("-c", code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    paths = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert len(set(paths)) == 1 and open(paths[0], "rb").read() == data
     assert file_server.requests["/f.bin"] == 1
 

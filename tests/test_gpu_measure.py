@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, run_script
 
 SCRIPT = os.path.join(REPO_ROOT, "bench", "gpu_measure.sh")
 
@@ -31,8 +31,7 @@ def commands():
 
 def settings_of(argv):
     """The --key=value settings a script's --help lists."""
-    result = subprocess.run([sys.executable, *argv, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    result = run_script(*argv, "--help", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return set(re.findall(r"--(\w+)", result.stdout))
 

@@ -162,6 +162,28 @@ def test_measuring_the_hardware_leaves_the_global_rng_alone(isolated_env, monkey
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_the_peak_flops_is_the_override_or_the_best_measurement_ever(isolated_env, monkeypatch):
+    # every other test runs with NANOCHAT_PEAK_FLOPS set (conftest.isolated_env): measuring costs ~4 s of CPU a run
+    import nanochat.hardware as hardware
+    monkeypatch.setenv("NANOCHAT_PEAK_FLOPS", "2.5e11")
+    assert get_peak_flops("cpu", torch.float32) == (2.5e11, "NANOCHAT_PEAK_FLOPS")
+    monkeypatch.setenv("NANOCHAT_PEAK_FLOPS", "fast")
+    with pytest.raises(UserError, match="need a positive number"):
+        get_peak_flops("cpu", torch.float32)
+    monkeypatch.delenv("NANOCHAT_PEAK_FLOPS")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # a lower reading (a busy moment) never replaces the best one kept in <base_dir>/peak_flops.json
+        for reading, kept in ((2e10, 2e10), (1e10, 2e10), (3e10, 3e10)):
+            monkeypatch.setattr(hardware, "measure_matmul_flops", lambda device, dtype, n, repeats: reading)
+            flops, source = get_peak_flops("cpu", torch.float32)
+            assert flops == kept and f"this run {reading:.3e}" in source
+    finally:
+        torch.set_num_threads(threads)
+    assert list(json.loads((isolated_env / "peak_flops.json").read_text()).values()) == [3e10]
+
+
 def test_compile_auto_is_on_for_cuda_only():
     model = torch.nn.Linear(2, 2)
     assert compile_model(model, "auto", "cpu") == (model, False)

@@ -9,19 +9,16 @@ not the speed.
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from helpers import CORES, HEAD_COMMIT, REPO_ROOT, head_checkout
+from helpers import CORES, HEAD_COMMIT, REPO_ROOT, head_checkout, run_script
 
 
 
 def head_speed(*args, env=None):
-    env = dict(os.environ, OMP_NUM_THREADS=str(CORES), **(env or {}))
-    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "head_speed.py"), *args], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return run_script(os.path.join(REPO_ROOT, "bench", "head_speed.py"), *args, timeout=600,
+                      env=dict(OMP_NUM_THREADS=CORES, **(env or {})))
 
 
 def test_without_a_checkout_head_is_skipped_with_how_to_get_it(tmp_path):

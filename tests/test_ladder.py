@@ -11,12 +11,11 @@ of the same recipe on different seeds (a record per rung, a rerun that trains no
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import CORES, HEAD_COMMIT, REPO_ROOT, head_checkout
+from helpers import CORES, HEAD_COMMIT, REPO_ROOT, head_checkout, run_script
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))  # bench/ is no package
 import ladder  # noqa: E402
@@ -212,12 +211,12 @@ def test_compare_refuses_two_datasets_and_draws_the_picture(tmp_path, capsys):
 # One tiny ladder, for real
 
 
-def ladder_cli(*args, env=None):
-    env = dict(os.environ, OMP_NUM_THREADS=str(CORES), **(env or {}))
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "ladder.py"), *args], cwd=REPO_ROOT,
-                            env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+def ladder_cli(*args, env=None, code=0):
+    """bench/ladder.py, forked as every script run is (its own runs too); its output if it exits `code`."""
+    result = run_script(os.path.join(REPO_ROOT, "bench", "ladder.py"), *args, timeout=900,
+                        env=dict(OMP_NUM_THREADS=CORES, **(env or {})))
+    assert result.returncode == code, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
 
 
 @pytest.mark.slow
@@ -241,9 +240,8 @@ def test_a_tiny_ladder_end_to_end(tmp_path):
     again = ladder_cli("run", "a", "--seeds=2", "--core_per_task=0", *tiny)  # trains nothing, prepares nothing
     assert again.count("done before, skipped") == 2 and "every rung done" in again
     assert len((tmp_path / "ladders" / "a" / "curve.jsonl").read_text().splitlines()) == 2
-    other = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "ladder.py"), "run", "a", "--seeds=2",
-                            "--core_per_task=0", *tiny[:-1], "--vocab_size=1024"], capture_output=True, text=True)
-    assert other.returncode == 1 and "experiment a was made otherwise (vocab_size: 512 -> 1024)" in other.stderr
+    other = ladder_cli("run", "a", "--seeds=2", "--core_per_task=0", *tiny[:-1], "--vocab_size=1024", code=1)
+    assert "experiment a was made otherwise (vocab_size: 512 -> 1024)" in other
 
     b = ladder_cli("run", "b", "--first_seed=2", "--core_per_task=2", *tiny)  # the same recipe on seed 44, with CORE
     assert "seed 44, depth 1: val bpb" in b and "CORE" in b
@@ -256,8 +254,10 @@ def test_a_tiny_ladder_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_an_anchor_rung_is_trained_and_scored_as_ours(tmp_path):
     head = head_checkout(tmp_path / "head")
-    # HEAD's torch.compile is off (TORCHDYNAMO_DISABLE): a minute of compiling here, and the test is the plumbing
-    out = ladder_cli("run", "h", "--codebase=head", f"--refhead={head}", f"--ref_python={sys.executable}",
+    # HEAD's torch.compile is off (TORCHDYNAMO_DISABLE): a minute of compiling here, and the test is the plumbing.
+    # Its python: the tests' stand-in (tests/forkbin), so that its runs fork as ours do
+    python = os.path.join(REPO_ROOT, "tests", "forkbin", "python")
+    out = ladder_cli("run", "h", "--codebase=head", f"--refhead={head}", f"--ref_python={python}",
                      f"--work={tmp_path}", "--depths=1", "--ratio=0.02", "--seq_len=64", "--tokens_per_step=256",
                      "--evals=2", "--eval_tokens=2048", "--vocab_size=512", env={"TORCHDYNAMO_DISABLE": "1"})
     assert "[1/1] seed 42, depth 1: val bpb" in out

@@ -49,21 +49,31 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNIN
 KV_CACHE_BYTES = 2**26
 MAX_TOKENS = 24
 
-# run by vLLM's python: for each prompt (token ids), its greedy tokens and the log-probability vLLM gives each of the
-# prompt's tokens after the first, through vLLM's LLM class; JSON on stdout's last line
+# run by vLLM's python: for each model (a directory) and each of its prompts (token ids), the greedy tokens and the
+# log-probability vLLM gives each of the prompt's tokens after the first, through vLLM's LLM class; JSON on stdout's
+# last line. One process for every model: vLLM's start (its imports, ~20 s of CPU) is paid once; each model's engine
+# is shut down, and vLLM's process group destroyed, before the next one is built
 LLM_SCRIPT = """
-import json, sys
+import gc, json, sys
 from vllm import LLM, SamplingParams
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from vllm.inputs import TokensPrompt
 
 if __name__ == "__main__":
-    directory, prompts, max_tokens, kv_bytes = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    llm = LLM(model=directory, trust_remote_code=True, model_impl="transformers", dtype="float32",
-              kv_cache_memory_bytes=kv_bytes, enforce_eager=True, distributed_executor_backend="uni")
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=0))
-    print(json.dumps([[list(o.outputs[0].token_ids), [e[t].logprob for t, e in zip(p[1:], o.prompt_logprobs[1:])]]
-                      for p, o in zip(prompts, outputs)]))
+    jobs, max_tokens, kv_bytes = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    results = []
+    for directory, prompts in jobs:
+        llm = LLM(model=directory, trust_remote_code=True, model_impl="transformers", dtype="float32",
+                  kv_cache_memory_bytes=kv_bytes, enforce_eager=True, distributed_executor_backend="uni")
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=0))
+        results.append([[list(o.outputs[0].token_ids), [e[t].logprob for t, e in zip(p[1:], o.prompt_logprobs[1:])]]
+                        for p, o in zip(prompts, outputs)])
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    print(json.dumps(results))
 """
 
 
@@ -136,15 +146,33 @@ def vllm_env(tmp_path):
             "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache")}
 
 
-def vllm_generate(directory, prompts, tmp_path):
-    """[(greedy tokens, prompt log-probabilities)] of each prompt, from vLLM's LLM class in vLLM's python."""
+def vllm_generate(jobs, tmp_path):
+    """
+    For each (directory, prompts) of `jobs`, [(greedy tokens, prompt log-probabilities)] of each prompt, from vLLM's
+    LLM class in vLLM's python: one process for all.
+    """
     script = tmp_path / "vllm_generate.py"
     script.write_text(LLM_SCRIPT)
-    result = subprocess.run([VLLM_PYTHON, str(script), str(directory), json.dumps(prompts), str(MAX_TOKENS),
-                             str(KV_CACHE_BYTES)], capture_output=True, text=True, timeout=600, env=vllm_env(tmp_path),
-                            cwd=tmp_path)
+    jobs = [[str(directory), prompts] for directory, prompts in jobs]
+    result = subprocess.run([VLLM_PYTHON, str(script), json.dumps(jobs), str(MAX_TOKENS), str(KV_CACHE_BYTES)],
+                            capture_output=True, text=True, timeout=900, env=vllm_env(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def default_prompts(tokenizer):
+    """A text, a code line, a chat: the default model's prompts."""
+    return [tokenizer.encode("The function", prepend="<|bos|>"),
+            tokenizer.encode("def f(x):\n    return", prepend="<|bos|>"),
+            tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+2?"}]})]
+
+
+def random_prompts(tokenizer, lengths):
+    """<|bos|> and random tokens: one prompt per length."""
+    import torch
+    generator = torch.Generator().manual_seed(1)
+    return [[tokenizer.get_bos_token_id()] + torch.randint(0, 500, (n,), generator=generator).tolist()
+            for n in lengths]
 
 
 def our_prompt_logprobs(model, prompt):
@@ -156,46 +184,31 @@ def our_prompt_logprobs(model, prompt):
     return logprobs.gather(1, ids[0, 1:, None])[:, 0]
 
 
-def assert_vllm_gives_ours(directory, model, tokenizer, prompts, tmp_path):
-    """vLLM's greedy tokens after each prompt are our Engine's, its prompt log-probabilities ours within 1e-4."""
-    import torch
-    results = vllm_generate(directory, prompts, tmp_path)
-    for prompt, (tokens, logprobs) in zip(prompts, results):
-        assert tokens == engine_greedy(model, tokenizer, prompt)
-        assert (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item() <= 1e-4
-
-
-def test_vllm_gives_our_greedy_tokens(default_model, tmp_path):
-    directory, model, tokenizer = default_model
-    prompts = [tokenizer.encode("The function", prepend="<|bos|>"),
-               tokenizer.encode("def f(x):\n    return", prepend="<|bos|>"),
-               tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+2?"}]})]
-    results = vllm_generate(directory, prompts, tmp_path)
-    assert [tokens for tokens, _ in results] == [engine_greedy(model, tokenizer, prompt) for prompt in prompts]
-
-
-def test_vllm_runs_every_part(all_parts_model, tmp_path):
+def test_vllm_gives_our_tokens_on_every_layout(default_model, all_parts_model, plain_model, tmp_path):
     """
-    Windows, layer scalars, value embeddings, GQA: vLLM's greedy tokens are our Engine's, and its log-probabilities
-    of a prompt longer than the window are ours to rounding (measured 1e-6; its attention is its own kernel). Without
-    the windows (vLLM reads them from the config's layer_types and sliding_window) they differ by 0.058 here.
+    One vLLM process runs the three exports (vLLM's start, ~20 s of CPU, paid once: a test for each would start it
+    on each test process they landed on):
+    - today's default model: vLLM's greedy tokens are our Engine's;
+    - every part off its default (windows, layer scalars, value embeddings, GQA): its greedy tokens are our Engine's,
+      and its log-probabilities of a prompt longer than the window ours to rounding (measured 1e-6; its attention is
+      its own kernel). Without the windows (vLLM reads them from the config's layer_types and sliding_window) they
+      differ by 0.058 here;
+    - the plain layout (transformers' own NanoChat, no code of ours) through vLLM's transformers backend: the same.
     """
     import torch
-    directory, model, tokenizer = all_parts_model
-    torch.manual_seed(1)
-    # 136 tokens (past the window) and their 24 greedy ones fill the context of 160
-    prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, 500, (n,)).tolist() for n in (135, 30)]
-    assert_vllm_gives_ours(directory, model, tokenizer, prompts, tmp_path)
-
-
-def test_vllm_runs_the_plain_layout(plain_model, tmp_path):
-    """transformers' own NanoChat (the plain layout, no remote code) through vLLM's transformers backend."""
-    import torch
-    directory, model, tokenizer = plain_model
-    assert "auto_map" not in json.loads((directory / "config.json").read_text())
-    torch.manual_seed(1)
-    prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, 500, (n,)).tolist() for n in (100, 20)]
-    assert_vllm_gives_ours(directory, model, tokenizer, prompts, tmp_path)
+    assert "auto_map" not in json.loads((plain_model[0] / "config.json").read_text())
+    # every part's first prompt, 136 tokens, is past the window (128), and with its 24 greedy tokens fills the
+    # context of 160
+    cases = {"default": (default_model, default_prompts(default_model[2])),
+             "every part": (all_parts_model, random_prompts(all_parts_model[2], (135, 30))),
+             "plain layout": (plain_model, random_prompts(plain_model[2], (100, 20)))}
+    results = vllm_generate([(model[0], prompts) for model, prompts in cases.values()], tmp_path)
+    for (name, ((_, model, tokenizer), prompts)), found in zip(cases.items(), results):
+        for prompt, (tokens, logprobs) in zip(prompts, found):
+            assert tokens == engine_greedy(model, tokenizer, prompt), name
+            if name != "default":
+                worst = (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item()
+                assert worst <= 1e-4, (name, worst)
 
 
 @pytest.fixture
