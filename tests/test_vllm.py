@@ -184,6 +184,7 @@ def our_prompt_logprobs(model, prompt):
     return logprobs.gather(1, ids[0, 1:, None])[:, 0]
 
 
+@pytest.mark.slow
 def test_vllm_gives_our_tokens_on_every_layout(default_model, all_parts_model, plain_model, tmp_path):
     """
     One vLLM process runs the three exports (vLLM's start, ~20 s of CPU, paid once: a test for each would start it
@@ -251,6 +252,7 @@ def vllm_server(default_model, tmp_path):
         log.close()
 
 
+@pytest.mark.slow
 def test_vllm_serve_answers_the_openai_client(default_model, vllm_server):
     import openai
     _, model, tokenizer = default_model
