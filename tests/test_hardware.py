@@ -163,7 +163,7 @@ def test_measuring_the_hardware_leaves_the_global_rng_alone(isolated_env, monkey
 
 
 def test_the_peak_flops_is_the_override_or_the_best_measurement_ever(isolated_env, monkeypatch):
-    # every other test runs with NANOCHAT_PEAK_FLOPS set (conftest.isolated_env): measuring costs ~4 s of CPU a run
+    # every other test runs with NANOCHAT_PEAK_FLOPS set (conftest.pytest_configure): measuring costs ~4 s of CPU a run
     import nanochat.hardware as hardware
     monkeypatch.setenv("NANOCHAT_PEAK_FLOPS", "2.5e11")
     assert get_peak_flops("cpu", torch.float32) == (2.5e11, "NANOCHAT_PEAK_FLOPS")
