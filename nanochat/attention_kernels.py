@@ -86,13 +86,21 @@ def eager_attention(q, k, v, window=None):
 
 
 def block_mask(T, window, device):
-    """FlexAttention's BlockMask of gpt.visible for T queries over T keys (blocks of 128)."""
+    """FlexAttention's BlockMask of gpt.visible for T queries over T keys (blocks of 128); window None, int, tensor."""
     from torch.nn.attention.flex_attention import create_block_mask
     return create_block_mask(lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window), None, None, T, T,
                              device=device)
 
 
-cached_block_mask = lru_cache(maxsize=64)(block_mask)  # one per (T, window, device): made once, not per layer
+@lru_cache(maxsize=64)
+def cached_block_mask(T, window, device):
+    """
+    block_mask for the compiled kernel called outside a compiled model, made once per (T, window, device), not per
+    layer. Its window is a tensor (no window: T, which hides nothing that causality does not), which the kernel reads:
+    one kernel serves every window of a model, where an int, a constant of the kernel, compiles one per window.
+    Inside a compiled model the int stays: the mask is traced with the model (the CPU kernel takes no tensor there).
+    """
+    return block_mask(T, torch.tensor(T if window is None else window, device=device), device)
 
 
 @lru_cache(maxsize=1)

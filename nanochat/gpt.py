@@ -193,8 +193,8 @@ def value_gate(w_gate, x):
 def visible(q_idx, kv_idx, window):
     """
     The window rule, which every attention kernel applies: whether the query at position q_idx sees the key at
-    kv_idx (tensors that broadcast): causal, and at most `window` positions back (a layer's layer_windows(); None: no
-    limit).
+    kv_idx (tensors that broadcast): causal, and at most `window` positions back (a layer's layer_windows(), an int or
+    a 0-d tensor; None: no limit).
     """
     seen = kv_idx <= q_idx
     return seen if window is None else seen & (q_idx - kv_idx <= window)

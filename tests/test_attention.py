@@ -117,18 +117,26 @@ def test_engine_decodes_a_windowed_model_as_naive_generation(small_tokenizer_dir
         assert [column[p] for column in columns][:len(expected)] == expected
 
 
-@pytest.mark.parametrize("window", [None, 0, 3, 128])
 @pytest.mark.parametrize("name", ["eager", "flex"])
-def test_attention_kernels_equal_attention_written_out(name, window):
-    """T = 160 (two of FlexAttention's blocks of 128, the second partial): a window of 128 binds in the second."""
+def test_attention_kernels_equal_attention_written_out(name):
+    """
+    T = 160 (two of FlexAttention's blocks of 128, the second partial): a window of 128 binds in the second. flex:
+    one compiled kernel serves every window (attention_kernels.cached_block_mask), none compiled again.
+    """
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     q = torch.randn(2, 4, 160, 8)
     k = torch.randn(2, 2, 160, 8)
     v = torch.randn(2, 2, 160, 8)
-    got = KERNELS[name](q, k, v, window=window)
-    expected = written_out(q, k, v, window)
-    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got, attention(q, k, v, window=window), rtol=0, atol=1e-5)
+    for window in (None, 0, 3, 128):
+        got = KERNELS[name](q, k, v, window=window)
+        expected = written_out(q, k, v, window)
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5, msg=f"window {window}")
+        torch.testing.assert_close(got, attention(q, k, v, window=window), rtol=0, atol=1e-5, msg=f"window {window}")
+    assert counters["stats"]["unique_graphs"] == (1 if name == "flex" else 0)
 
 
 def test_a_model_through_each_kernel_gives_sdpas_logits_and_eager_its_gradients():

@@ -1,8 +1,9 @@
 """
-vLLM serves nanochat's default model (issue 54): export_model's remote-code layout, run by vLLM itself through its
+vLLM serves nanochat's default model (issue 54): export_model's remote-code layout, run by `vllm serve` through its
 transformers backend (it builds our AutoModel class, attaches its own attention to our NanoChatGPTAttention modules
-and keeps its own KV cache), gives our Engine's greedy tokens, and `vllm serve` answers the official openai client
-with the chat template's text, our Engine's greedy reply.
+and keeps its own KV cache), answers the official openai client with our Engine's greedy tokens (completions) and
+with the chat template's text of our Engine's greedy reply (chat completions). vLLM's LLM class runs the exports of
+every other part and of the plain layout.
 
 vLLM pins its own transformers and torch, so it lives in a virtual environment of its own: its python is
 NANOCHAT_VLLM_PYTHON (default <repo>/.venv-vllm/bin/python, which tests/run.sh makes; docs/export.md). Where it
@@ -161,10 +162,9 @@ def vllm_generate(jobs, tmp_path):
 
 
 def default_prompts(tokenizer):
-    """A text, a code line, a chat: the default model's prompts."""
+    """A text and a code line: the served default model's completions."""
     return [tokenizer.encode("The function", prepend="<|bos|>"),
-            tokenizer.encode("def f(x):\n    return", prepend="<|bos|>"),
-            tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+2?"}]})]
+            tokenizer.encode("def f(x):\n    return", prepend="<|bos|>")]
 
 
 def random_prompts(tokenizer, lengths):
@@ -185,11 +185,10 @@ def our_prompt_logprobs(model, prompt):
 
 
 @pytest.mark.slow
-def test_vllm_gives_our_tokens_on_every_layout(default_model, all_parts_model, plain_model, tmp_path):
+def test_vllm_gives_our_tokens_on_every_layout(all_parts_model, plain_model, tmp_path):
     """
-    One vLLM process runs the three exports (vLLM's start, ~20 s of CPU, paid once: a test for each would start it
-    on each test process they landed on):
-    - today's default model: vLLM's greedy tokens are our Engine's;
+    One vLLM process runs the two exports (vLLM's start, ~20 s of CPU, paid once: a test for each would start it
+    on each test process they landed on; today's default model is the served one, below):
     - every part off its default (windows, layer scalars, value embeddings, GQA): its greedy tokens are our Engine's,
       and its log-probabilities of a prompt longer than the window ours to rounding (measured 1e-6; its attention is
       its own kernel). Without the windows (vLLM reads them from the config's layer_types and sliding_window) they
@@ -200,16 +199,14 @@ def test_vllm_gives_our_tokens_on_every_layout(default_model, all_parts_model, p
     assert "auto_map" not in json.loads((plain_model[0] / "config.json").read_text())
     # every part's first prompt, 136 tokens, is past the window (128), and with its 24 greedy tokens fills the
     # context of 160
-    cases = {"default": (default_model, default_prompts(default_model[2])),
-             "every part": (all_parts_model, random_prompts(all_parts_model[2], (135, 30))),
+    cases = {"every part": (all_parts_model, random_prompts(all_parts_model[2], (135, 30))),
              "plain layout": (plain_model, random_prompts(plain_model[2], (100, 20)))}
     results = vllm_generate([(model[0], prompts) for model, prompts in cases.values()], tmp_path)
     for (name, ((_, model, tokenizer), prompts)), found in zip(cases.items(), results):
         for prompt, (tokens, logprobs) in zip(prompts, found):
             assert tokens == engine_greedy(model, tokenizer, prompt), name
-            if name != "default":
-                worst = (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item()
-                assert worst <= 1e-4, (name, worst)
+            worst = (torch.tensor(logprobs) - our_prompt_logprobs(model, prompt)).abs().max().item()
+            assert worst <= 1e-4, (name, worst)
 
 
 @pytest.fixture
@@ -254,11 +251,19 @@ def vllm_server(default_model, tmp_path):
 
 @pytest.mark.slow
 def test_vllm_serve_answers_the_openai_client(default_model, vllm_server):
+    """
+    Today's default model served: its completions of a text and a code line (prompts given as token ids) are our
+    Engine's greedy tokens, and a chat completion is the chat template's text of our Engine's greedy reply.
+    """
     import openai
     _, model, tokenizer = default_model
     base_url, name = vllm_server
     client = openai.OpenAI(base_url=base_url, api_key="none")
     assert [m.id for m in client.models.list().data] == [name]
+    for prompt in default_prompts(tokenizer):
+        completion = client.completions.create(model=name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
+                                               extra_body={"return_token_ids": True})
+        assert completion.choices[0].token_ids == engine_greedy(model, tokenizer, prompt), prompt
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
     tokens = engine_greedy(model, tokenizer, tokenizer.render_for_completion({"messages": messages}))
     ended = tokens[-1] in (tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id())
