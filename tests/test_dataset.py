@@ -140,9 +140,9 @@ def test_pydocs_entries_are_kept_per_base_dir_and_a_damaged_copy_is_collected_ag
     def entries():
         pydocs._pydocs_entries_cached.cache_clear()
         return pydocs.pydocs_entries()
-    found = entries()  # collected: the standard library parsed
+    found = entries()  # collected: the standard library parsed (the same every time: the identical-bytes test)
     kept = json.loads(kept_path.read_text())
-    assert kept["records"] == found == pydocs._collect_entries() and len(found) > 5000  # the same every time
+    assert kept["records"] == found and len(found) > 5000
     # from here, a collection is counted, not done again (~4 s of CPU each)
     collections = []
     monkeypatch.setattr(pydocs, "_collect_entries", lambda: collections.append(1) or list(found))

@@ -72,6 +72,18 @@ def interrupted(cwd, env, marker, sig, stage=None):
     return proc.returncode, "".join(lines)
 
 
+def reference_base(isolated_env, tmp_path):
+    """
+    A base dir of its own for the run never interrupted: the test's corpora, and the standard library's records that
+    the pydocs corpus was built from (pydocs_entries.json: without them its offline tasks and CORE bundle would parse
+    the standard library again, ~7 s of a core, as a user's base dir never does after its first build).
+    """
+    reference = tmp_path / "reference"
+    shutil.copytree(isolated_env / "base_data", reference / "base_data")
+    shutil.copy(isolated_env / "pydocs_entries.json", reference)
+    return reference
+
+
 def final_weights(base_dir):
     """{stage: the model state of its last complete checkpoint}."""
     weights = {}
@@ -146,8 +158,7 @@ def test_the_cpu_pipeline_interrupted_everywhere_and_rerun(pydocs_corpus, isolat
                        "--name=tutor", "--split=paragraph")
     assert built.returncode == 0, built.stderr[-2000:]
     # the pipeline never interrupted, in a base dir of its own (the same corpora), run from a directory of its own
-    reference = tmp_path / "reference"
-    shutil.copytree(isolated_env / "base_data", reference / "base_data")
+    reference = reference_base(isolated_env, tmp_path)
     (tmp_path / "ref_cwd").mkdir()
     repo_report = os.path.join(REPO_ROOT, "report.md")
     repo_report_before = os.stat(repo_report).st_mtime_ns if os.path.exists(repo_report) else None
@@ -211,8 +222,7 @@ def test_the_gpu_pipeline_on_two_processes_interrupted_everywhere_and_rerun(pydo
     sizes = dict(VOCAB="512", DEPTH="1", SEQ="128", ROWS="4", BASE_STEPS="30", MID_STEPS="40", SFT_STEPS="20",
                  RL_STEPS="3", EVAL_STEPS="1", CORE_EXAMPLES="4", CHAT_PROBLEMS="4", RL_SAMPLES="2",
                  MAX_NEW_TOKENS="32", NANOCHAT_DTYPE="float32", NPROC="2")
-    reference = tmp_path / "reference"
-    shutil.copytree(isolated_env / "base_data", reference / "base_data")
+    reference = reference_base(isolated_env, tmp_path)
     (tmp_path / "ref_cwd").mkdir()
     code, out = speedrun(tmp_path / "ref_cwd", speedrun_env("gpu", NANOCHAT_BASE_DIR=str(reference), **sizes,
                                                            **NO_NETWORK))
