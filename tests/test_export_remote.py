@@ -28,23 +28,27 @@ transformers = pytest.importorskip("transformers")
 
 MODELS = {  # model_tag: (GPTConfig parts, init recipe)
     "r26": (dict(rope_base=100000.0, qk_scale=1.2, layer_scalars=True, value_embeds=True), "2026"),
-    # sliding windows (layers 0 and 1 see 128 earlier tokens, layer 2 all), at a context of 160 where they bind
-    "win": (dict(window_pattern="S", sequence_len=160), "2025"),
+    # sliding windows (layers 0 and 1 see 128 earlier tokens, layer 2 all), at the context of 160 where they bind
+    "win": (dict(window_pattern="S"), "2025"),
     "rope": (dict(rope_base=100000.0), "2025"),
 }
 
 
 @pytest.fixture(scope="session")
 def recipe_base(small_tokenizer_dir, tmp_path_factory):
-    """A read-only base dir: the small tokenizer and base checkpoints of MODELS (3 layers, GQA 4:2, width 64)."""
+    """
+    A read-only base dir: the small tokenizer and base checkpoints of MODELS (3 layers, GQA 4:2, width 32, context
+    160). Our flex kernel at these shapes (q (2, 4, 160, 8)) is tests/test_attention.py's too: one compile serves
+    both (torch.compile's cache on disk), where another shape is a compile of its own.
+    """
     base = tmp_path_factory.mktemp("recipe_base")
     shutil.copytree(small_tokenizer_dir, base / "tokenizer")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
         tokenizer = get_tokenizer()
         for tag, (parts, recipe) in MODELS.items():
-            config = GPTConfig(**dict(dict(sequence_len=64, vocab_size=tokenizer.get_vocab_size(), n_layer=3, n_head=4,
-                                           n_kv_head=2, n_embd=64), **parts))
+            config = GPTConfig(**dict(dict(sequence_len=160, vocab_size=tokenizer.get_vocab_size(), n_layer=3,
+                                           n_head=4, n_kv_head=2, n_embd=32), **parts))
             save_random_model(config, tokenizer, tag, recipe)
     return base
 
