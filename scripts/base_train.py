@@ -39,6 +39,7 @@ from nanochat.losses import evaluate_bpb, smoothed_loss
 from nanochat.optim import (EMBEDDING_WEIGHT_DECAY_BY_DEPTH, MATRIX_WEIGHT_DECAY_BY_DEPTH, decay_by_depth,
                             lr_multiplier, muon_momentum, step_optimizers)
 from nanochat.output import UserError, format_value, print0
+from nanochat.processes import autodetect_device_type
 from nanochat.ranks import per_rank
 from nanochat.stage import Stage, stage_settings
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
@@ -118,6 +119,10 @@ if not window_pattern or set(window_pattern) - set("SL"):
     raise UserError(f"--window_pattern is a string of S (short window) and L (whole context), e.g. SSSL; "
                     f"got {window_pattern!r}")
 model_tag = check_model_tag(config["model_tag"] or f"d{depth}")  # the run's checkpoint directory
+# before the stage starts anything (a process group, a wandb run): torch has FlexAttention's backward for GPUs only
+if attention == "flex" and (device_kind := config["device_type"] or autodetect_device_type()) != "cuda":
+    raise UserError(f"--attention=flex trains on CUDA only (torch {torch.__version__} has no FlexAttention backward on "
+                    f"{device_kind}); use --attention=sdpa")
 
 # -----------------------------------------------------------------------------
 # 2. The stage and the compute. The stage's settings are checked; this run is made from its settings, the tokenizer
@@ -128,9 +133,6 @@ stage = Stage("base", config, model_tag=model_tag)  # checkpoints, saves, stop, 
 device_type, ddp, ddp_rank, ddp_world_size, device = stage.start_compute()
 master_process = ddp_rank == 0  # prints, logs to wandb, writes the report
 compute_dtype, autocast_ctx = autocast_context(device_type)  # decided by what the device does: nanochat/hardware.py
-if attention == "flex" and device_type != "cuda":  # torch has FlexAttention's backward for GPUs only
-    raise UserError(f"--attention=flex trains on CUDA only (torch {torch.__version__} has no FlexAttention backward on "
-                    f"{device_type}); use --attention=sdpa")
 # The CORE tasks are fetched now, not when the first CORE evaluation is due hours into the run
 core_bundle_dir = prepare_bundle(core_bundle or default_bundle_kind()) if core_metric_every > 0 else None
 

@@ -81,6 +81,10 @@ def test_help_and_one_line_errors(trained_tokenizer):
         result = base_train(bad)
         assert result.returncode == 1, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+    # refused before the stage starts a process group or a wandb run (which printed 13 lines of its own here)
+    flex = base_train("--attention=flex", "--run=flex_on_cpu")
+    assert flex.returncode == 1 and len(flex.stderr.strip().splitlines()) == 1, flex.stderr
+    assert "wandb" not in flex.stdout.lower() + flex.stderr.lower(), flex.stdout + flex.stderr
     bad_key = base_train("--dpeth=2")
     assert bad_key.returncode == 1
     assert bad_key.stderr.strip().splitlines() == [
